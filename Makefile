@@ -1,0 +1,13 @@
+# The two commands a fresh machine needs: `make demo` and `make test`. Both build .venv first.
+VENV := .venv
+PY := $(VENV)/bin/python
+
+.PHONY: venv demo test
+venv:
+	@bash scripts/bootstrap.sh
+
+demo: venv
+	$(VENV)/bin/lagom demo
+
+test: venv
+	$(PY) -m pytest tests

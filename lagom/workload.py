@@ -1,0 +1,193 @@
+"""A training job described in YAML: model, batch, parallel layout and framework knobs.
+
+Loaded through an omegaconf structured schema, so unknown keys and wrong types fail with the key's
+name; layout checks (tp divides heads, dp*tp*pp*cp = world size, ...) follow in ``validate``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from lagom.errors import ConfigError
+
+ARCHITECTURES = ("gpt", "bert", "t5", "moe")
+FRAMEWORKS = ("megatron", "deepspeed")
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+WORKLOAD_DIR = Path(__file__).resolve().parent.parent / "configs" / "workloads"
+
+
+@dataclass
+class Model:
+    architecture: str = "gpt"  # gpt (decoder) | bert (encoder) | t5 (encoder-decoder) | moe (decoder with experts)
+    layers: int = 0  # decoder layers for gpt/moe, encoder layers for bert and t5
+    decoder_layers: int = 0  # t5 only
+    hidden: int = 0
+    ffn: int = 0
+    heads: int = 0
+    kv_heads: int = 0  # 0 means the same as heads
+    seq_len: int = 0
+    decoder_seq_len: int = 0  # t5 only; 0 means seq_len
+    vocab: int = 0
+    gated_mlp: bool = False  # SwiGLU: fc1 produces 2 x ffn
+    experts: int = 0  # moe only
+    top_k: int = 0
+    moe_ffn: int = 0  # per-expert ffn width
+    shared_experts: int = 0  # always-on experts computed beside the all-to-all
+    moe_every: int = 1  # every n-th layer is an MoE layer
+
+
+@dataclass
+class Training:
+    micro_batch: int = 1
+    global_batch: int = 1
+    dtype: str = "bf16"
+    grad_dtype: str = "fp32"  # what the gradient buckets are reduced in (megatron: fp32 unless grad_reduce_in_bf16)
+
+
+@dataclass
+class Parallel:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = False  # megatron: reduce-scatter grads, all-gather params
+    zero_stage: int = 0  # deepspeed ZeRO 0..3
+    fsdp: bool = False  # parameters sharded and gathered per layer (ZeRO-3 / FSDP)
+
+
+@dataclass
+class Framework:
+    name: str = "megatron"
+    bucket_size: Optional[int] = None  # megatron DDP elements per bucket; None: max(40M, 1M x dp)
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = False
+    reduce_bucket_size: int = 500_000_000  # deepspeed elements
+    allgather_bucket_size: int = 500_000_000
+    prefetch_bucket_size: int = 50_000_000  # deepspeed stage3_prefetch_bucket_size
+    overlap_comm: bool = True
+
+
+@dataclass
+class Workload:
+    name: str = "???"
+    description: str = ""
+    hardware: Optional[str] = None  # default preset for this workload
+    model: Model = field(default_factory=Model)
+    training: Training = field(default_factory=Training)
+    parallel: Parallel = field(default_factory=Parallel)
+    framework: Framework = field(default_factory=Framework)
+
+    @property
+    def world_size(self) -> int:
+        p = self.parallel
+        return p.dp * p.tp * p.pp * p.cp
+
+    @property
+    def microbatches(self) -> int:
+        """Micro-batches per step and per data-parallel rank (gradient accumulation steps)."""
+        return self.training.global_batch // (self.training.micro_batch * self.parallel.dp)
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.training.dtype]
+
+    def fingerprint(self) -> str:
+        blob = json.dumps(asdict(self), sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def workload_names() -> list[str]:
+    return sorted(p.stem for p in WORKLOAD_DIR.glob("*.yaml"))
+
+
+def load_workload(source: str | Path) -> Workload:
+    """Load a workload YAML (or a name under configs/workloads/) strictly, then check its layout."""
+    path = Path(source)
+    if not path.exists() and not path.suffix and (WORKLOAD_DIR / f"{source}.yaml").exists():
+        path = WORKLOAD_DIR / f"{source}.yaml"
+    if not path.exists():
+        raise ConfigError("workload", f"file {source} does not exist", f"pass a YAML file or one of {', '.join(workload_names())}")
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(Workload), OmegaConf.load(path))
+        wl: Workload = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", None) or "workload"
+        first = str(err).splitlines()[0]
+        raise ConfigError(f"{path.name}: {key}", first, "see the schema in lagom/workload.py") from None
+    except ValueError as err:  # malformed YAML
+        raise ConfigError(f"{path.name}", str(err).splitlines()[0]) from None
+    validate(wl)
+    return wl
+
+
+def validate(wl: Workload, world_size: int | None = None) -> None:
+    """Check what the schema cannot: sizes, divisibility, and the layout against the cluster."""
+    m, t, p, f = wl.model, wl.training, wl.parallel, wl.framework
+    if m.architecture not in ARCHITECTURES:
+        raise ConfigError("model.architecture", f"unknown '{m.architecture}'", f"use one of {', '.join(ARCHITECTURES)}")
+    if f.name not in FRAMEWORKS:
+        raise ConfigError("framework.name", f"unknown '{f.name}'", f"use one of {', '.join(FRAMEWORKS)}")
+    if t.dtype not in DTYPE_BYTES or t.grad_dtype not in DTYPE_BYTES:
+        raise ConfigError("training.dtype", f"unknown dtype '{t.dtype}'/'{t.grad_dtype}'", "use bf16, fp16 or fp32")
+    positive = {
+        "model.layers": m.layers, "model.hidden": m.hidden, "model.ffn": m.ffn, "model.heads": m.heads,
+        "model.seq_len": m.seq_len, "model.vocab": m.vocab, "training.micro_batch": t.micro_batch,
+        "training.global_batch": t.global_batch, "parallel.dp": p.dp, "parallel.tp": p.tp, "parallel.pp": p.pp,
+        "parallel.cp": p.cp, "parallel.ep": p.ep, "framework.reduce_bucket_size": f.reduce_bucket_size,
+        "framework.allgather_bucket_size": f.allgather_bucket_size,
+        "framework.prefetch_bucket_size": f.prefetch_bucket_size,
+    }
+    if m.architecture == "t5":
+        positive["model.decoder_layers"] = m.decoder_layers
+    if m.architecture == "moe":
+        positive |= {"model.experts": m.experts, "model.top_k": m.top_k, "model.moe_ffn": m.moe_ffn}
+    if f.bucket_size is not None:
+        positive["framework.bucket_size"] = f.bucket_size
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(key, f"must be positive, got {value}")
+    kv = m.kv_heads or m.heads
+    if m.heads % p.tp or kv % p.tp:
+        raise ConfigError("parallel.tp", f"tp={p.tp} does not divide heads={m.heads} / kv_heads={kv}",
+                          "choose a tp that divides the head counts")
+    if m.ffn % p.tp:
+        raise ConfigError("parallel.tp", f"tp={p.tp} does not divide ffn={m.ffn}", "choose a tp that divides ffn")
+    if m.heads % (kv or 1):
+        raise ConfigError("model.kv_heads", f"kv_heads={kv} does not divide heads={m.heads}")
+    if m.hidden % m.heads:
+        raise ConfigError("model.heads", f"heads={m.heads} does not divide hidden={m.hidden}")
+    layers_total = m.layers + (m.decoder_layers if m.architecture == "t5" else 0)
+    if layers_total % p.pp:
+        raise ConfigError("parallel.pp", f"pp={p.pp} does not divide the {layers_total} layers", "choose a pp that divides them")
+    if m.seq_len % (p.tp * p.cp) and (p.sequence_parallel or p.cp > 1):
+        raise ConfigError("model.seq_len", f"seq_len={m.seq_len} is not divisible by tp*cp={p.tp * p.cp}",
+                          "sequence/context parallel split the sequence evenly")
+    if p.ep > 1:
+        if m.architecture != "moe":
+            raise ConfigError("parallel.ep", f"ep={p.ep} needs model.architecture: moe")
+        if m.experts % p.ep:
+            raise ConfigError("parallel.ep", f"ep={p.ep} does not divide experts={m.experts}")
+        if (p.dp * p.cp) % p.ep:
+            raise ConfigError("parallel.ep", f"ep={p.ep} must divide dp*cp={p.dp * p.cp} (experts are spread over data-parallel ranks)")
+    if p.sequence_parallel and p.tp == 1:
+        raise ConfigError("parallel.sequence_parallel", "needs tp > 1", "set parallel.tp or turn sequence_parallel off")
+    if p.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError("parallel.zero_stage", f"must be 0..3, got {p.zero_stage}")
+    if p.zero_stage and f.name != "deepspeed":
+        raise ConfigError("parallel.zero_stage", "ZeRO stages are DeepSpeed's", "set framework.name: deepspeed, or use distributed_optimizer / fsdp with megatron")
+    if p.distributed_optimizer and f.name != "megatron":
+        raise ConfigError("parallel.distributed_optimizer", "is megatron's", "use parallel.zero_stage with deepspeed")
+    if t.global_batch % (t.micro_batch * p.dp):
+        raise ConfigError("training.global_batch", f"{t.global_batch} is not a multiple of micro_batch*dp={t.micro_batch * p.dp}")
+    if world_size is not None and wl.world_size != world_size:
+        raise ConfigError("parallel", f"dp*tp*pp*cp={wl.world_size} but the cluster has {world_size} GPUs",
+                          "change the parallel sizes or pick hardware with that many GPUs")
