@@ -92,6 +92,7 @@ class Contention:
     hbm_interference: float = 1.0  # how much of the comm HBM traffic compute loses
     l2_interference: float = 0.0  # extra memory-time slowdown when comm staging fills L2
     comm_slowdown_per_hbm_util: float = 0.0  # comm slows by 1 + this x compute HBM utilisation
+    cta_wait_us: float = 0.0  # a normal-priority comm kernel waits this long for SMs held by compute
     measured: dict[str, str] = field(default_factory=dict)
 
 

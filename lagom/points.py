@@ -1,0 +1,527 @@
+"""Every overlap point of one training step, derived from a workload and a machine.
+
+A step is a list of phases (a phase repeats, e.g. identical gradient-accumulation micro-batches).
+A phase holds, per device (one representative GPU per pipeline stage), the compute segments in
+compute-stream order, and the overlap points: collectives that are released when one segment ends
+(``after``) and that another segment waits for (``before``; ``None`` means the end of the phase).
+Whatever runs between the two is the compute the collective can hide under.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from lagom.hardware import Hardware
+from lagom.workload import Workload
+
+
+class Collective(StrEnum):
+    ALL_REDUCE = "all_reduce"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_GATHER = "all_gather"
+    ALL_TO_ALL = "all_to_all"
+    SEND_RECV = "send_recv"
+
+
+@dataclass(frozen=True)
+class Group:
+    """A process group as the cost model sees it: its name (megatron's: dp, tp, pp, ...) and span."""
+
+    name: str
+    size: int
+    ranks_per_node: int
+    nodes: int
+
+
+@dataclass
+class ComputeSegment:
+    """A group of kernels between two communication events on one device's compute stream."""
+
+    name: str
+    flops: float
+    bytes: float  # HBM traffic
+    ctas: int  # CTAs of the dominant kernel: what wave quantisation works on
+    device: int = 0
+
+
+@dataclass
+class OverlapPoint:
+    """One collective call of the step.
+
+    ``bytes`` is the whole buffer: the gathered output of an all-gather, the unreduced input of a
+    reduce-scatter, what one rank sends in total for all-to-all and send/recv.
+    """
+
+    name: str
+    collective: Collective
+    group: Group
+    bytes: int
+    after: str | None  # segment whose end releases it; None: the phase start
+    before: str | None  # segment that waits for it; None: the phase end
+    device: int = 0
+    peer_device: int | None = None  # send/recv: the receiving stage
+    fuse_with: str | None = None  # segment a P2P decomposition may split and fuse (Flash-Overlap)
+    phase: str = ""
+
+    @property
+    def key(self) -> str:
+        """Tuning key: the finest unit stock NCCL can configure (communicator, collective, size)."""
+        return f"{self.group.name}/{self.collective.value}/{self.bytes}"
+
+
+@dataclass
+class Phase:
+    name: str
+    repeat: int
+    segments: dict[int, list[ComputeSegment]]  # device -> compute-stream order
+    points: list[OverlapPoint]
+
+
+@dataclass
+class StepGraph:
+    workload: str
+    hardware: str
+    devices: int
+    phases: list[Phase]
+    groups: dict[str, Group] = field(default_factory=dict)
+
+    @property
+    def points(self) -> list[OverlapPoint]:
+        return [p for ph in self.phases for p in ph.points]
+
+    def keys(self) -> dict[str, list[OverlapPoint]]:
+        """Points grouped by tuning key, in first-seen order."""
+        out: dict[str, list[OverlapPoint]] = {}
+        for p in self.points:
+            out.setdefault(p.key, []).append(p)
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Process groups
+
+
+def group_span(size: int, stride: int, gpus_per_node: int) -> tuple[int, int]:
+    """(ranks per node, nodes) of a group whose ranks are ``stride`` apart in the global order."""
+    if size <= 1:
+        return 1, 1
+    per_node = 1 if stride >= gpus_per_node else max(1, min(size, gpus_per_node // stride))
+    return per_node, math.ceil(size / per_node)
+
+
+def make_groups(wl: Workload, hw: Hardware) -> dict[str, Group]:
+    """Megatron's default rank order tp-cp-ep-dp-pp: tp varies fastest, pp slowest."""
+    p = wl.parallel
+    gpn = hw.cluster.gpus_per_node
+    strides = {"tp": 1, "cp": p.tp, "dp": p.tp * p.cp, "pp": p.tp * p.cp * p.dp}
+    sizes = {"tp": p.tp, "cp": p.cp, "dp": p.dp, "pp": p.pp}
+    groups = {n: Group(n, sizes[n], *group_span(sizes[n], strides[n], gpn)) for n in sizes}
+    if p.cp > 1:
+        groups["dp_cp"] = Group("dp_cp", p.dp * p.cp, *group_span(p.dp * p.cp, p.tp, gpn))
+    if p.ep > 1:
+        groups["ep"] = Group("ep", p.ep, *group_span(p.ep, p.tp * p.cp, gpn))
+        edp = p.dp * p.cp // p.ep
+        groups["expt_dp"] = Group("expt_dp", edp, *group_span(edp, p.tp * p.cp * p.ep, gpn))
+    return groups
+
+
+# ---------------------------------------------------------------------------------------------
+# Building a phase
+
+
+@dataclass
+class _Pending:
+    point: OverlapPoint
+    wait: int  # how many more segments until the one that waits for it
+
+
+class _DeviceStream:
+    """Appends segments in compute order and wires collectives to the segments around them."""
+
+    def __init__(self, device: int, phase: str, prefix: str) -> None:
+        self.device, self.phase, self.prefix = device, phase, prefix
+        self.segments: list[ComputeSegment] = []
+        self.points: list[OverlapPoint] = []
+        self._pending: list[_Pending] = []
+
+    @property
+    def last(self) -> str | None:
+        return self.segments[-1].name if self.segments else None
+
+    def seg(self, name: str, flops: float, bytes_: float, ctas: int) -> str:
+        full = f"{self.prefix}{name}"
+        self.segments.append(ComputeSegment(full, flops, bytes_, max(1, int(ctas)), self.device))
+        still = []
+        for pend in self._pending:
+            pend.wait -= 1
+            if pend.wait == 0:
+                pend.point.before = full
+                if pend.point.fuse_with == "next":
+                    pend.point.fuse_with = full
+            else:
+                still.append(pend)
+        self._pending = still
+        return full
+
+    def comm(self, name: str, coll: Collective, group: Group, nbytes: float, *, wait: int | None,
+             fuse: str | None = None, after: str | None = "last") -> OverlapPoint | None:
+        """Release a collective now (after the last segment); ``wait``: the wait-th next segment needs it.
+
+        ``fuse``: "next" (all-gather feeding the next GEMM) or "prev" (reduce-scatter of the last GEMM).
+        Groups of one rank need no communication and add nothing.
+        """
+        if group.size <= 1 or nbytes <= 0:
+            return None
+        point = OverlapPoint(
+            name=f"{self.prefix}{name}", collective=coll, group=group, bytes=int(nbytes),
+            after=self.last if after == "last" else after, before=None, device=self.device,
+            fuse_with=(self.last if fuse == "prev" else fuse), phase=self.phase,
+        )
+        self.points.append(point)
+        if wait is not None:
+            self._pending.append(_Pending(point, wait))
+        return point
+
+
+class _StepBuilder:
+    """Knows the model's arithmetic: FLOPs, bytes and collectives of each layer."""
+
+    def __init__(self, wl: Workload, hw: Hardware) -> None:
+        self.wl, self.hw = wl, hw
+        self.groups = make_groups(wl, hw)
+        m, p = wl.model, wl.parallel
+        self.b = wl.dtype_bytes
+        self.tokens = wl.training.micro_batch * m.seq_len // p.cp  # tokens per rank before TP/SP split
+        self.kv = m.kv_heads or m.heads
+        self.head_dim = m.hidden // m.heads
+
+    # -- arithmetic helpers
+    def _tiles(self, rows: float, cols: float) -> int:
+        tm, tn = self.hw.gpu.gemm_tile
+        return math.ceil(rows / tm) * math.ceil(cols / tn)
+
+    def _gemm(self, s: _DeviceStream, name: str, rows: float, inner: float, cols: float, passes: int = 1) -> str:
+        """``passes`` = 2 in backward (input gradient and weight gradient in one segment)."""
+        flops = 2.0 * rows * inner * cols * passes
+        nbytes = self.b * (rows * inner + inner * cols + rows * cols) * passes
+        return s.seg(name, flops, nbytes, self._tiles(rows, cols))
+
+    def _elementwise(self, s: _DeviceStream, name: str, elems: float, rw: float = 2.0) -> str:
+        return s.seg(name, 0.0, elems * self.b * rw, elems / 1024)
+
+    # -- tensor-parallel linears (megatron-core ColumnParallelLinear / RowParallelLinear)
+    def column_linear(self, s: _DeviceStream, name: str, in_f: int, out_f: int, backward: bool) -> None:
+        tp, sp = self.groups["tp"], self.wl.parallel.sequence_parallel
+        T, act = self.tokens, self.tokens * in_f * self.b
+        cols = out_f / tp.size
+        if not backward:
+            if sp:
+                s.comm(f"{name}.ag", Collective.ALL_GATHER, tp, act, wait=1, fuse="next")
+            self._gemm(s, name, T, in_f, cols)
+            return
+        if sp:  # re-gather the input for the weight gradient while the input gradient is computed
+            s.comm(f"{name}.bwd.ag", Collective.ALL_GATHER, tp, act, wait=2)
+        self._gemm(s, f"{name}.dgrad", T, cols, in_f)
+        coll = Collective.REDUCE_SCATTER if sp else Collective.ALL_REDUCE
+        s.comm(f"{name}.bwd.{'rs' if sp else 'ar'}", coll, tp, act, wait=2, fuse="prev" if sp else None)
+        self._gemm(s, f"{name}.wgrad", in_f, T, cols)
+
+    def row_linear(self, s: _DeviceStream, name: str, in_f: int, out_f: int, backward: bool) -> None:
+        tp, sp = self.groups["tp"], self.wl.parallel.sequence_parallel
+        T, act = self.tokens, self.tokens * out_f * self.b
+        rows_in = in_f / tp.size
+        if not backward:
+            self._gemm(s, name, T, rows_in, out_f)
+            coll = Collective.REDUCE_SCATTER if sp else Collective.ALL_REDUCE
+            s.comm(f"{name}.{'rs' if sp else 'ar'}", coll, tp, act, wait=1, fuse="prev" if sp else None)
+            return
+        if sp:
+            s.comm(f"{name}.bwd.ag", Collective.ALL_GATHER, tp, act, wait=1, fuse="next")
+        self._gemm(s, f"{name}.grad", T, out_f, rows_in, passes=2)
+
+    # -- blocks
+    def norm(self, s: _DeviceStream, name: str, backward: bool) -> None:
+        sp_div = self.groups["tp"].size if self.wl.parallel.sequence_parallel else 1
+        self._elementwise(s, f"{name}{'.bwd' if backward else ''}", self.tokens * self.wl.model.hidden / sp_div,
+                          rw=4.0 if backward else 2.0)
+
+    def attention(self, s: _DeviceStream, name: str, backward: bool, causal: bool, kv_len: int | None = None,
+                  cross: bool = False) -> None:
+        m, tp, cp = self.wl.model, self.groups["tp"].size, self.groups["cp"]
+        h, T = m.hidden, self.tokens
+        q_out = h
+        kv_out = 2 * self.kv * self.head_dim
+        order = [("qkv", q_out + (0 if cross else kv_out))] + ([("kv", kv_out)] if cross else [])
+        if not backward:
+            for lin, width in order:
+                self.column_linear(s, f"{name}.{lin}", h, width, backward)
+        kv_tokens = (kv_len or m.seq_len) * self.wl.training.micro_batch
+        frac = 0.5 if causal else 1.0
+        core_flops = 4.0 * T * kv_tokens * h / tp * frac * (2.5 if backward else 1.0)
+        core_bytes = self.b * (T * 3 + T) * h / tp * (2 if backward else 1)
+        ctas = self.wl.training.micro_batch * (m.heads // tp) * math.ceil(T / self.wl.training.micro_batch / 128)
+        if cp.size > 1 and not cross:  # ring attention: K/V blocks travel around the cp ring
+            kv_block = T * kv_out / tp * self.b
+            for step in range(cp.size - 1):
+                s.comm(f"{name}.cp{step}", Collective.SEND_RECV, cp, kv_block * (2 if backward else 1), wait=1)
+                s.seg(f"{name}.core{step}{'.bwd' if backward else ''}", core_flops / cp.size, core_bytes / cp.size, ctas)
+            s.seg(f"{name}.core{cp.size - 1}{'.bwd' if backward else ''}", core_flops / cp.size, core_bytes / cp.size, ctas)
+        else:
+            s.seg(f"{name}.core{'.bwd' if backward else ''}", core_flops, core_bytes, ctas)
+        if backward:
+            for lin, width in reversed(order):
+                self.column_linear(s, f"{name}.{lin}", h, width, backward)
+
+    def mlp(self, s: _DeviceStream, name: str, backward: bool, ffn: int | None = None) -> None:
+        m = self.wl.model
+        ffn = ffn or m.ffn
+        up = ffn * (2 if m.gated_mlp else 1)
+        act_elems = self.tokens * ffn / self.groups["tp"].size
+        if not backward:
+            self.column_linear(s, f"{name}.fc1", m.hidden, up, False)
+            self._elementwise(s, f"{name}.act", act_elems, rw=3.0 if m.gated_mlp else 2.0)
+            self.row_linear(s, f"{name}.fc2", ffn, m.hidden, False)
+        else:
+            self.row_linear(s, f"{name}.fc2", ffn, m.hidden, True)
+            self._elementwise(s, f"{name}.act.bwd", act_elems, rw=4.0)
+            self.column_linear(s, f"{name}.fc1", m.hidden, up, True)
+
+    def moe(self, s: _DeviceStream, name: str, backward: bool) -> None:
+        """Token dispatch and combine all-to-all over ep; shared experts run beside the dispatch."""
+        m, ep = self.wl.model, self.groups["ep"]
+        tp = self.groups["tp"].size
+        routed = self.tokens * m.top_k
+        a2a_bytes = routed * m.hidden * self.b / tp
+        expert_flops = 2.0 * routed * m.hidden * m.moe_ffn * (3 if m.gated_mlp else 2) / tp * (2 if backward else 1)
+        expert_bytes = self.b * (routed * (m.hidden + m.moe_ffn) * 2 + m.experts // ep.size * m.hidden * m.moe_ffn * 3 / tp)
+        tag = ".bwd" if backward else ""
+        if not backward:
+            self._elementwise(s, f"{name}.router", self.tokens * m.hidden, rw=1.0)
+        s.comm(f"{name}.dispatch{tag}", Collective.ALL_TO_ALL, ep, a2a_bytes, wait=2 if m.shared_experts else 1)
+        if m.shared_experts:
+            sh = m.shared_experts * m.moe_ffn
+            self._gemm(s, f"{name}.shared{tag}", self.tokens, m.hidden, sh * (3 if m.gated_mlp else 2) / tp,
+                       passes=2 if backward else 1)
+        s.seg(f"{name}.experts{tag}", expert_flops, expert_bytes, self._tiles(routed, m.moe_ffn / tp) * 2)
+        s.comm(f"{name}.combine{tag}", Collective.ALL_TO_ALL, ep, a2a_bytes, wait=1)
+        s.seg(f"{name}.unpermute{tag}", 0.0, routed * m.hidden * self.b * 2 / tp, routed * m.hidden / tp / 1024)
+
+    def layer(self, s: _DeviceStream, idx: int, kind: str, backward: bool) -> None:
+        """kind: enc (bidirectional), dec (causal), xdec (causal + cross-attention: t5 decoder)."""
+        m = self.wl.model
+        name = f"L{idx}"
+        is_moe = m.architecture == "moe" and idx % m.moe_every == m.moe_every - 1
+        blocks = [("ln1", None), ("attn", False)]
+        if kind == "xdec":
+            blocks += [("lnx", None), ("xattn", True)]
+        blocks += [("ln2", None), ("moe" if is_moe else "mlp", None)]
+        if backward:
+            blocks.reverse()
+        for block, cross in blocks:
+            full = f"{name}.{block}"
+            if block.startswith("ln"):
+                self.norm(s, full, backward)
+            elif block == "attn":
+                self.attention(s, full, backward, causal=kind != "enc")
+            elif block == "xattn":
+                self.attention(s, full, backward, causal=False, kv_len=m.seq_len, cross=True)
+            elif block == "moe":
+                self.moe(s, full, backward)
+            else:
+                self.mlp(s, full, backward)
+
+    def layer_params(self, kind: str, is_moe: bool) -> float:
+        """Parameters of one layer held by one rank (after tp and ep sharding)."""
+        m, tp, ep = self.wl.model, self.groups["tp"].size, self.wl.parallel.ep
+        h = m.hidden
+        attn = h * (h + 2 * self.kv * self.head_dim) + h * h
+        if kind == "xdec":
+            attn *= 2
+        mlp = h * m.ffn * (3 if m.gated_mlp else 2)
+        if is_moe:
+            mlp = m.experts / ep * h * m.moe_ffn * (3 if m.gated_mlp else 2) + m.shared_experts * h * m.moe_ffn * 3
+        return (attn + mlp) / tp + 4 * h
+
+    def embedding(self, s: _DeviceStream, backward: bool) -> None:
+        self._elementwise(s, f"embed{'.bwd' if backward else ''}", self.tokens * self.wl.model.hidden, rw=2.0)
+
+    def head(self, s: _DeviceStream, backward: bool) -> None:
+        m, tp = self.wl.model, self.groups["tp"].size
+        T = self.tokens
+        if not backward:
+            if self.wl.parallel.sequence_parallel:
+                s.comm("head.ag", Collective.ALL_GATHER, self.groups["tp"], T * m.hidden * self.b, wait=1, fuse="next")
+            self._gemm(s, "head", T, m.hidden, m.vocab / tp)
+            self._elementwise(s, "loss", T * m.vocab / tp, rw=3.0)
+        else:
+            self._gemm(s, "head.grad", T, m.vocab / tp, m.hidden, passes=2)
+            if self.wl.parallel.sequence_parallel:
+                s.comm("head.bwd.rs", Collective.REDUCE_SCATTER, self.groups["tp"], T * m.hidden * self.b, wait=1)
+            elif self.groups["tp"].size > 1:
+                s.comm("head.bwd.ar", Collective.ALL_REDUCE, self.groups["tp"], T * m.hidden * self.b, wait=1)
+
+
+def _stage_layers(wl: Workload, stage: int) -> list[tuple[int, str]]:
+    """(layer index, kind) of the layers a pipeline stage holds, in forward order."""
+    m = wl.model
+    if m.architecture == "t5":
+        kinds = ["enc"] * m.layers + ["xdec"] * m.decoder_layers
+    else:
+        kinds = ["enc" if m.architecture == "bert" else "dec"] * m.layers
+    per = len(kinds) // wl.parallel.pp
+    return [(i, kinds[i]) for i in range(stage * per, (stage + 1) * per)]
+
+
+@dataclass
+class _Block:
+    """One micro-batch's forward or backward on one stage: the names of its first and last segments."""
+
+    first: str
+    last: str
+
+
+def _data_parallel(b: _StepBuilder, s: _DeviceStream, layers: list[tuple[int, str]], layer_last: dict[int, str],
+                   last_stage: bool) -> None:
+    """Gradient buckets released as backward finishes their layers (reverse order), needed by the optimizer."""
+    wl, p = b.wl, b.wl.parallel
+    dp_name = "dp_cp" if p.cp > 1 else "dp"
+    dp = b.groups[dp_name]
+    grad_b = 2 if wl.training.grad_dtype in ("bf16", "fp16") else 4
+    if wl.framework.name == "megatron":
+        bucket_elems = wl.framework.bucket_size or max(40_000_000, 1_000_000 * dp.size)
+        coll = Collective.REDUCE_SCATTER if p.distributed_optimizer else Collective.ALL_REDUCE
+    else:
+        bucket_elems = wl.framework.reduce_bucket_size
+        coll = Collective.ALL_REDUCE if p.zero_stage == 0 else Collective.REDUCE_SCATTER
+    overlap = wl.framework.overlap_grad_reduce if wl.framework.name == "megatron" else wl.framework.overlap_comm
+    pending, bucket_no = 0.0, 0
+    order = list(reversed(layers))
+    for pos, (idx, kind) in enumerate(order):
+        pending += b.layer_params(kind, False) + (b.wl.model.vocab * b.wl.model.hidden / b.groups["tp"].size
+                                                  if pos == len(order) - 1 and (idx == 0 or last_stage) else 0)
+        if pending >= bucket_elems or pos == len(order) - 1:
+            s.comm(f"grad.bucket{bucket_no}", coll, dp, pending * grad_b, wait=None,
+                   after=layer_last[idx] if overlap else s.last)
+            pending, bucket_no = 0.0, bucket_no + 1
+
+
+def _optimizer(b: _StepBuilder, s: _DeviceStream, stage_params: float) -> None:
+    p, wl = b.wl.parallel, b.wl
+    shard = b.groups["dp"].size if (p.distributed_optimizer or p.zero_stage >= 1 or p.fsdp) else 1
+    s.seg("optimizer", 0.0, stage_params / shard * 16 * 2, stage_params / shard / 1024)
+    if (p.distributed_optimizer or p.zero_stage in (1, 2)) and b.groups["dp"].size > 1:
+        bucket = wl.framework.bucket_size or max(40_000_000, 1_000_000 * b.groups["dp"].size)
+        if wl.framework.name == "deepspeed":
+            bucket = wl.framework.allgather_bucket_size
+        left, n = stage_params, 0
+        while left > 0:
+            chunk = min(bucket, left)
+            s.comm(f"param.ag{n}", Collective.ALL_GATHER, b.groups["dp"], chunk * b.b, wait=None)
+            left, n = left - chunk, n + 1
+
+
+def points_for(wl: Workload, hw: Hardware) -> StepGraph:
+    """Derive the compute segments and every overlap point of one training step."""
+    b = _StepBuilder(wl, hw)
+    p = wl.parallel
+    sharded_params = p.fsdp or p.zero_stage == 3
+    per_micro_grads = sharded_params or p.zero_stage == 2
+    m = wl.microbatches
+    phases: list[Phase] = []
+
+    def micro(s: _DeviceStream, stage: int, backward: bool, with_grads: bool, layer_last: dict[int, str]) -> _Block:
+        layers = _stage_layers(wl, stage)
+        first_idx = len(s.segments)
+        seq = list(reversed(layers)) if backward else layers
+        if stage == p.pp - 1 and backward:
+            b.head(s, True)
+        if stage == 0 and not backward:
+            b.embedding(s, False)
+        release = s.last  # ZeRO-3 prefetch: a layer's gather is released when the layer before it starts
+        for idx, kind in seq:
+            is_moe = wl.model.architecture == "moe" and idx % wl.model.moe_every == wl.model.moe_every - 1
+            if sharded_params:
+                s.comm(f"L{idx}.{'bwd.' if backward else ''}param_ag", Collective.ALL_GATHER, b.groups["dp"],
+                       b.layer_params(kind, is_moe) * b.b, wait=1, after=release)
+            release = s.last
+            b.layer(s, idx, kind, backward)
+            layer_last[idx] = s.last  # type: ignore[assignment]
+            if sharded_params and backward and with_grads:
+                grad_b = 2 if wl.training.grad_dtype in ("bf16", "fp16") else 4
+                s.comm(f"L{idx}.grad_rs", Collective.REDUCE_SCATTER, b.groups["dp"],
+                       b.layer_params(kind, is_moe) * grad_b, wait=None)
+        if stage == p.pp - 1 and not backward:
+            b.head(s, False)
+        if stage == 0 and backward:
+            b.embedding(s, True)
+        return _Block(s.segments[first_idx].name, s.last)  # type: ignore[arg-type]
+
+    def stage_params(stage: int) -> float:
+        total = sum(b.layer_params(k, wl.model.architecture == "moe" and i % wl.model.moe_every == wl.model.moe_every - 1)
+                    for i, k in _stage_layers(wl, stage))
+        if stage in (0, p.pp - 1):
+            total += wl.model.vocab * wl.model.hidden / b.groups["tp"].size
+        return total
+
+    if p.pp == 1:
+        layer_last: dict[int, str] = {}
+
+        def one_micro(name: str, grads: bool, repeat: int) -> None:
+            s = _DeviceStream(0, name, f"{name}.")
+            micro(s, 0, False, grads, layer_last)
+            micro(s, 0, True, grads, layer_last)
+            if grads and not sharded_params:
+                _data_parallel(b, s, _stage_layers(wl, 0), layer_last, True)
+            if name == "last":
+                _optimizer(b, s, stage_params(0))
+            phases.append(Phase(name, repeat, {0: s.segments}, s.points))
+
+        if m > 1:
+            one_micro("micro", per_micro_grads, m - 1)
+        one_micro("last", True, 1)
+    else:
+        phases.append(_pipeline_phase(b, wl, micro, stage_params))
+    return StepGraph(wl.name, hw.name, p.pp, phases, b.groups)
+
+
+def _pipeline_phase(b: _StepBuilder, wl: Workload, micro, stage_params) -> Phase:
+    """The 1F1B schedule of every stage, with activation and gradient send/recv between neighbours."""
+    p, m = wl.parallel, wl.microbatches
+    pp = b.groups["pp"]
+    act_bytes = b.tokens * wl.model.hidden * b.b / (b.groups["tp"].size if p.sequence_parallel else 1)
+    link = Group("pp", 2, 1 if pp.ranks_per_node == 1 else 2, 2 if pp.ranks_per_node == 1 else 1)
+    streams = [_DeviceStream(st, "step", f"s{st}.") for st in range(p.pp)]
+    fwd: dict[tuple[int, int], _Block] = {}
+    bwd: dict[tuple[int, int], _Block] = {}
+    for st, s in enumerate(streams):
+        warm = min(p.pp - st - 1, m)
+        order = [("F", i) for i in range(warm)]
+        f_next, b_next = warm, 0
+        while b_next < m:
+            if f_next < m:
+                order.append(("F", f_next))
+                f_next += 1
+            order.append(("B", b_next))
+            b_next += 1
+        layer_last: dict[int, str] = {}
+        for kind, i in order:
+            s.prefix = f"s{st}.mb{i}."
+            last_b = kind == "B" and i == m - 1
+            block = micro(s, st, kind == "B", last_b or p.fsdp or p.zero_stage >= 2, layer_last)
+            (fwd if kind == "F" else bwd)[(st, i)] = block
+        s.prefix = f"s{st}."
+        _data_parallel(b, s, _stage_layers(wl, st), layer_last, st == p.pp - 1)
+        _optimizer(b, s, stage_params(st))
+    sends: list[OverlapPoint] = []
+    for st in range(p.pp - 1):
+        for i in range(m):
+            sends.append(OverlapPoint(f"s{st}.mb{i}.send_fwd", Collective.SEND_RECV, link, int(act_bytes),
+                                      after=fwd[(st, i)].last, before=fwd[(st + 1, i)].first, device=st,
+                                      peer_device=st + 1, phase="step"))
+            sends.append(OverlapPoint(f"s{st + 1}.mb{i}.send_bwd", Collective.SEND_RECV, link, int(act_bytes),
+                                      after=bwd[(st + 1, i)].last, before=bwd[(st, i)].first, device=st + 1,
+                                      peer_device=st, phase="step"))
+    points = [pt for s in streams for pt in s.points] + sends
+    return Phase("step", 1, {s.device: s.segments for s in streams}, points)

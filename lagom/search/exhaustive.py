@@ -1,0 +1,36 @@
+"""Joint brute force over every key's candidates: the yardstick for small problems."""
+
+from __future__ import annotations
+
+import math
+from itertools import product
+
+from lagom.comm_config import candidates
+from lagom.errors import LagomError
+from lagom.search.base import Evaluator, Problem, SearchResult
+
+MAX_EVALUATIONS = 20_000
+
+
+def search(problem: Problem, evaluator: Evaluator, limit: int = MAX_EVALUATIONS) -> SearchResult:
+    keys = list(problem.keys)
+    choices = [candidates(problem.keys[k][0], problem.hw, problem.space) for k in keys]
+    total = math.prod(len(c) for c in choices)
+    if total > limit:
+        raise LagomError(
+            f"exhaustive search needs {total:.3g} evaluations for {len(keys)} tuning keys (limit {limit}); "
+            "use --strategy lagom, or a smaller search space"
+        )
+    best = None
+    for combo in product(*choices):
+        configs = dict(zip(keys, combo))
+        result = evaluator.evaluate(configs)
+        if best is None or result.step_s < best[1].step_s:
+            best = (configs, result)
+    assert best is not None
+    return SearchResult("exhaustive", best[0], best[1], evaluator.evaluations,
+                        {k: "best of the joint brute force" for k in keys})
+
+
+def feasible(problem: Problem, limit: int = MAX_EVALUATIONS) -> bool:
+    return math.prod(len(candidates(p[0], problem.hw, problem.space)) for p in problem.keys.values()) <= limit

@@ -1,0 +1,130 @@
+"""Lagom's priority search over the whole step.
+
+Priority of a move for collective j: H_j = (Y' - Y) / (X_j - X_j'), the compute time it adds per
+unit of comm time it saves (X: the collective's time, Y: the compute beside it, inflated by the
+SMs and HBM the collective takes). Comm-bound collectives (exposed in the last evaluation) are
+tuned first, cheapest speed-up (smallest H) first; then compute-bound ones give resources back,
+the largest compute saving per unit of comm slowdown first. Each collective is tuned once: the cost
+model ranks its candidates on its own windows, the evaluator (simulator or live steps) checks the
+best few on the whole step, so the evaluation count grows linearly with the number of collectives.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from lagom.comm_config import CommConfig, can_decompose, candidates
+from lagom.cost_model import CostModel, RunningComm
+from lagom.points import ComputeSegment, OverlapPoint, StepGraph
+from lagom.search.base import Evaluator, Problem, SearchResult, nccl_configs
+
+CHECKED_PER_KEY = 4  # candidates per collective confirmed with the evaluator
+SAMPLE_SEGMENTS = 6  # segments of a window used to estimate the slowdown a config causes
+
+
+@dataclass
+class Window:
+    """The compute one instance of a collective can hide under."""
+
+    point: OverlapPoint
+    repeat: int
+    hide: float  # uncontended seconds of compute between release and need
+    segments: list[ComputeSegment]  # a sample of that compute, for the slowdown estimate
+
+
+def windows(graph: StepGraph, model: CostModel) -> dict[str, list[Window]]:
+    out: dict[str, list[Window]] = {}
+    for phase in graph.phases:
+        pos = {s.name: i for segs in phase.segments.values() for i, s in enumerate(segs)}
+        for p in phase.points:
+            segs = phase.segments[p.device]
+            lo = pos[p.after] + 1 if p.after else 0
+            hi = pos[p.before] if p.before else len(segs)
+            if p.fuse_with is not None and can_decompose(p):
+                lo, hi = pos[p.fuse_with], pos[p.fuse_with] + 1  # what a decomposition would hide under
+                hide_segs = segs[lo:hi]
+            else:
+                hide_segs = segs[lo:hi]
+            step = max(1, math.ceil(len(hide_segs) / SAMPLE_SEGMENTS))
+            out.setdefault(p.key, []).append(
+                Window(p, phase.repeat, sum(model.compute_solo(s) for s in hide_segs), hide_segs[::step]))
+    return out
+
+
+@dataclass
+class Estimate:
+    comm: float  # X: seconds of communication per step
+    compute: float  # Y: seconds of compute beside it, inflated
+    makespan: float  # Z: seconds the windows take
+
+
+def estimate(cfg: CommConfig, wins: list[Window], model: CostModel) -> Estimate:
+    """The windows of one key under one config, each in isolation: Z = max(X, inflated compute)."""
+    X = Y = Z = 0.0
+    for w in wins:
+        p = w.point
+        sample_solo = sum(model.compute_solo(s) for s in w.segments)
+        util = max((model.hbm_util(s) for s in w.segments), default=0.0)
+        if cfg.decomposition == "p2p" and can_decompose(p):
+            n = p.group.size * cfg.num_chunks
+            step = model.p2p_step_time(p.group, p.bytes / n, cfg, util)
+            x = step * (n - cfg.num_chunks)
+            first = step
+        else:
+            x = model.comm_time(p.collective, p.group, p.bytes, cfg, util)
+            first = 0.0
+        rate = model.comm_hbm_rate(p.collective, p.group, p.bytes, x) if x > 0 else 0.0
+        running = (RunningComm(cfg, rate),)
+        slowed = sum(model.compute_time(s, running) for s in w.segments)
+        factor = slowed / sample_solo if sample_solo > 0 else 1.0
+        y = w.hide + min(x, w.hide) * (factor - 1.0)
+        X += x * w.repeat
+        Y += y * w.repeat
+        Z += (first + max(x, y)) * w.repeat
+    return Estimate(X, Y, Z)
+
+
+def priority(cur: Estimate, new: Estimate) -> float:
+    """H = (Y' - Y) / (X - X'): compute added per unit of comm time saved."""
+    saved = cur.comm - new.comm
+    return (new.compute - cur.compute) / saved if saved else math.inf
+
+
+def search(problem: Problem, evaluator: Evaluator) -> SearchResult:
+    model = problem.model
+    configs = nccl_configs(problem)
+    best = evaluator.evaluate(configs)
+    wins = windows(problem.graph, model)
+    per_key = best.per_key()
+    plans = []
+    for key, points in problem.keys.items():
+        cur = estimate(configs[key], wins[key], model)
+        ranked = sorted(((estimate(c, wins[key], model), c) for c in candidates(points[0], problem.hw, problem.space)),
+                        key=lambda ec: ec[0].makespan)
+        move = ranked[0][0]
+        comm_bound = per_key[key]["exposed"] > 0
+        h = priority(cur, move)
+        # Comm-bound first, smallest H first; then compute-bound, largest compute saving per comm added.
+        plans.append(((0, h) if comm_bound else (1, -h if math.isfinite(h) else 0.0), key, cur, ranked, comm_bound))
+    notes: dict[str, str] = {}
+    for _, key, cur, ranked, comm_bound in sorted(plans, key=lambda p: p[0]):
+        tried = 0
+        chosen = None
+        for est, cfg in ranked:
+            if tried == CHECKED_PER_KEY or est.makespan >= cur.makespan:
+                break
+            if cfg == configs[key]:
+                continue
+            tried += 1
+            result = evaluator.evaluate({**configs, key: cfg})
+            if result.step_s < best.step_s:
+                best, chosen = result, (cfg, est)
+        if chosen is None:
+            notes[key] = "kept NCCL's choice: no candidate improved the step"
+            continue
+        cfg, est = chosen
+        configs[key] = cfg
+        kind = "comm-bound: faster comm" if comm_bound else "compute-bound: resources given back"
+        notes[key] = f"{kind}; H={priority(cur, est):.3g} (compute s added per comm s saved)"
+    return SearchResult("lagom", configs, best, evaluator.evaluations, notes)
