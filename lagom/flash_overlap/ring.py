@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -25,15 +25,10 @@ from lagom.flash_overlap.schedule import note
 
 WINDOW = 2
 
-Produce = Callable[[int, slice], torch.Tensor]
-"""(peer, rows) -> the piece for those rows of that peer's shard."""
-Consume = Callable[[int, slice, torch.Tensor], None]
-"""(peer, rows, piece) -> None: work on a piece that has landed (or the local shard)."""
-
 
 @dataclass(frozen=True)
 class Transfer:
-    """One paired send/receive of the schedule."""
+    """One paired send/receive of the schedule; ``rows`` are the shard rows it carries."""
 
     index: int
     send_to: int
@@ -62,39 +57,56 @@ class Ring:
         return cls(op, group, dist.get_rank(group), dist.get_world_size(group), device, config)
 
     def renamed(self, op: str) -> Ring:
-        return Ring(op, self.group, self.rank, self.world, self.device, self.config)
+        return replace(self, op=op)
 
     def block_rows(self, tensor: torch.Tensor, name: str) -> int:
-        """Rows of ``tensor`` per rank when dim 0 holds one block per rank."""
+        """Rows per rank of ``tensor`` whose dim 0 holds one equal block per rank."""
         if tensor.dim() == 0 or tensor.shape[0] % self.world:
             raise ValueError(f"{self.op}: {name} has shape {tuple(tensor.shape)}; dim 0 must be divisible "
                              f"by the group size {self.world}")
         return tensor.shape[0] // self.world
 
-    def transfers(self, rows: int, what: str) -> list[Transfer]:
-        """The schedule for shards of ``rows`` rows; ``what`` names the tensor in errors."""
+    def transfers(self, rows: int, name: str, shape: torch.Size) -> list[Transfer]:
+        """The schedule for shards of ``rows`` rows, cut into ``num_chunks`` chunks as even as can be."""
         chunks = self.config.num_chunks
         if rows < chunks:
-            raise ValueError(f"{self.op}: {what} gives shards of {rows} rows, which cannot be cut into "
-                             f"num_chunks={chunks} non-empty chunks")
+            raise ValueError(f"{self.op}: {name} has shape {tuple(shape)}, giving shards of {rows} rows, "
+                             f"which cannot be cut into num_chunks={chunks} non-empty chunks")
         bounds = [rows * c // chunks for c in range(chunks + 1)]
-        offsets = range(1, self.world)
         return [Transfer(index=(o - 1) * chunks + c,
                          send_to=(self.rank + o) % self.world, recv_from=(self.rank - o) % self.world,
                          chunk=c, rows=slice(bounds[c], bounds[c + 1]))
-                for o in offsets for c in range(chunks)]
+                for o in range(1, self.world) for c in range(chunks)]
 
 
-def run(ring: Ring, transfers: list[Transfer], *, outgoing: Produce,
-        landing: Callable[[Transfer], torch.Tensor], arrived: Consume, local: Callable[[], None],
-        local_last: bool) -> None:
-    """Post ``transfers`` in order, keep ``WINDOW`` in flight, and run ``local`` while some fly.
+class Scratch:
+    """``WINDOW`` receive buffers taken in turn: transfer t lands in slot t % WINDOW.
 
-    ``outgoing(dst, rows)`` gives what to send (it may compute it), ``landing(t)`` where to receive,
-    ``arrived(src, rows, piece)`` consumes a received piece. Transfer t+WINDOW is posted only after
-    transfer t was consumed, so ``landing`` may reuse a buffer every WINDOW transfers.
+    The slot is free again because ``run`` posts transfer t only after t - WINDOW was consumed.
+    """
+
+    def __init__(self, transfers: list[Transfer]) -> None:
+        self.rows = max((t.rows.stop - t.rows.start for t in transfers), default=0)
+        self.slots = min(WINDOW, len(transfers))
+        self.buffers: list[torch.Tensor] = []
+
+    def __call__(self, t: Transfer, sent: torch.Tensor) -> torch.Tensor:
+        if not self.buffers:
+            self.buffers = [sent.new_empty((self.rows, *sent.shape[1:])) for _ in range(self.slots)]
+        return self.buffers[t.index % WINDOW][: t.rows.stop - t.rows.start]
+
+
+def run(ring: Ring, transfers: list[Transfer], *, outgoing: Callable[[Transfer], torch.Tensor],
+        arrived: Callable[[Transfer, torch.Tensor], None], local: Callable[[], None], local_last: bool,
+        landing: Callable[[Transfer, torch.Tensor], torch.Tensor] | None = None) -> None:
+    """Post ``transfers`` in order with ``WINDOW`` in flight, running ``local`` while some fly.
+
+    ``outgoing(t)`` gives (and may compute) what t sends; ``landing(t, sent)`` where t receives a
+    piece shaped like ``sent`` (default: ``Scratch``); ``arrived(t, piece)`` consumes it once landed.
+    ``local`` runs after the first window is posted, or after the last transfer when ``local_last``.
     """
     link = Link(ring.group, ring.device, ring.config.comm_stream_priority)
+    landing = landing or Scratch(transfers)
     local_at = len(transfers) if local_last else min(WINDOW, len(transfers))
     inflight: deque[tuple[Transfer, torch.Tensor, Posted]] = deque()
 
@@ -102,14 +114,15 @@ def run(ring: Ring, transfers: list[Transfer], *, outgoing: Produce,
         t, recv, posted = inflight.popleft()
         link.land(posted)
         note(ring.op, "wait", t.recv_from, t.chunk)
-        arrived(t.recv_from, t.rows, recv)
+        arrived(t, recv)
 
     if local_at == 0:
         local()
     for t in transfers:
         if len(inflight) == WINDOW:
             retire()
-        send, recv = outgoing(t.send_to, t.rows).contiguous(), landing(t)
+        send = outgoing(t).contiguous()
+        recv = landing(t, send)
         note(ring.op, "send", t.send_to, t.chunk, send.numel())
         note(ring.op, "recv", t.recv_from, t.chunk, recv.numel())
         inflight.append((t, recv, link.post(send, t.send_to, recv, t.recv_from, tag=t.index)))
@@ -119,69 +132,65 @@ def run(ring: Ring, transfers: list[Transfer], *, outgoing: Produce,
         retire()
 
 
-def scratch(transfers: list[Transfer], like: torch.Tensor) -> Callable[[Transfer], torch.Tensor]:
-    """Receive buffers for ``transfers``: one per window slot, shaped like rows of ``like``."""
-    rows = max((t.rows.stop - t.rows.start for t in transfers), default=0)
-    buffers = [like.new_empty((rows, *like.shape[1:])) for _ in range(min(WINDOW, len(transfers)))]
-    return lambda t: buffers[t.index % WINDOW][: t.rows.stop - t.rows.start]
+def gather(ring: Ring, mine: torch.Tensor, consume: Callable[[int, slice, torch.Tensor], None],
+           name: str, *, outgoing: Callable[[Transfer], torch.Tensor] | None = None,
+           landing: Callable[[Transfer, torch.Tensor], torch.Tensor] | None = None) -> None:
+    """Collect one shard from every rank and consume each, this rank's own (``mine``) first.
 
-
-def gather(ring: Ring, shard: torch.Tensor, consume: Consume, what: str,
-           landing: Callable[[Transfer], torch.Tensor] | None = None) -> None:
-    """Give every rank this rank's ``shard`` and consume every rank's, local first.
-
-    ``consume(src, rows, piece)`` runs on the whole local shard, then on each piece as it lands.
-    Pieces land in two alternating scratch buffers unless ``landing`` says otherwise, so
-    ``consume`` must be done with a piece when it returns.
+    Every peer is sent ``mine`` (an all-gather) unless ``outgoing(t)`` picks a piece per destination
+    (an all-to-all). ``consume(src, rows, piece)`` runs on all of ``mine``, then on each piece
+    (rows ``rows`` of rank ``src``'s shard) as it lands. Pieces land in reused scratch buffers
+    unless ``landing`` says where, so by default ``consume`` must be done with a piece on return.
     """
-    shard = shard.contiguous()
-    transfers = ring.transfers(shard.shape[0], what)
+    mine = mine.contiguous()
+    rows = mine.shape[0]
 
-    def work(src: int, rows: slice, piece: torch.Tensor, chunk: int | None) -> None:
+    def compute(src: int, chunk: int | None, part: slice, piece: torch.Tensor) -> None:
         note(ring.op, "compute", src, chunk)
-        consume(src, rows, piece)
+        consume(src, part, piece)
 
-    run(ring, transfers,
-        outgoing=lambda dst, rows: shard[rows],
-        landing=landing or scratch(transfers, shard),
-        arrived=lambda src, rows, piece: work(src, rows, piece, _chunk_of(transfers, rows)),
-        local=lambda: work(ring.rank, slice(0, shard.shape[0]), shard, None),
-        local_last=False)
+    run(ring, ring.transfers(rows, name, mine.shape),
+        outgoing=outgoing or (lambda t: mine[t.rows]),
+        arrived=lambda t, piece: compute(t.recv_from, t.chunk, t.rows, piece),
+        local=lambda: compute(ring.rank, None, slice(0, rows), mine),
+        local_last=False, landing=landing)
 
 
-def scatter_reduce(ring: Ring, rows: int, produce: Produce, what: str) -> torch.Tensor:
-    """Sum over ranks of the partial each one produces for this rank's block, local partial last.
+def scatter_reduce(ring: Ring, rows: int, produce: Callable[[int, slice], torch.Tensor], name: str,
+                   shape: torch.Size) -> torch.Tensor:
+    """This rank's block of the sum over ranks of what each rank ``produce``s for it.
 
-    ``produce(dst, rows)`` computes this rank's contribution to those rows of ``dst``'s block. Peers'
-    partials are produced first and each is sent as soon as it exists; the partial this rank keeps
-    is produced while the last transfers fly; received partials are added as they land.
+    ``produce(dst, rows)`` gives this rank's contribution to rows ``rows`` of rank ``dst``'s block
+    (``rows`` rows in all). Contributions to peers are produced first and each is sent as soon as it
+    exists; the one this rank keeps is produced last, while the last transfers fly; received
+    contributions are summed as they land. With a world of one the result is what ``produce``
+    returned, unchanged. ``name`` and ``shape`` describe the input for errors.
     """
-    transfers = ring.transfers(rows, what)
+    transfers = ring.transfers(rows, name, shape)
     total: torch.Tensor | None = None
 
-    def partial(dst: int, part: slice, chunk: int | None) -> torch.Tensor:
+    def contribution(dst: int, chunk: int | None, part: slice) -> torch.Tensor:
         note(ring.op, "compute", dst, chunk)
         return produce(dst, part)
 
-    def keep_local() -> None:
+    def add(src: int, chunk: int | None, part: slice, piece: torch.Tensor) -> None:
         nonlocal total
-        mine = partial(ring.rank, slice(0, rows), None)
-        if total is None:
-            total = mine
-        else:
-            note(ring.op, "reduce", ring.rank, None)
-            total.add_(mine)
-
-    def add(src: int, part: slice, piece: torch.Tensor) -> None:
-        nonlocal total
+        note(ring.op, "reduce", src, chunk)
         if total is None:
             total = piece.new_zeros((rows, *piece.shape[1:]))
-        note(ring.op, "reduce", src, _chunk_of(transfers, part))
         total[part] += piece
 
+    def keep_own() -> None:
+        nonlocal total
+        own = contribution(ring.rank, None, slice(0, rows))
+        if transfers:
+            add(ring.rank, None, slice(0, rows), own)
+        else:
+            total = own
+
     run(ring, transfers,
-        outgoing=lambda dst, part: partial(dst, part, _chunk_of(transfers, part)),
-        landing=lambda t: landing_for(t),
-        arrived=add, local=keep_local, local_last=True)
-    assert total is not None
+        outgoing=lambda t: contribution(t.send_to, t.chunk, t.rows),
+        arrived=lambda t, piece: add(t.recv_from, t.chunk, t.rows, piece),
+        local=keep_own, local_last=True)
+    assert total is not None, "keep_own always runs"
     return total

@@ -22,11 +22,4 @@ def run_strategy(name: str, problem: Problem, evaluator: Evaluator | None = None
     return STRATEGIES[name](problem, evaluator or SimulatedEvaluator(problem))
 
 
-def compare(problem: Problem) -> dict[str, SearchResult | None]:
-    """Every strategy on the simulator; exhaustive is None where the problem is too large for it."""
-    out: dict[str, SearchResult | None] = {name: run_strategy(name, problem) for name in ("nccl", "autoccl", "lagom")}
-    out["exhaustive"] = run_strategy("exhaustive", problem) if exhaustive.feasible(problem) else None
-    return out
-
-
-__all__ = ["STRATEGIES", "Evaluator", "Problem", "SearchResult", "SimulatedEvaluator", "compare", "run_strategy"]
+__all__ = ["STRATEGIES", "Evaluator", "Problem", "SearchResult", "SimulatedEvaluator", "run_strategy"]

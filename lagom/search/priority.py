@@ -125,6 +125,9 @@ def search(problem: Problem, evaluator: Evaluator) -> SearchResult:
             continue
         cfg, est = chosen
         configs[key] = cfg
-        kind = "comm-bound: faster comm" if comm_bound else "compute-bound: resources given back"
-        notes[key] = f"{kind}; H={priority(cur, est):.3g} (compute s added per comm s saved)"
+        window = "comm-bound" if comm_bound else "compute-bound"
+        if est.comm < cur.comm:
+            notes[key] = f"{window}: faster comm, H={priority(cur, est):.3g} compute s added per comm s saved"
+        else:
+            notes[key] = f"{window}: resources given back, {cur.compute - est.compute:.3g} s compute saved per step"
     return SearchResult("lagom", configs, best, evaluator.evaluations, notes)

@@ -1,0 +1,127 @@
+"""Decomposed collectives for buckets (data parallel, ZeRO) and all-to-all (Ulysses, experts).
+
+Each equals its torch.distributed counterpart but moves one shard at a time over P2P transfers and
+hands each shard to a callback as soon as it is complete (or asks a callback for it just before it
+is sent), so a framework can put shard-level compute beside the transfers instead of after a
+monolithic collective. all_gather and reduce_scatter act on buffers and, like the collectives they
+replace, are not recorded by autograd; all_to_all is, because it sits inside the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.distributed import ProcessGroup
+
+from lagom.flash_overlap.config import FlashOverlapConfig
+from lagom.flash_overlap.ring import Ring, Transfer, gather, scatter_reduce
+
+OnShard = Callable[[int, torch.Tensor], None]
+"""(rank, shard) -> None: called once per rank's shard when it is complete; read-only use."""
+
+
+def _ring(op: str, tensor: torch.Tensor, group: ProcessGroup | None, num_chunks: int | None,
+          config: FlashOverlapConfig | None) -> Ring:
+    return Ring.of(op, group, tensor.device, (config or FlashOverlapConfig()).with_chunks(num_chunks))
+
+
+def _gather_into(ring: Ring, out: torch.Tensor, mine: torch.Tensor, on_shard: OnShard | None,
+                 outgoing: Callable[[Transfer], torch.Tensor] | None = None) -> torch.Tensor:
+    """Fill ``out`` (block i = rank i's shard) with pieces landing in place; ``mine`` is copied."""
+    rows = mine.shape[0]
+
+    def block(rank: int) -> torch.Tensor:
+        return out[rank * rows:(rank + 1) * rows]
+
+    def consume(src: int, part: slice, piece: torch.Tensor) -> None:
+        if src == ring.rank:
+            block(src).copy_(piece)
+        if on_shard is not None and part.stop == rows:
+            on_shard(src, block(src))
+
+    gather(ring, mine, consume, "tensor", outgoing=outgoing,
+           landing=lambda t, sent: block(t.recv_from)[t.rows])
+    return out
+
+
+def all_gather(tensor: torch.Tensor, group: ProcessGroup | None = None, on_shard: OnShard | None = None,
+               *, num_chunks: int | None = None, config: FlashOverlapConfig | None = None) -> torch.Tensor:
+    """``all_gather_into_tensor`` along dim 0, calling ``on_shard(rank, shard)`` as each shard lands.
+
+    The local shard is handed over first, then peers' shards in schedule order (r-1, r-2, ...).
+    """
+    ring = _ring("all_gather", tensor, group, num_chunks, config)
+    if tensor.dim() == 0:
+        raise ValueError("all_gather: tensor has shape (); it needs a dim 0 to gather along")
+    out = tensor.new_empty((ring.world * tensor.shape[0], *tensor.shape[1:]))
+    return _gather_into(ring, out, tensor, on_shard)
+
+
+def reduce_scatter(tensor: torch.Tensor, group: ProcessGroup | None = None,
+                   produce_shard: Callable[[int], torch.Tensor] | None = None, *,
+                   num_chunks: int | None = None, config: FlashOverlapConfig | None = None) -> torch.Tensor:
+    """``reduce_scatter_tensor`` (sum) along dim 0: block i of ``tensor`` is rank i's contribution.
+
+    With ``produce_shard``, block i is instead ``produce_shard(i)``, asked for just before it is
+    sent (peers first, this rank's own last), so a framework can compute a bucket's blocks in the
+    order they leave; ``tensor`` then fixes shape and dtype (fill it, or a view of it, and return it).
+    """
+    ring = _ring("reduce_scatter", tensor, group, num_chunks, config)
+    rows = ring.block_rows(tensor, "tensor")
+    tensor = tensor.contiguous()
+    block_shape = (rows, *tensor.shape[1:])
+    produced: dict[int, torch.Tensor] = {}
+
+    def block(dst: int) -> torch.Tensor:
+        if produce_shard is None:
+            return tensor[dst * rows:(dst + 1) * rows]
+        if dst not in produced:
+            shard = produce_shard(dst)
+            if tuple(shard.shape) != block_shape or shard.dtype != tensor.dtype:
+                raise ValueError(f"reduce_scatter: produce_shard({dst}) returned {shard.dtype} of shape "
+                                 f"{tuple(shard.shape)}; expected {tensor.dtype} of shape {block_shape}")
+            produced[dst] = shard
+        return produced[dst]
+
+    def produce(dst: int, part: slice) -> torch.Tensor:
+        piece = block(dst)[part]
+        if part.stop == rows:
+            produced.pop(dst, None)
+        return piece
+
+    result = scatter_reduce(ring, rows, produce, "tensor", tensor.shape)
+    return result if ring.world > 1 else result.clone()
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all whose backward is the same exchange of the gradient (it is its own transpose)."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, tensor: torch.Tensor, ring: Ring,
+                on_block: OnShard | None) -> torch.Tensor:
+        ctx.ring = ring
+        return _exchange(ring, tensor, on_block)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _exchange(ctx.ring.renamed(ctx.ring.op + ".backward"), grad, None), None, None
+
+
+def _exchange(ring: Ring, tensor: torch.Tensor, on_block: OnShard | None) -> torch.Tensor:
+    rows = ring.block_rows(tensor, "tensor")
+    tensor = tensor.contiguous()
+
+    def block(rank: int) -> torch.Tensor:
+        return tensor[rank * rows:(rank + 1) * rows]
+
+    return _gather_into(ring, torch.empty_like(tensor), block(ring.rank), on_block,
+                        outgoing=lambda t: block(t.send_to)[t.rows])
+
+
+def all_to_all(tensor: torch.Tensor, group: ProcessGroup | None = None, on_block: OnShard | None = None,
+               *, num_chunks: int | None = None, config: FlashOverlapConfig | None = None) -> torch.Tensor:
+    """``all_to_all_single`` with equal splits: block j of dim 0 goes to rank j, block i of the result
+    came from rank i. ``on_block(rank, block)`` runs as each rank's block lands, own first.
+    Differentiable."""
+    return _AllToAll.apply(tensor, _ring("all_to_all", tensor, group, num_chunks, config), on_block)

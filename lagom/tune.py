@@ -1,0 +1,101 @@
+"""The one-way flow: workload -> overlap points -> model -> search -> plan."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from lagom.hardware import Hardware
+from lagom.plan import Plan, PlanEntry
+from lagom.points import points_for
+from lagom.search import Problem, SearchResult, run_strategy
+from lagom.search.base import SimulatedEvaluator
+from lagom.search.exhaustive import feasible
+from lagom.workload import Workload, validate
+
+MAX_POINT_NAMES = 12
+BUCKET_SCALES = (0.5, 1.0, 2.0)  # bucket sizes the lagom strategy tries around the workload's own
+
+
+def problem_for(wl: Workload, hw: Hardware) -> Problem:
+    validate(wl, hw.cluster.world_size)
+    return Problem(points_for(wl, hw), hw)
+
+
+def framework_knobs(wl: Workload) -> dict:
+    f, dp = wl.framework, wl.parallel.dp
+    if f.name == "megatron":
+        return {"megatron": {"bucket_size": f.bucket_size or max(40_000_000, 1_000_000 * dp),
+                             "overlap_grad_reduce": f.overlap_grad_reduce, "overlap_param_gather": f.overlap_param_gather}}
+    return {"deepspeed": {"reduce_bucket_size": f.reduce_bucket_size, "allgather_bucket_size": f.allgather_bucket_size,
+                          "stage3_prefetch_bucket_size": f.prefetch_bucket_size, "overlap_comm": f.overlap_comm}}
+
+
+def _with_buckets(wl: Workload, scale: float) -> Workload:
+    f = wl.framework
+    if f.name == "megatron":
+        base = f.bucket_size or max(40_000_000, 1_000_000 * wl.parallel.dp)
+        return replace(wl, framework=replace(f, bucket_size=int(base * scale)))
+    return replace(wl, framework=replace(f, reduce_bucket_size=int(f.reduce_bucket_size * scale),
+                                         allgather_bucket_size=int(f.allgather_bucket_size * scale)))
+
+
+def _has_buckets(problem: Problem) -> bool:
+    return any("grad.bucket" in p.name for p in problem.graph.points)
+
+
+@dataclass
+class Tuned:
+    workload: Workload  # with the bucket sizes the search chose
+    problem: Problem
+    result: SearchResult
+
+
+def search_with_buckets(wl: Workload, hw: Hardware, strategy: str) -> Tuned:
+    """Run a strategy; lagom also tries bucket sizes around the workload's (one search per size)."""
+    problem = problem_for(wl, hw)
+    if strategy != "lagom" or not _has_buckets(problem):
+        return Tuned(wl, problem, run_strategy(strategy, problem))
+    best: Tuned | None = None
+    evaluations = 0
+    for scale in BUCKET_SCALES:
+        cand = _with_buckets(wl, scale)
+        prob = problem_for(cand, hw)
+        res = run_strategy(strategy, prob, SimulatedEvaluator(prob))
+        evaluations += res.evaluations
+        if best is None or res.result.step_s < best.result.result.step_s:
+            best = Tuned(cand, prob, res)
+    assert best is not None
+    best.result.evaluations = evaluations
+    return best
+
+
+def make_plan(wl: Workload, hw: Hardware, strategy: str = "lagom") -> Plan:
+    tuned = search_with_buckets(wl, hw, strategy)
+    baseline = run_strategy("nccl", problem_for(wl, hw)).result.step_s
+    return plan_from(tuned, wl, hw, {"nccl": baseline, strategy: tuned.result.result.step_s})
+
+
+def plan_from(tuned: Tuned, wl: Workload, hw: Hardware, predicted: dict[str, float]) -> Plan:
+    res = tuned.result
+    per_key = res.result.per_key()
+    entries = []
+    for key, points in tuned.problem.keys.items():
+        p = points[0]
+        row = per_key.get(key, {})
+        entries.append(PlanEntry(
+            key=key, group=p.group.name, group_size=p.group.size, group_nodes=p.group.nodes,
+            collective=p.collective.value, bytes=p.bytes, count=int(row.get("count", len(points))),
+            points=[q.name for q in points[:MAX_POINT_NAMES]], config=res.configs[key], note=res.notes.get(key, ""),
+            predicted_comm_s=row.get("time", 0.0), predicted_exposed_s=row.get("exposed", 0.0)))
+    return Plan(workload=wl.name, workload_fingerprint=wl.fingerprint(), hardware=hw.name,
+                hardware_fingerprint=hw.fingerprint(), world_size=wl.world_size, strategy=res.strategy,
+                entries=entries, predicted_step_s=predicted, evaluations=res.evaluations,
+                framework=framework_knobs(tuned.workload))
+
+
+def compare_strategies(wl: Workload, hw: Hardware) -> dict[str, Tuned | None]:
+    """Every strategy on the simulator; exhaustive is None where the problem is too large for it."""
+    out: dict[str, Tuned | None] = {s: search_with_buckets(wl, hw, s) for s in ("nccl", "autoccl", "lagom")}
+    problem = problem_for(wl, hw)
+    out["exhaustive"] = Tuned(wl, problem, run_strategy("exhaustive", problem)) if feasible(problem) else None
+    return out
