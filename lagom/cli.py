@@ -1,0 +1,145 @@
+"""`lagom`: plan a job offline (tune, compare, simulate), calibrate a machine, patch Megatron, reproduce."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Callable
+
+from lagom.errors import LagomError
+
+
+def _load(args: argparse.Namespace):
+    """Workload and hardware from the flags (hardware defaults to the workload's own)."""
+    from lagom.errors import ConfigError
+    from lagom.hardware import load_hardware
+    from lagom.workload import load_workload
+
+    wl = load_workload(args.workload)
+    name = args.hardware or wl.hardware
+    if not name:
+        raise ConfigError("--hardware", "the workload names no hardware", "pass --hardware NAME|FILE")
+    return wl, load_hardware(name)
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from lagom import emit
+    from lagom.report import plan_markdown, plan_table, print_table
+    from lagom.tune import make_plan
+
+    wl, hw = _load(args)
+    plan = make_plan(wl, hw, args.strategy)
+    if args.out:
+        plan.save(args.out)
+    if args.emit:
+        out = Path(args.emit)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "nccl_comm_cfgs.yaml").write_text(emit.megatron_nccl_yaml(plan))
+        (out / "nccl_tuner.csv").write_text(emit.tuner_csv(plan))
+        (out / "nccl.env").write_text("".join(f"export {k}={v}\n" for k, v in emit.nccl_env(plan, hw).items()))
+        (out / "buckets.json").write_text(json.dumps(emit.bucket_sizes(plan), indent=2) + "\n")
+        (out / "te_ub_cfgs.yaml").write_text(emit.te_ub_yaml(plan))
+        (out / "plan.md").write_text(plan_markdown(plan))
+    if args.json:
+        print(plan.to_json())
+    else:
+        print_table(plan_table(plan))
+        if args.out:
+            print(f"plan written to {args.out}")
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from lagom.report import compare_json, compare_table, print_table
+    from lagom.tune import compare_strategies
+
+    wl, hw = _load(args)
+    tuned = compare_strategies(wl, hw)
+    data = compare_json(wl.name, hw.name, {k: (t.result.result, t.result.evaluations) if t else None for k, t in tuned.items()})
+    if args.json:
+        print(json.dumps(data))
+    else:
+        print_table(compare_table(data, hw.contention.source))
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from lagom.plot import timeline
+    from lagom.simulator import simulate
+    from lagom.tune import search_with_buckets
+
+    wl, hw = _load(args)
+    results = {}
+    for name in args.strategy:
+        tuned = search_with_buckets(wl, hw, name)
+        results[name] = simulate(tuned.problem.graph, tuned.result.configs, tuned.problem.model, keep_spans=True)
+        print(f"{name}: step {results[name].step_s * 1e3:.2f} ms, exposed comm {results[name].exposed_comm_s * 1e3:.2f} ms, "
+              f"overlap efficiency {results[name].overlap_efficiency:.3f}")
+    if args.plot:
+        print(f"timeline written to {timeline(results, args.plot, f'{wl.name} on {hw.name}')}")
+    return 0
+
+
+def _workload_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("workload", help="workload YAML (or a name under configs/workloads/)")
+    p.add_argument("--hardware", help="hardware preset name or YAML file (default: the workload's)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from lagom.search import STRATEGIES
+
+    parser = argparse.ArgumentParser(prog="lagom", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("tune", help="choose a config per overlap point and write a plan")
+    _workload_args(p)
+    p.add_argument("--strategy", default="lagom", choices=list(STRATEGIES))
+    p.add_argument("--out", help="plan JSON to write")
+    p.add_argument("--emit", metavar="DIR", help="also write NCCL/megatron/TE/bucket files for the plan into DIR")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=cmd_tune)
+
+    p = sub.add_parser("compare", help="nccl vs autoccl vs lagom (vs exhaustive) on the simulator")
+    _workload_args(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("simulate", help="simulate a step per strategy and plot its timeline")
+    _workload_args(p)
+    p.add_argument("--strategy", nargs="+", default=["nccl", "autoccl", "lagom"], choices=list(STRATEGIES))
+    p.add_argument("--plot", help="PNG file for the timeline")
+    p.set_defaults(func=cmd_simulate)
+
+    for name, module, attr_help in _PLUGGED:
+        _plug(sub, name, module, attr_help)
+    return parser
+
+
+# Subcommands whose code lives in their own modules: each module offers add_arguments(parser) and run(args).
+_PLUGGED: list[tuple[str, str, str]] = []
+
+
+def _plug(sub, name: str, module: str, help_text: str) -> None:
+    import importlib
+
+    mod = importlib.import_module(module)
+    p = sub.add_parser(name, help=help_text)
+    mod.add_arguments(p)
+    p.set_defaults(func=mod.run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except LagomError as err:
+        print(f"lagom: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
