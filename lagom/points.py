@@ -257,6 +257,8 @@ class _StepBuilder:
         if not backward:
             for lin, width in order:
                 self.column_linear(s, f"{name}.{lin}", h, width, backward)
+        else:
+            self.row_linear(s, f"{name}.proj", h, h, backward)
         kv_tokens = (kv_len or m.seq_len) * self.wl.training.micro_batch
         frac = 0.5 if causal else 1.0
         core_flops = 4.0 * T * kv_tokens * h / tp * frac * (2.5 if backward else 1.0)
@@ -273,6 +275,8 @@ class _StepBuilder:
         if backward:
             for lin, width in reversed(order):
                 self.column_linear(s, f"{name}.{lin}", h, width, backward)
+        else:
+            self.row_linear(s, f"{name}.proj", h, h, backward)
 
     def mlp(self, s: _DeviceStream, name: str, backward: bool, ffn: int | None = None) -> None:
         m = self.wl.model

@@ -28,28 +28,36 @@ class Window:
     """The compute one instance of a collective can hide under."""
 
     point: OverlapPoint
-    repeat: int
+    repeat: int  # occurrences per step
     hide: float  # uncontended seconds of compute between release and need
     segments: list[ComputeSegment]  # a sample of that compute, for the slowdown estimate
 
 
 def windows(graph: StepGraph, model: CostModel) -> dict[str, list[Window]]:
-    out: dict[str, list[Window]] = {}
+    """Per key, the distinct windows its instances hide under, each weighted by how often it occurs.
+
+    Identical layers give identical windows, so a 48-layer model has a handful per key, not hundreds.
+    """
+    out: dict[str, dict[tuple, Window]] = {}
     for phase in graph.phases:
         pos = {s.name: i for segs in phase.segments.values() for i, s in enumerate(segs)}
         for p in phase.points:
             segs = phase.segments[p.device]
-            lo = pos[p.after] + 1 if p.after else 0
-            hi = pos[p.before] if p.before else len(segs)
             if p.fuse_with is not None and can_decompose(p):
-                lo, hi = pos[p.fuse_with], pos[p.fuse_with] + 1  # what a decomposition would hide under
-                hide_segs = segs[lo:hi]
+                hide_segs = segs[pos[p.fuse_with]:pos[p.fuse_with] + 1]  # what a decomposition would hide under
             else:
-                hide_segs = segs[lo:hi]
+                hide_segs = segs[pos[p.after] + 1 if p.after else 0:pos[p.before] if p.before else len(segs)]
             step = max(1, math.ceil(len(hide_segs) / SAMPLE_SEGMENTS))
-            out.setdefault(p.key, []).append(
-                Window(p, phase.repeat, sum(model.compute_solo(s) for s in hide_segs), hide_segs[::step]))
-    return out
+            sample = hide_segs[::step]
+            hide = sum(model.compute_solo(s) for s in hide_segs)
+            sig = (p.collective, p.group, p.bytes, p.fuse_with is not None, round(hide, 12),
+                   tuple((s.flops, s.bytes, s.ctas) for s in sample))
+            known = out.setdefault(p.key, {})
+            if sig in known:
+                known[sig].repeat += phase.repeat
+            else:
+                known[sig] = Window(p, phase.repeat, hide, sample)
+    return {key: list(wins.values()) for key, wins in out.items()}
 
 
 @dataclass

@@ -1,0 +1,61 @@
+"""Small problems built by hand, for tests of the model and the search."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import yaml
+
+from lagom.comm_config import SearchSpace
+from lagom.hardware import load_hardware
+from lagom.points import Collective, ComputeSegment, Group, OverlapPoint, Phase, StepGraph
+from lagom.search import Problem
+
+
+def write_yaml(path: Path, data: dict) -> Path:
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def gpt_workload(**overrides) -> dict:
+    """A small GPT job as a YAML dict; nested keys are merged from overrides."""
+    data = {
+        "name": "tiny-gpt",
+        "model": {"architecture": "gpt", "layers": 2, "hidden": 256, "ffn": 1024, "heads": 8, "seq_len": 512, "vocab": 1024},
+        "training": {"micro_batch": 2, "global_batch": 16, "dtype": "bf16"},
+        "parallel": {"tp": 2, "sequence_parallel": True, "dp": 4},
+        "framework": {"name": "megatron"},
+    }
+    for section, values in overrides.items():
+        if isinstance(values, dict):
+            data.setdefault(section, {}).update(values)
+        else:
+            data[section] = values
+    return data
+
+
+def synthetic_problem(segments: list[tuple[float, float, int]], points: list[dict], hardware: str = "a40-2x8-nvlink",
+                      space: SearchSpace | None = None) -> Problem:
+    """One device; segments as (TFLOP, MB, ctas); points as dicts for OverlapPoint (after/before: indices)."""
+    hw = load_hardware(hardware)
+    segs = [ComputeSegment(f"s{i}", f * 1e12, b * 1e6, c) for i, (f, b, c) in enumerate(segments)]
+    pts = []
+    for j, p in enumerate(points):
+        nodes = p.get("nodes", 1)
+        group = Group(p.get("group", f"g{j}"), p.get("size", 8), 8 if nodes == 1 else 8, nodes)
+        pts.append(OverlapPoint(
+            name=f"p{j}", collective=Collective(p["collective"]), group=group, bytes=int(p["mb"] * 1e6),
+            after=None if p.get("after") is None else segs[p["after"]].name,
+            before=None if p.get("before") is None else segs[p["before"]].name,
+            fuse_with=None if p.get("fuse") is None else segs[p["fuse"]].name))
+    graph = StepGraph("synthetic", hw.name, 1, [Phase("step", 1, {0: segs}, pts)])
+    return Problem(graph, hw, space or SearchSpace())
+
+
+SMALL_SPACE = SearchSpace(channels=(1, 2, 4, 8, 16, 32), threads=(512,), chunks=(256 * 1024, 2 * 1024 * 1024),
+                          protocols=("LL", "Simple"), splits=())
+
+
+def with_space(problem: Problem, space: SearchSpace) -> Problem:
+    return replace(problem, space=space)

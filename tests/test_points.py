@@ -1,0 +1,82 @@
+"""Overlap points derived from workloads: which collectives, on which groups, with how many bytes."""
+
+from collections import Counter
+
+from lagom.hardware import load_hardware
+from lagom.points import Collective, make_groups, points_for
+from lagom.workload import load_workload
+from tests.helpers import gpt_workload, write_yaml
+
+
+def load(tmp_path, hardware="a100-8x-100g", **override):
+    return load_workload(write_yaml(tmp_path / "w.yaml", gpt_workload(**override))), load_hardware(hardware)
+
+
+def test_tensor_parallel_sequence_parallel_points_per_layer(tmp_path):
+    wl, hw = load(tmp_path, parallel={"tp": 2, "dp": 4, "sequence_parallel": True})
+    graph = points_for(wl, hw)
+    last = next(ph for ph in graph.phases if ph.name == "last")
+    act = 2 * 512 * 256 * 2  # micro_batch x seq x hidden x bf16: the gathered activation
+    layer0 = [p for p in last.points if ".L0." in p.name]
+    kinds = Counter((p.collective, ".bwd." in p.name) for p in layer0)
+    # forward: AG before qkv and fc1, RS after proj and fc2; backward: AG x4 (2 re-gathers for wgrad), RS x2
+    assert kinds == {(Collective.ALL_GATHER, False): 2, (Collective.REDUCE_SCATTER, False): 2,
+                     (Collective.ALL_GATHER, True): 4, (Collective.REDUCE_SCATTER, True): 2}
+    assert {p.bytes for p in layer0} == {act} and {p.group.name for p in layer0} == {"tp"}
+    fwd_ag = next(p for p in layer0 if p.name.endswith("attn.qkv.ag"))
+    assert fwd_ag.before == fwd_ag.fuse_with == "last.L0.attn.qkv"  # blocking, and fusable with its GEMM
+    wgrad_ag = next(p for p in layer0 if p.name.endswith("attn.qkv.bwd.ag"))
+    assert wgrad_ag.before == "last.L0.attn.qkv.wgrad"  # hidden under the input-gradient GEMM
+
+
+def test_data_parallel_buckets_cover_every_parameter_once(tmp_path):
+    wl, hw = load(tmp_path, parallel={"tp": 2, "dp": 4, "sequence_parallel": True}, framework={"bucket_size": 300_000})
+    graph = points_for(wl, hw)
+    buckets = [p for p in graph.points if "grad.bucket" in p.name]
+    assert all(p.phase == "last" and p.collective == Collective.ALL_REDUCE and p.group.name == "dp" for p in buckets)
+    h, ffn, vocab = 256, 1024, 1024
+    per_layer = (h * 3 * h + h * h + 2 * h * ffn) / 2 + 4 * h  # tp=2 shards the linears; norms replicated
+    expected = (2 * per_layer + vocab * h / 2) * 4  # fp32 gradients
+    assert abs(sum(p.bytes for p in buckets) - expected) <= len(buckets)  # int() per bucket
+    assert len(buckets) >= 2 and all(p.after is not None and p.before is None for p in buckets)
+
+
+def test_zero3_gathers_each_layer_in_forward_and_backward_with_prefetch(tmp_path):
+    wl, hw = load(tmp_path, parallel={"tp": 1, "dp": 8, "sequence_parallel": False, "zero_stage": 3},
+                  framework={"name": "deepspeed"})
+    graph = points_for(wl, hw)
+    ags = [p for p in graph.phases[-1].points if p.name.endswith("param_ag")]
+    assert len(ags) == 2 * wl.model.layers
+    second = next(p for p in ags if p.name == "last.L1.param_ag")
+    assert second.after == "last.embed"  # released when layer 0 starts: one layer of prefetch
+    rs = [p for p in graph.phases[-1].points if p.name.endswith("grad_rs")]
+    assert len(rs) == wl.model.layers and all(p.collective == Collective.REDUCE_SCATTER for p in rs)
+
+
+def test_pipeline_1f1b_sends_activations_and_gradients(tmp_path):
+    wl, hw = load(tmp_path, "v100-4x-25g", model={"layers": 4}, parallel={"tp": 1, "dp": 1, "pp": 4, "sequence_parallel": False},
+                  training={"micro_batch": 2, "global_batch": 8})
+    graph = points_for(wl, hw)
+    sends = [p for p in graph.points if p.collective == Collective.SEND_RECV]
+    m = wl.microbatches
+    assert m == 4 and len(sends) == 2 * m * (wl.parallel.pp - 1)
+    assert {p.group.nodes for p in sends} == {2}  # one GPU per host: every hop crosses the network
+    assert graph.devices == 4 and len(graph.phases) == 1
+
+
+def test_moe_all_to_all_and_groups(tmp_path):
+    wl, hw = load(tmp_path, "a40-2x8-nvlink",
+                  model={"architecture": "moe", "experts": 8, "top_k": 2, "moe_ffn": 512, "shared_experts": 1},
+                  parallel={"tp": 1, "dp": 16, "ep": 8, "sequence_parallel": False}, training={"global_batch": 32})
+    graph = points_for(wl, hw)
+    a2a = [p for p in graph.phases[-1].points if p.collective == Collective.ALL_TO_ALL]
+    assert len(a2a) == 4 * wl.model.layers  # dispatch + combine, forward and backward
+    assert {p.group.name for p in a2a} == {"ep"} and a2a[0].bytes == 2 * 512 * 2 * 256 * 2
+    groups = make_groups(wl, hw)
+    assert (groups["ep"].size, groups["ep"].nodes) == (8, 1) and (groups["dp"].size, groups["dp"].nodes) == (16, 2)
+
+
+def test_t5_decoder_has_cross_attention(tmp_path):
+    wl, hw = load(tmp_path, model={"architecture": "t5", "decoder_layers": 2})
+    names = [s.name for ph in points_for(wl, hw).phases for segs in ph.segments.values() for s in segs]
+    assert any(".L3.xattn.kv" in n for n in names) and not any(".L0.xattn" in n for n in names)
