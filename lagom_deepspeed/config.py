@@ -1,0 +1,105 @@
+"""The ``"lagom"`` section of a DeepSpeed JSON config, validated the way DeepSpeed validates its own.
+
+DeepSpeed ignores top-level keys it does not know, so the section is free to define; inside it,
+``DeepSpeedConfigModel`` forbids unknown keys and pydantic checks types and ranges. Every failure
+becomes a ``ConfigError`` whose key is the dotted path in the DeepSpeed config (``lagom.tune_steps``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+from pydantic import Field, ValidationError, field_validator
+
+from lagom.errors import ConfigError
+from lagom.search import STRATEGIES
+
+SECTION = "lagom"
+
+
+class FlashOverlapSection(DeepSpeedConfigModel):
+    """Whether ZeRO-3 bucket collectives may run as Flash-Overlap P2P steps where the plan says so."""
+
+    enabled: bool = True
+    num_chunks: Optional[int] = Field(None, ge=1)
+    """Pieces per peer shard; None: the plan's ``num_chunks`` for that collective."""
+    comm_stream_priority: int = 0
+    """CUDA priority of the stream that issues the transfers (negative is higher); ignored on CPU."""
+
+
+class BucketPins(DeepSpeedConfigModel):
+    """ZeRO bucket knobs the user fixes; None (or "auto") lets the plan choose.
+
+    A pinned value is what the plan is searched and evaluated with, and what the engine gets.
+    """
+
+    reduce_bucket_size: Optional[int] = Field(None, gt=0)
+    allgather_bucket_size: Optional[int] = Field(None, gt=0)
+    stage3_prefetch_bucket_size: Optional[int] = Field(None, gt=0)
+    stage3_max_live_parameters: Optional[int] = Field(None, gt=0)
+    overlap_comm: Optional[bool] = None
+
+
+class LagomConfig(DeepSpeedConfigModel):
+    """What a user writes under ``"lagom"``; see examples/deepspeed/ for a commented config."""
+
+    enabled: bool = False
+    mode: Literal["offline", "online"] = "offline"
+    plan: Optional[str] = None
+    """offline: plan file to load, or where to save the plan made at start-up when it does not exist.
+    online: plan to start from when no cached plan exists; the tuned plan is also written here."""
+    hardware: Optional[str] = None
+    """Preset name (configs/hardware/) or YAML file; its cluster must have as many GPUs as ranks."""
+    strategy: str = "lagom"
+    tune_steps: int = Field(5, gt=0)
+    report: Optional[str] = None
+    """Path prefix: writes <report>.json and <report>.md on rank 0; None writes no report."""
+    workload: Optional[Union[str, dict[str, Any]]] = None
+    """A workload YAML used instead of the one derived from the model, or overrides of derived fields."""
+    buckets: BucketPins = Field(default_factory=BucketPins)
+    cache_dir: str = ".lagom-cache"
+    strict_env: bool = True
+    """NCCL variables that contradict the plan are errors (else a logged warning)."""
+    retune_threshold: float = Field(0.1, gt=0.0, lt=1.0)
+    """online: relative drop in overlap efficiency that starts a new tuning round."""
+    flash_overlap: FlashOverlapSection = Field(default_factory=FlashOverlapSection)
+
+    @field_validator("strategy")
+    @classmethod
+    def _known_strategy(cls, value: str) -> str:
+        if value not in STRATEGIES:
+            raise ValueError(f"unknown strategy '{value}'; use one of {', '.join(STRATEGIES)}")
+        return value
+
+
+def _first_error(err: ValidationError) -> ConfigError:
+    e = err.errors()[0]
+    loc = ".".join(str(p) for p in e["loc"])
+    key = f"{SECTION}.{loc}" if loc else SECTION
+    if e["type"] == "extra_forbidden":
+        model = LagomConfig
+        for part in e["loc"][:-1]:
+            model = model.model_fields[str(part)].annotation  # type: ignore[assignment]
+        known = ", ".join(model.model_fields)  # type: ignore[union-attr]
+        return ConfigError(key, "unknown key", f"known keys here: {known}")
+    if e["type"] == "value_error":  # our own validators say what was wrong and how to fix it
+        return ConfigError(key, e["msg"].removeprefix("Value error, "))
+    return ConfigError(key, f"{e['msg']}, got {e['input']!r}", "see the schema in lagom_deepspeed/config.py")
+
+
+def parse_section(ds_config: dict[str, Any]) -> LagomConfig | None:
+    """The validated section, or None when it is absent; raises ConfigError naming the bad key."""
+    raw = ds_config.get(SECTION)
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ConfigError(SECTION, f"must be a JSON object, got {type(raw).__name__}")
+    try:
+        section = LagomConfig(**raw)
+    except ValidationError as err:
+        raise _first_error(err) from None
+    if section.enabled and not section.hardware:
+        raise ConfigError(f"{SECTION}.hardware", "is required when enabled",
+                          "name a preset from configs/hardware/ or a YAML file whose cluster matches the job")
+    return section
