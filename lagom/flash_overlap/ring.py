@@ -26,6 +26,13 @@ from lagom.flash_overlap.schedule import note
 WINDOW = 2
 
 
+def group_size(group: ProcessGroup | None) -> int:
+    """Ranks in ``group``; one when torch.distributed is not initialised and no group is named."""
+    if group is None and not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
 @dataclass(frozen=True)
 class Transfer:
     """One paired send/receive of the schedule; ``rows`` are the shard rows it carries."""
@@ -51,10 +58,9 @@ class Ring:
     @classmethod
     def of(cls, op: str, group: ProcessGroup | None, device: torch.device,
            config: FlashOverlapConfig) -> Ring:
-        """The ring of ``group``; without torch.distributed initialised, a world of one."""
-        if group is None and not dist.is_initialized():
-            return cls(op, None, 0, 1, device, config)
-        return cls(op, group, dist.get_rank(group), dist.get_world_size(group), device, config)
+        """The ring of ``group`` (see ``group_size``)."""
+        world = group_size(group)
+        return cls(op, group, dist.get_rank(group) if world > 1 else 0, world, device, config)
 
     def renamed(self, op: str) -> Ring:
         return replace(self, op=op)
