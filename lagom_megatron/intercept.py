@@ -1,0 +1,334 @@
+"""Interception of megatron-core's overlap points: every call is recorded, TP+SP linears may be decomposed.
+
+Where each point is caught, and why there:
+
+- DDP gradient buckets and parameter all-gather (``param_and_grad_buffer``): the methods
+  ``_ParamAndGradBucketGroup.start_grad_sync`` / ``start_param_sync``. Their collectives run inside
+  ``torch.distributed._coalescing_manager``, which issues one work for the whole bucket group when
+  the block ends, so only the method sees the work to time; it also covers the all-reduce that is
+  called as ``torch.distributed.all_reduce`` and the reduce-scatter that megatron swaps for its
+  fp32-accumulating variant by reassigning the module global.
+- Tensor parallel (``tensor_parallel.mappings`` and ``.layers``): the module globals
+  ``dist_all_gather_func`` / ``dist_reduce_scatter_func`` of both modules and ``mappings._reduce``;
+  ``layers.linear_with_grad_accumulation_and_async_allreduce`` and ``RowParallelLinear.forward``
+  route to Flash-Overlap where the plan decomposes the point.
+- Pipeline send/recv (``pipeline_parallel.p2p_communication``): the module functions
+  ``_batched_p2p_ops`` and ``_p2p_ops`` that ``P2PCommunicator._communicate`` dispatches to.
+
+Interception never changes what is computed: a recorded call runs the original function with the
+original arguments; a decomposed linear computes the same product with the same reduction per
+element (Flash-Overlap), which matches up to floating-point summation order.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from lagom.flash_overlap import FlashOverlapConfig, all_gather_matmul, matmul_reduce_scatter
+from lagom.plan import Plan
+from lagom_megatron.groups import GroupNames
+
+log = logging.getLogger("lagom.megatron")
+
+
+def nbytes(tensor: torch.Tensor | None) -> int:
+    return 0 if tensor is None else tensor.numel() * tensor.element_size()
+
+
+class _Pending:
+    """A work handle for the recorder whose completion this module signals.
+
+    Used for calls that finish synchronously (signalled right after the call returns) and for
+    works without a future (gloo send/recv, coalesced groups): signalled when megatron waits.
+    """
+
+    def __init__(self) -> None:
+        self._future: torch.futures.Future = torch.futures.Future()
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+    def wait(self) -> bool:
+        self._future.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def done(self) -> None:
+        if not self._future.done():
+            self._future.set_result(None)
+
+    def follow(self, works: list[Any]) -> None:
+        """Signal when all ``works`` are complete, through their futures where they have them."""
+        futures = []
+        for work in works:
+            try:
+                futures.append(work.get_future())
+            except RuntimeError:  # gloo send/recv: no future; the proxy handed to megatron signals on wait
+                return
+        if not futures:
+            self.done()
+        else:
+            torch.futures.collect_all(futures).then(lambda _: self.done())
+
+
+class _WaitSignals:
+    """Proxy for a work megatron will ``wait()`` on: signals the pending record when that returns."""
+
+    def __init__(self, work: Any, pending: _Pending) -> None:
+        self._work, self._pending = work, pending
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        out = self._work.wait(*args, **kwargs)
+        self._pending.done()
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+@dataclass
+class Router:
+    """Which tensor-parallel points run decomposed (Flash-Overlap), from the plan in force."""
+
+    plan: Plan | None = None
+    flash_overlap: bool = False
+    decomposed: dict[str, int] = field(default_factory=dict)  # key -> calls run decomposed
+
+    def decomposition(self, group: str, collective: str, size: int) -> FlashOverlapConfig | None:
+        if not self.flash_overlap or self.plan is None:
+            return None
+        entry = self.plan.lookup(group, collective, size)
+        if entry is None or entry.config.decomposition != "p2p":
+            return None
+        return FlashOverlapConfig(num_chunks=entry.config.num_chunks, comm_stream_priority=-1 if entry.config.priority else 0)
+
+
+class Interceptor:
+    """Installs the wrappers on megatron-core; ``uninstall`` puts every original back."""
+
+    def __init__(self, recorder: Any, router: Router | None = None) -> None:
+        self.recorder = recorder
+        self.router = router or Router()
+        self.names = GroupNames()
+        self._saved: list[tuple[Any, str, Any]] = []
+        self._skipped: set[str] = set()
+
+    # -- recording
+    def _start(self, group: Any, collective: str, size: int) -> _Pending:
+        pending = _Pending()
+        self.recorder.track(self.names.name(group), collective, size, pending)
+        return pending
+
+    def _sync(self, group: Any, collective: str, size: int, call: Callable[[], Any]) -> Any:
+        pending = self._start(group, collective, size)
+        try:
+            return call()
+        finally:
+            pending.done()
+
+    # -- install / uninstall
+    def _swap(self, owner: Any, attr: str, make: Callable[[Any], Any]) -> None:
+        original = getattr(owner, attr)
+        self._saved.append((owner, attr, original))
+        setattr(owner, attr, make(original))
+
+    def install(self) -> "Interceptor":
+        from megatron.core.distributed import param_and_grad_buffer as pgb
+        from megatron.core.pipeline_parallel import p2p_communication as p2p
+        from megatron.core.tensor_parallel import layers, mappings
+
+        bucket_group = pgb._ParamAndGradBucketGroup
+        self._swap(bucket_group, "start_grad_sync", self._grad_sync)
+        self._swap(bucket_group, "start_param_sync", self._param_sync)
+        for module in (mappings, layers):
+            self._swap(module, "dist_all_gather_func", lambda f: self._collective(f, "all_gather", out_arg=0))
+            self._swap(module, "dist_reduce_scatter_func", lambda f: self._collective(f, "reduce_scatter", out_arg=1))
+        self._swap(mappings, "_reduce", self._tp_all_reduce)
+        self._swap(layers, "linear_with_grad_accumulation_and_async_allreduce", self._column_linear)
+        self._swap(layers.RowParallelLinear, "forward", self._row_forward)
+        self._swap(p2p, "_batched_p2p_ops", self._p2p)
+        self._swap(p2p, "_p2p_ops", self._p2p)
+        return self
+
+    def uninstall(self) -> None:
+        for owner, attr, original in reversed(self._saved):
+            setattr(owner, attr, original)
+        self._saved.clear()
+
+    # -- data parallel
+    def _grad_sync(self, original: Callable) -> Callable:
+        def start_grad_sync(bucket_group: Any, force_all_reduce: bool | None = False) -> None:
+            if bucket_group.is_first_batch and bucket_group.grad_reduce_handle is not None:
+                return original(bucket_group, force_all_reduce=force_all_reduce)  # megatron's no-op case
+            cfg = bucket_group.ddp_config
+            scatter = cfg.use_distributed_optimizer and not force_all_reduce
+            group = (bucket_group.intra_distributed_optimizer_instance_group if cfg.use_distributed_optimizer
+                     else bucket_group.data_parallel_group)
+            pendings = [self._start(group, "reduce_scatter" if scatter else "all_reduce", nbytes(b.grad_data))
+                        for b in bucket_group.buckets]
+            if cfg.use_distributed_optimizer and cfg.num_distributed_optimizer_instances > 1:
+                pendings += [self._start(bucket_group.inter_distributed_optimizer_instance_group, "all_reduce",
+                                         nbytes(b.grad_data) // bucket_group.intra_distributed_optimizer_instance_size)
+                             for b in bucket_group.buckets]
+            original(bucket_group, force_all_reduce=force_all_reduce)
+            self._settle(pendings, bucket_group, "grad_reduce_handle")
+        return start_grad_sync
+
+    def _param_sync(self, original: Callable) -> Callable:
+        def start_param_sync(bucket_group: Any, force_sync: bool = False) -> None:
+            cfg = bucket_group.ddp_config
+            finishing = force_sync and bucket_group.param_gather_handle is not None  # waits, issues nothing
+            if finishing or not cfg.use_distributed_optimizer and bucket_group.intra_distributed_optimizer_instance_size == 1:
+                return original(bucket_group, force_sync=force_sync)
+            group = bucket_group.intra_distributed_optimizer_instance_group
+            if cfg.use_distributed_optimizer:
+                sizes = [nbytes(b.param_data) for b in bucket_group.buckets]
+            else:  # layer-wise optimizer: variable-size all_gather of each rank's parameters
+                sizes = [sum(b.layerwise_param_flat_sizes) * b.params_list[0].element_size()
+                         for b in bucket_group.buckets if max(b.layerwise_param_flat_sizes) > 0]
+            pendings = [self._start(group, "all_gather", size) for size in sizes]
+            original(bucket_group, force_sync=force_sync)
+            self._settle(pendings, bucket_group, "param_gather_handle")
+        return start_param_sync
+
+    def _settle(self, pendings: list[_Pending], bucket_group: Any, handle_attr: str) -> None:
+        """Completion of a bucket group's records: now when synchronous, else with its handle."""
+        handle = getattr(bucket_group, handle_attr)
+        if handle is None:
+            for p in pendings:
+                p.done()
+            return
+        works = [w for w in getattr(handle, "works", getattr(handle, "handles", [handle])) if w is not None]
+        for p in pendings:
+            p.follow(works)
+        if any(not p.is_completed() for p in pendings) and not _has_futures(works):
+            setattr(bucket_group, handle_attr, _WaitSignals(handle, _Group(pendings)))
+
+    # -- tensor parallel
+    def _collective(self, original: Callable, collective: str, out_arg: int) -> Callable:
+        """``dist_all_gather_func(out, in, group=, async_op=)`` and the reduce-scatter twin.
+
+        The recorded size is the whole buffer: the gathered output, the unreduced input.
+        """
+        def wrapped(output: torch.Tensor, input_: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            group = kwargs.get("group", args[0] if args else None)
+            size = nbytes(output if out_arg == 0 else input_)
+            if not kwargs.get("async_op", False):
+                return self._sync(group, collective, size, lambda: original(output, input_, *args, **kwargs))
+            pending = self._start(group, collective, size)
+            work = original(output, input_, *args, **kwargs)
+            pending.follow([work])
+            return work if pending.is_completed() or _has_futures([work]) else _WaitSignals(work, pending)
+        return wrapped
+
+    def _tp_all_reduce(self, original: Callable) -> Callable:
+        def _reduce(input_: torch.Tensor, group: Any) -> torch.Tensor:
+            if group is None or group.size() == 1:
+                return original(input_, group)
+            return self._sync(group, "all_reduce", nbytes(input_), lambda: original(input_, group))
+        return _reduce
+
+    def _flash_blocked(self, why: str) -> None:
+        if why not in self._skipped:
+            self._skipped.add(why)
+            log.warning("Flash-Overlap not used for a decomposed TP point: %s; it runs as a collective", why)
+
+    def _column_linear(self, original: Callable) -> Callable:
+        """Column-parallel GEMM with sequence parallel: all_gather_matmul where the plan says p2p."""
+        def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   gradient_accumulation_fusion: bool, allreduce_dgrad: bool, sequence_parallel: bool,
+                   grad_output_buffer: list | None = None, wgrad_deferral_limit: int | None = 0,
+                   tp_group: Any = None, gtp_remat_size: int = 1) -> torch.Tensor:
+            call = lambda: original(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,  # noqa: E731
+                                    sequence_parallel, grad_output_buffer, wgrad_deferral_limit, tp_group,
+                                    gtp_remat_size)
+            if not sequence_parallel or tp_group is None or tp_group.size() == 1:
+                return call()
+            size = nbytes(input) * tp_group.size()
+            cfg = self.router.decomposition(self.names.name(tp_group), "all_gather", size)
+            if cfg is None:
+                return call()
+            if gradient_accumulation_fusion or grad_output_buffer is not None or gtp_remat_size > 1:
+                self._flash_blocked("gradient-accumulation fusion, deferred wgrad or GTP is on")
+                return call()
+            key = f"{self.names.name(tp_group)}/all_gather/{size}"
+            self.router.decomposed[key] = self.router.decomposed.get(key, 0) + 1
+            out = self._sync(tp_group, "all_gather", size, lambda: all_gather_matmul(input, weight, tp_group, config=cfg))
+            return out if bias is None else out + bias
+        return linear
+
+    def _row_forward(self, original: Callable) -> Callable:
+        """Row-parallel GEMM + reduce-scatter: matmul_reduce_scatter where the plan says p2p."""
+        interceptor = self
+
+        def forward(layer: Any, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+            if not layer.sequence_parallel or layer.explicit_expert_comm or layer.tp_group.size() == 1:
+                return original(layer, input_)
+            size = input_.shape[:-1].numel() * layer.weight.shape[0] * input_.element_size()
+            name = interceptor.names.name(layer.tp_group)
+            cfg = interceptor.router.decomposition(name, "reduce_scatter", size)
+            if cfg is None:
+                return original(layer, input_)
+            if (layer.gradient_accumulation_fusion or layer.gtp_remat_size > 1 or not layer.weight.requires_grad
+                    or layer.config._cpu_offloading_context is not None):
+                interceptor._flash_blocked("gradient-accumulation fusion, GTP, a frozen weight or CPU offloading is on")
+                return original(layer, input_)
+            key = f"{name}/reduce_scatter/{size}"
+            interceptor.router.decomposed[key] = interceptor.router.decomposed.get(key, 0) + 1
+            out = interceptor._sync(layer.tp_group, "reduce_scatter", size,
+                                    lambda: matmul_reduce_scatter(input_, layer.weight, layer.tp_group, config=cfg))
+            if layer.skip_bias_add:
+                return out, layer.bias
+            return (out + layer.bias if layer.bias is not None else out), None
+        return forward
+
+    # -- pipeline
+    def _p2p(self, original: Callable) -> Callable:
+        """Send/recv between stages; the size is what this rank sends (or receives, when it only receives)."""
+        def ops(**kwargs: Any) -> Any:
+            sent = nbytes(kwargs.get("tensor_send_prev")) + nbytes(kwargs.get("tensor_send_next"))
+            got = nbytes(kwargs.get("tensor_recv_prev")) + nbytes(kwargs.get("tensor_recv_next"))
+            if not sent and not got:
+                return original(**kwargs)
+            pending = self._start(kwargs["group"], "send_recv", sent or got)
+            reqs = original(**kwargs)
+            works = list(reqs.values()) if isinstance(reqs, dict) else list(reqs)
+            pending.follow(works)
+            if pending.is_completed() or _has_futures(works):
+                return reqs
+            if not works:
+                pending.done()
+                return reqs
+            group = _Group([pending], expected=len(works))
+            if isinstance(reqs, dict):
+                return {k: _WaitSignals(w, group) for k, w in reqs.items()}
+            return [_WaitSignals(w, group) for w in reqs]
+        return ops
+
+
+class _Group:
+    """Signals several pending records once ``expected`` waits have returned."""
+
+    def __init__(self, pendings: list[_Pending], expected: int = 1) -> None:
+        self.pendings, self.left = pendings, expected
+
+    def done(self) -> None:
+        self.left -= 1
+        if self.left <= 0:
+            for p in self.pendings:
+                p.done()
+
+
+def _has_futures(works: list[Any]) -> bool:
+    try:
+        for work in works:
+            work.get_future()
+    except RuntimeError:
+        return False
+    return True
