@@ -95,11 +95,11 @@ class Session:
     def start(cls, args: argparse.Namespace, options: LagomOptions) -> "Session":
         workload = workload_from_args(args)
         world = workload.world_size
+        hw = _hardware(options, None) if options.hardware else None
         file_plan = None
         if options.plan is not None and options.plan.exists():
-            hw_for_check = load_hardware(options.hardware) if options.hardware else None
-            file_plan = _load_plan(options.plan, world, workload, hw_for_check)
-        hw = _hardware(options, file_plan)
+            file_plan = _load_plan(options.plan, world, workload, hw)
+        hw = hw or _hardware(options, file_plan)
         session = cls(args, options, workload, hw)
         if options.mode == "online":
             from lagom.online import OnlineTuner

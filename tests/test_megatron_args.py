@@ -1,0 +1,121 @@
+"""The launcher's hooks on the installed (unpatched) megatron/training, the flags' checks, and the
+workload read off Megatron's arguments."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+
+from lagom.errors import ConfigError
+from lagom.hardware import load_hardware
+from lagom.tune import make_plan
+from lagom_megatron.arguments import options_from_args
+from lagom_megatron.hooks import install_launcher_hooks, remove_launcher_hooks
+from lagom_megatron.session import Session
+from lagom_megatron.workload import workload_from_args
+
+MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "512",
+         "--max-position-embeddings", "512", "--micro-batch-size", "2", "--global-batch-size", "16",
+         "--vocab-size", "1000", "--bf16", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+         "--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size", "1000000"]
+
+
+@pytest.fixture
+def parse(monkeypatch: pytest.MonkeyPatch):
+    """megatron.training.arguments.parse_args of the installed megatron, with the launcher's hooks."""
+    from megatron.training import arguments
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    install_launcher_hooks()
+
+    def run(argv: list[str], extra=None) -> argparse.Namespace:
+        monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *argv])
+        return arguments.parse_args(extra_args_provider=extra)
+
+    yield run
+    remove_launcher_hooks()
+    assert not hasattr(arguments.add_megatron_arguments, "__lagom_original__")
+
+
+def test_launcher_hooks_register_the_flags_beside_a_scripts_own(parse) -> None:
+    def extra(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        parser.add_argument("--my-flag", type=int, default=0)
+        return parser
+
+    args = parse([*MODEL, "--lagom", "--lagom-plan", "plan.json", "--lagom-strategy", "autoccl", "--my-flag", "3"], extra)
+    assert (args.lagom, args.lagom_plan, args.lagom_strategy, args.lagom_mode, args.my_flag) == \
+        (True, "plan.json", "autoccl", "offline", 3)
+    opts = options_from_args(args)
+    assert opts is not None and opts.plan == Path("plan.json") and opts.tune_iters == 5
+    assert parse(MODEL).lagom is False and options_from_args(parse(MODEL)) is None
+    install_launcher_hooks()  # a second install (patched megatron + launcher) adds nothing twice
+    assert parse([*MODEL, "--lagom-report", "r.json", "--lagom"]).lagom_report == "r.json"
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--lagom", "--lagom-mode", "fast"], "argument --lagom-mode: invalid choice: 'fast'"),
+    (["--lagom", "--lagom-tune-iters", "x"], "argument --lagom-tune-iters: 'x' is not an integer"),
+    (["--lagom", "--lagom-strategy", "best"], "argument --lagom-strategy: invalid choice: 'best'"),
+])
+def test_bad_flag_values_name_the_flag(parse, capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        parse([*MODEL, *argv])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,key", [
+    (["--lagom-plan", "p.json"], "--lagom-plan: is set but --lagom is not"),
+    (["--lagom"], "--lagom-hardware: is needed to make a plan when no --lagom-plan is given"),
+    (["--lagom", "--lagom-hardware", "a100-8x-100g", "--lagom-report", "r.yaml"], "--lagom-report: 'r.yaml'"),
+])
+def test_flag_combinations_argparse_cannot_check(parse, argv: list[str], key: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        options_from_args(parse([*MODEL, *argv]))
+    assert str(err.value).startswith(key)
+
+
+def test_workload_from_megatron_args(parse) -> None:
+    wl = workload_from_args(parse(MODEL), script="pretrain_gpt.py")
+    assert (wl.model.architecture, wl.model.layers, wl.model.hidden, wl.model.ffn, wl.model.heads) == ("gpt", 4, 256, 1024, 8)
+    assert wl.model.vocab == 1024  # padded to a multiple of 128 x tp, as megatron pads it
+    assert (wl.parallel.dp, wl.parallel.tp, wl.parallel.pp) == (4, 2, 1)
+    assert wl.parallel.sequence_parallel and wl.parallel.distributed_optimizer
+    assert (wl.training.dtype, wl.training.micro_batch, wl.training.global_batch) == ("bf16", 2, 16)
+    assert (wl.framework.bucket_size, wl.framework.overlap_grad_reduce) == (1_000_000, True)
+    assert workload_from_args(parse(MODEL), script="pretrain_gpt.py").fingerprint() == wl.fingerprint()
+    other = workload_from_args(parse([*MODEL, "--ddp-bucket-size", "2000000"]), script="pretrain_gpt.py")
+    assert other.fingerprint() != wl.fingerprint()
+    gqa = workload_from_args(parse([*MODEL, "--group-query-attention", "--num-query-groups", "2", "--swiglu"]),
+                             script="pretrain_gpt.py")
+    assert (gqa.model.kv_heads, gqa.model.gated_mlp, gqa.model.ffn) == (2, True, 640)
+    assert workload_from_args(parse(MODEL), script="pretrain_bert.py").model.architecture == "bert"
+
+
+def test_workload_errors_name_the_key(parse, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ConfigError, match=r"^parallel.tp: tp=2 does not divide heads=3"):
+        workload_from_args(parse([*MODEL, "--num-attention-heads", "3", "--hidden-size", "255"]))
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ConfigError, match=r"^--tensor-model-parallel-size: tp\*pp\*cp=2 does not divide the world size 3"):
+        workload_from_args(parse(MODEL))
+
+
+def test_plan_for_another_topology_is_refused_naming_the_key(parse, tmp_path: Path) -> None:
+    args = parse([*MODEL, "--lagom", "--lagom-plan", str(tmp_path / "plan.json"), "--lagom-hardware", "a100-8x-100g"])
+    hw = load_hardware("a100-8x-100g")
+    wl = workload_from_args(args)
+    plan = make_plan(wl, hw, "nccl")
+    plan.world_size = 16  # as if made for two nodes
+    plan.save(tmp_path / "plan.json")
+    with pytest.raises(ConfigError, match=r"^--lagom-plan .*plan.json: plan.world_size: plan was made for 16 ranks, this job has 8"):
+        Session.start(args, options_from_args(args))
+    other = parse([*MODEL, "--num-layers", "8"])
+    make_plan(workload_from_args(other), hw, "nccl").save(tmp_path / "plan.json")
+    with pytest.raises(ConfigError, match=r"^--lagom-plan .*: plan.workload_fingerprint: plan was made for workload"):
+        Session.start(args, options_from_args(args))
+    args.lagom_hardware = "no-such-gpu"
+    with pytest.raises(ConfigError, match=r"^--lagom-hardware: hardware: unknown hardware 'no-such-gpu'"):
+        Session.start(args, options_from_args(args))
