@@ -280,6 +280,8 @@ def _simulate_phase(phase: Phase, configs: Configs, model: CostModel, default: C
                                 if not done[d] and tasks[d].is_comm and startable(tasks[d])), None)
             else:  # compute finished: trailing collectives of this device
                 blocker = next((t for t in running if t.is_comm and device in t.devices), None)
+            if blocker is not None and blocker.start < 0:  # queued: blame what holds its communicator
+                blocker = queues[(blocker.device, blocker.stream)][0]
             if blocker is not None:
                 exposed_by[blocker.id] += dt
         now += dt

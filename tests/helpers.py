@@ -54,7 +54,7 @@ def synthetic_problem(segments: list[tuple[float, float, int]], points: list[dic
 
 
 SMALL_SPACE = SearchSpace(channels=(1, 2, 4, 8, 16, 32), threads=(512,), chunks=(256 * 1024, 2 * 1024 * 1024),
-                          protocols=("LL", "Simple"), splits=())
+                          protocols=("Simple",), splits=())
 
 
 def with_space(problem: Problem, space: SearchSpace) -> Problem:

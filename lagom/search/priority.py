@@ -20,7 +20,6 @@ from lagom.points import ComputeSegment, OverlapPoint, StepGraph
 from lagom.search.base import Evaluator, Problem, SearchResult, nccl_configs
 
 CHECKED_PER_KEY = 4  # candidates per collective confirmed with the evaluator
-SAMPLE_SEGMENTS = 6  # segments of a window used to estimate the slowdown a config causes
 
 
 @dataclass
@@ -30,7 +29,7 @@ class Window:
     point: OverlapPoint
     repeat: int  # occurrences per step
     hide: float  # uncontended seconds of compute between release and need
-    segments: list[ComputeSegment]  # a sample of that compute, for the slowdown estimate
+    segments: list[ComputeSegment]  # that compute, in stream order
 
 
 def windows(graph: StepGraph, model: CostModel) -> dict[str, list[Window]]:
@@ -47,16 +46,13 @@ def windows(graph: StepGraph, model: CostModel) -> dict[str, list[Window]]:
                 hide_segs = segs[pos[p.fuse_with]:pos[p.fuse_with] + 1]  # what a decomposition would hide under
             else:
                 hide_segs = segs[pos[p.after] + 1 if p.after else 0:pos[p.before] if p.before else len(segs)]
-            step = max(1, math.ceil(len(hide_segs) / SAMPLE_SEGMENTS))
-            sample = hide_segs[::step]
-            hide = sum(model.compute_solo(s) for s in hide_segs)
-            sig = (p.collective, p.group, p.bytes, p.fuse_with is not None, round(hide, 12),
-                   tuple((s.flops, s.bytes, s.ctas) for s in sample))
+            sig = (p.collective, p.group, p.bytes, p.fuse_with is not None,
+                   tuple((s.flops, s.bytes, s.ctas) for s in hide_segs))
             known = out.setdefault(p.key, {})
             if sig in known:
                 known[sig].repeat += phase.repeat
             else:
-                known[sig] = Window(p, phase.repeat, hide, sample)
+                known[sig] = Window(p, phase.repeat, sum(model.compute_solo(s) for s in hide_segs), hide_segs)
     return {key: list(wins.values()) for key, wins in out.items()}
 
 
@@ -67,26 +63,34 @@ class Estimate:
     makespan: float  # Z: seconds the windows take
 
 
+def _inflation(comm_s: float, segments: list[ComputeSegment], running: tuple[RunningComm, ...], model: CostModel) -> float:
+    """Extra compute seconds while a collective runs from the window's start for comm_s seconds."""
+    extra, left = 0.0, comm_s
+    for seg in segments:
+        if left <= 0:
+            break
+        solo, slowed = model.compute_solo(seg), model.compute_time(seg, running)
+        if slowed <= left:
+            extra, left = extra + slowed - solo, left - slowed
+        else:  # the collective ends inside this segment
+            extra, left = extra + left * (1 - solo / slowed), 0.0
+    return extra
+
+
 def estimate(cfg: CommConfig, wins: list[Window], model: CostModel) -> Estimate:
     """The windows of one key under one config, each in isolation: Z = max(X, inflated compute)."""
     X = Y = Z = 0.0
     for w in wins:
         p = w.point
-        sample_solo = sum(model.compute_solo(s) for s in w.segments)
         util = max((model.hbm_util(s) for s in w.segments), default=0.0)
         if cfg.decomposition == "p2p" and can_decompose(p):
             n = p.group.size * cfg.num_chunks
             step = model.p2p_step_time(p.group, p.bytes / n, cfg, util)
-            x = step * (n - cfg.num_chunks)
-            first = step
+            x, first = step * (n - cfg.num_chunks), step
         else:
-            x = model.comm_time(p.collective, p.group, p.bytes, cfg, util)
-            first = 0.0
+            x, first = model.comm_time(p.collective, p.group, p.bytes, cfg, util), 0.0
         rate = model.comm_hbm_rate(p.collective, p.group, p.bytes, x) if x > 0 else 0.0
-        running = (RunningComm(cfg, rate),)
-        slowed = sum(model.compute_time(s, running) for s in w.segments)
-        factor = slowed / sample_solo if sample_solo > 0 else 1.0
-        y = w.hide + min(x, w.hide) * (factor - 1.0)
+        y = w.hide + _inflation(x, w.segments, (RunningComm(cfg, rate),), model)
         X += x * w.repeat
         Y += y * w.repeat
         Z += (first + max(x, y)) * w.repeat
@@ -99,6 +103,19 @@ def priority(cur: Estimate, new: Estimate) -> float:
     return (new.compute - cur.compute) / saved if saved else math.inf
 
 
+def _ranked(key: str, cur: Estimate, exposed: float, problem: Problem, wins: list[Window]) -> list[tuple[Estimate, CommConfig]]:
+    """Candidates best first. Comm-bound: the exposed comm a move can remove (at most ``exposed``, the
+    step's), net of the compute it adds; ties go to the faster comm. Compute-bound: predicted makespan."""
+    model = problem.model
+    scored = [(estimate(c, wins, model), c) for c in candidates(problem.keys[key][0], problem.hw, problem.space)]
+    if exposed > 0:
+        def gain(ec: tuple[Estimate, CommConfig]) -> tuple[float, float]:
+            est = ec[0]
+            return ((est.compute - cur.compute) - min(exposed, cur.comm - est.comm), est.comm)
+        return sorted(scored, key=gain)
+    return sorted(scored, key=lambda ec: ec[0].makespan)
+
+
 def search(problem: Problem, evaluator: Evaluator) -> SearchResult:
     model = problem.model
     configs = nccl_configs(problem)
@@ -106,25 +123,24 @@ def search(problem: Problem, evaluator: Evaluator) -> SearchResult:
     wins = windows(problem.graph, model)
     per_key = best.per_key()
     plans = []
-    for key, points in problem.keys.items():
+    for key in problem.keys:
         cur = estimate(configs[key], wins[key], model)
-        ranked = sorted(((estimate(c, wins[key], model), c) for c in candidates(points[0], problem.hw, problem.space)),
-                        key=lambda ec: ec[0].makespan)
-        move = ranked[0][0]
-        comm_bound = per_key[key]["exposed"] > 0
-        h = priority(cur, move)
+        exposed = per_key[key]["exposed"]
+        ranked = _ranked(key, cur, best.exposed_comm_s if exposed > 0 else 0.0, problem, wins[key])
+        h = priority(cur, ranked[0][0])
         # Comm-bound first, smallest H first; then compute-bound, largest compute saving per comm added.
-        plans.append(((0, h) if comm_bound else (1, -h if math.isfinite(h) else 0.0), key, cur, ranked, comm_bound))
+        plans.append(((0, h) if exposed > 0 else (1, -h if math.isfinite(h) else 0.0), key, cur, ranked, exposed > 0))
     notes: dict[str, str] = {}
     for _, key, cur, ranked, comm_bound in sorted(plans, key=lambda p: p[0]):
-        tried = 0
+        seen = {(round(cur.comm, 12), round(cur.compute, 12))}
         chosen = None
         for est, cfg in ranked:
-            if tried == CHECKED_PER_KEY or est.makespan >= cur.makespan:
+            if len(seen) > CHECKED_PER_KEY:
                 break
-            if cfg == configs[key]:
+            predicted = (round(est.comm, 12), round(est.compute, 12))
+            if predicted in seen:  # checks go to distinct predictions, not to knobs the model says are moot
                 continue
-            tried += 1
+            seen.add(predicted)
             result = evaluator.evaluate({**configs, key: cfg})
             if result.step_s < best.step_s:
                 best, chosen = result, (cfg, est)
