@@ -7,7 +7,7 @@ venv:
 	@bash scripts/bootstrap.sh
 
 demo: venv
-	$(VENV)/bin/lagom demo
+	$(VENV)/bin/lagom reproduce --quick --out out/demo
 
 test: venv
 	$(PY) -m pytest tests

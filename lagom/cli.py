@@ -118,7 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # Subcommands whose code lives in their own modules: each module offers add_arguments(parser) and run(args).
-_PLUGGED: list[tuple[str, str, str]] = []
+_PLUGGED: list[tuple[str, str, str]] = [
+    ("patch", "lagom_megatron.patching", "patch megatron/training to accept --lagom (or --revert it)"),
+    ("reproduce", "lagom.reproduce", "reproduce the published GPT/BERT/T5 and A40 results: table, report, plots"),
+]
 
 
 def _plug(sub, name: str, module: str, help_text: str) -> None:

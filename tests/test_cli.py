@@ -1,0 +1,64 @@
+"""The command line: its JSON contract, its files, and one-line errors with exit code 2."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from lagom.cli import main
+from tests.helpers import gpt_workload, write_yaml
+
+
+@pytest.fixture()
+def wl(tmp_path):
+    return str(write_yaml(tmp_path / "w.yaml", gpt_workload(parallel={"tp": 2, "dp": 4})))
+
+
+def test_compare_json_has_the_promised_shape(wl, capsys):
+    assert main(["compare", wl, "--hardware", "a100-8x-100g", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert set(data) == {"workload", "hardware", "strategies", "speedup"}
+    assert set(data["strategies"]) == {"nccl", "autoccl", "lagom", "exhaustive"}
+    for name in ("nccl", "autoccl", "lagom"):
+        s = data["strategies"][name]
+        assert set(s) == {"step_s", "evaluations", "overlap_efficiency", "exposed_comm_s"}
+        assert isinstance(s["evaluations"], int) and 0 < s["overlap_efficiency"] <= 1
+    assert data["strategies"]["exhaustive"] is None  # too many keys for brute force
+    nccl = data["strategies"]["nccl"]["step_s"]
+    assert data["speedup"]["lagom"] == pytest.approx(nccl / data["strategies"]["lagom"]["step_s"])
+    assert data["speedup"]["lagom"] >= 1.0
+
+
+def test_tune_writes_a_plan_and_the_framework_files(wl, tmp_path, capsys):
+    out = tmp_path / "emit"
+    assert main(["tune", wl, "--hardware", "a100-8x-100g", "--out", str(tmp_path / "plan.json"), "--emit", str(out)]) == 0
+    assert json.loads((tmp_path / "plan.json").read_text())["strategy"] == "lagom"
+    assert {p.name for p in out.iterdir()} == {"nccl_comm_cfgs.yaml", "nccl_tuner.csv", "nccl.env", "buckets.json",
+                                                "te_ub_cfgs.yaml", "plan.md"}
+    assert "plan: tiny-gpt on a100-8x-100g" in capsys.readouterr().out
+
+
+def test_simulate_plots_a_timeline(wl, tmp_path):
+    assert main(["simulate", wl, "--hardware", "a100-8x-100g", "--strategy", "nccl", "lagom", "--plot", str(tmp_path / "t.png")]) == 0
+    assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("override, args, message", [
+    ({"model": {"layerz": 2}}, [], "model.layerz"),
+    ({"model": {"heads": 7}}, [], "parallel.tp: tp=2 does not divide heads=7"),
+    ({"parallel": {"dp": 2}}, [], "dp*tp*pp*cp=4 but the cluster has 8 GPUs"),
+    ({"training": {"micro_batch": 0}}, [], "training.micro_batch: must be positive"),
+    ({}, ["--hardware", "a100-80x"], "unknown hardware 'a100-80x'"),
+])
+def test_bad_input_exits_2_with_one_clear_line(tmp_path, override, args, message):
+    data = gpt_workload(parallel={"tp": 2, "dp": 4})
+    for section, values in override.items():
+        data[section].update(values)
+    path = write_yaml(tmp_path / "w.yaml", data)
+    hw = [] if args else ["--hardware", "a100-8x-100g"]
+    proc = subprocess.run([sys.executable, "-m", "lagom.cli", "tune", str(path), *hw, *args],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stdout == "" and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and message in proc.stderr
