@@ -1,0 +1,90 @@
+"""The monitor: quiet on steady steps, one reason per drift, new collective sizes reported once."""
+
+from __future__ import annotations
+
+import logging
+import random
+import re
+
+import pytest
+
+from lagom.errors import ConfigError
+from lagom.monitor import Monitor
+from lagom.runtime import CallRecord
+
+
+def records(*keys: str) -> list[CallRecord]:
+    out = []
+    for seq, key in enumerate(keys):
+        group, coll, size = key.rsplit("/", 2)
+        out.append(CallRecord(group, coll, int(size), seq, 0, 0.0, 1e-3))
+    return out
+
+
+def test_steady_noisy_steps_stay_quiet():
+    rng = random.Random(0)
+    mon = Monitor(expected_step_s=1.0, bound_s=0.86)
+    steady = records("dp/all_reduce/1048576", "tp/all_gather/65536")
+    reasons = [mon.observe(1.0 + rng.uniform(-0.04, 0.04), steady) for _ in range(200)]
+    assert reasons == [None] * 200
+    assert mon.baseline == pytest.approx(0.86, abs=0.04)
+
+
+def test_drift_is_reported_once_then_rebaselined(caplog):
+    mon = Monitor(expected_step_s=1.0, bound_s=0.86, threshold=0.1, warmup=3, window=20)
+    for _ in range(8):
+        assert mon.observe(1.0) is None
+    assert mon.baseline == pytest.approx(0.86)
+    with caplog.at_level(logging.WARNING, logger="lagom.monitor"):
+        slow = [mon.observe(1.3) for _ in range(40)]
+    fired = [i for i, r in enumerate(slow) if r]
+    # Window mean of 5 fast (0.86) and k slow (0.6615) steps drops below 0.86 * 0.9 = 0.774 at k = 4.
+    assert fired == [3]
+    assert slow[3] == "overlap efficiency 0.77 < baseline 0.86 - 10%: re-tune (workload or network changed)"
+    assert caplog.messages == [slow[3]]
+    assert mon.baseline == pytest.approx(0.86 / 1.3)  # the new regime is the new baseline
+
+
+def test_a_single_slow_step_is_not_a_drift():
+    mon = Monitor(expected_step_s=1.0, bound_s=0.9, warmup=3, window=10)
+    for _ in range(10):
+        mon.observe(1.0)
+    assert mon.observe(3.0) is None
+    assert [mon.observe(1.0) for _ in range(20)] == [None] * 20
+
+
+def test_new_sizes_against_the_plan_keys_are_reported_once():
+    plan_keys = ["dp/all_reduce/1000000", "tp/all_gather/65536"]
+    mon = Monitor(expected_step_s=1.0, bound_s=0.8, keys=plan_keys)
+    padded = records("dp/all_reduce/1024000", "tp/all_gather/65536")  # megatron-style padding: same key
+    assert mon.observe(1.0, padded) is None
+    reason = mon.observe(1.0, padded + records("dp/all_reduce/123"))
+    assert reason == "new collective sizes seen: dp/all_reduce/123 (not in the plan)"
+    assert mon.observe(1.0, padded + records("dp/all_reduce/123")) is None
+
+
+def test_without_plan_keys_the_warmup_keys_are_the_reference():
+    mon = Monitor(expected_step_s=1.0, bound_s=0.8, warmup=3)
+    base = records("dp/reduce_scatter/4096")
+    for _ in range(3):
+        assert mon.observe(1.0, base) is None
+    keys = [f"dp/all_gather/{n}" for n in range(10, 17)]
+    reason = mon.observe(1.0, base + records(*keys))
+    assert re.fullmatch(r"new collective sizes seen: dp/all_gather/10, dp/all_gather/11, dp/all_gather/12, "
+                        r"dp/all_gather/13, dp/all_gather/14 and 2 more \(not seen during warm-up\)", reason)
+
+
+def test_drift_and_new_keys_in_one_step_give_both_reasons():
+    mon = Monitor(expected_step_s=1.0, bound_s=0.9, warmup=1, window=1, keys=["dp/all_reduce/8"])
+    assert mon.observe(1.0, records("dp/all_reduce/8")) is None
+    reason = mon.observe(2.0, records("dp/all_reduce/8", "ep/all_to_all/64"))
+    assert reason.startswith("new collective sizes seen: ep/all_to_all/64 (not in the plan); overlap efficiency 0.45")
+
+
+@pytest.mark.parametrize("kwargs, key", [
+    ({"threshold": 1.5}, "Monitor.threshold"), ({"warmup": 0}, "Monitor.warmup"), ({"bound_s": 0.0}, "Monitor.bound_s"),
+])
+def test_bad_settings_name_the_key(kwargs, key):
+    args = {"expected_step_s": 1.0, "bound_s": 0.5, **kwargs}
+    with pytest.raises(ConfigError, match=re.escape(key)):
+        Monitor(**args)
