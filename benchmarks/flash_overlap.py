@@ -9,6 +9,9 @@ row-parallel one (GEMM, then reduce-scatter: ``matmul_reduce_scatter``). For eac
   serial    collective + GEMM, one after the other (what the frameworks do without overlap)
   fused     the Flash-Overlap operator
   exposed   max(0, time - gemm): the communication the GEMM did not hide
+  model     the step simulator's serial and fused times, from a profile whose compute peak and link
+            bandwidth are set by this row's "gemm" and "comm" alone (contention off: CPU ranks have no
+            SMs to share), so the columns test the model's overlap logic against the measured ones
 
 Times are the median over repeats, the slowest rank's. Runs on NCCL with one GPU per rank where
 there are enough GPUs, otherwise on gloo with CPU processes (ranks then share the host's cores, so
@@ -27,14 +30,19 @@ import socket
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lagom.comm_config import CommConfig
+from lagom.cost_model import CostModel
 from lagom.flash_overlap import all_gather_matmul, matmul_reduce_scatter
+from lagom.hardware import load_hardware
+from lagom.points import Collective, ComputeSegment, Group, OverlapPoint, Phase, StepGraph
+from lagom.simulator import simulate
 
 
 @dataclass(frozen=True)
@@ -73,8 +81,38 @@ class Record:
         return max(0.0, self.fused_ms - self.gemm_ms)
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self) | {"serial_exposed_ms": self.serial_exposed_ms,
-                               "fused_exposed_ms": self.fused_exposed_ms}
+        serial, fused = predict(self)
+        return asdict(self) | {"serial_exposed_ms": self.serial_exposed_ms, "fused_exposed_ms": self.fused_exposed_ms,
+                               "model_serial_ms": serial, "model_fused_ms": fused}
+
+
+GEMM_FLOPS = 1e12  # the modelled GEMM's size; the profile's peak is scaled so it takes the measured time
+COMM_BYTES = 1 << 30
+
+
+def predict(r: Record) -> tuple[float, float]:
+    """(serial, fused) milliseconds the simulator predicts from this row's standalone GEMM and comm."""
+    base = load_hardware("a100-8x-100g")
+    n = r.tp
+    gpu = replace(base.gpu, peak_tflops=GEMM_FLOPS / (r.gemm_ms * 1e-3) / 1e12, gemm_efficiency=1.0, hbm_gbps=1e9)
+    bus = COMM_BYTES * (n - 1) / n
+    intra = replace(base.cluster.intra, gbps=bus / (r.comm_ms * 1e-3) / 1e9, latency_us=0.0)
+    nccl = replace(base.nccl, base_latency_us=0.0, step_overhead_us=0.0, channel_gbps={intra.kind: 1e9},
+                   protocols={"Simple": replace(base.nccl.protocols["Simple"], latency_us=0.0)})
+    contention = replace(base.contention, sm_share_per_cta=0.0, hbm_interference=0.0, l2_interference=0.0,
+                         comm_slowdown_per_hbm_util=0.0, cta_wait_us=0.0)
+    hw = replace(base, gpu=gpu, cluster=replace(base.cluster, intra=intra), nccl=nccl, contention=contention)
+    gemm = ComputeSegment("gemm", GEMM_FLOPS, 0.0, 1)
+    edge = ComputeSegment("edge", 0.0, 0.0, 1)  # the GEMM's neighbour, to anchor release and need
+    gather = r.op.startswith("fc1")
+    segs = [edge, gemm] if gather else [gemm, edge]
+    point = OverlapPoint("tp.comm", Collective.ALL_GATHER if gather else Collective.REDUCE_SCATTER,
+                         Group("tp", n, n, 1), COMM_BYTES, after=segs[0].name, before=segs[1].name, fuse_with="gemm")
+    graph = StepGraph("flash-overlap", hw.name, 1, [Phase("op", 1, {0: segs}, [point])])
+    model = CostModel(hw)
+    times = [simulate(graph, {point.key: CommConfig(decomposition=d, num_chunks=r.chunks, priority=1)}, model).step_s
+             for d in ("collective", "p2p")]
+    return times[0] * 1e3, times[1] * 1e3
 
 
 def _timed(variants: dict[str, Callable[[], object]], repeats: int, device: torch.device) -> dict[str, float]:
@@ -185,13 +223,13 @@ def _print(records: list[Record], as_json: bool) -> None:
 
     table = Table(title="Flash-Overlap vs collective + GEMM (ms; exposed = time - GEMM alone)")
     for column in ("model", "tp", "op", "shape", "chunks", "backend", "GEMM", "comm", "serial", "fused",
-                   "exposed serial", "exposed fused", "speed-up"):
+                   "exposed serial", "exposed fused", "speed-up", "model serial", "model fused"):
         table.add_column(column, justify="left" if column in ("model", "op", "shape", "backend") else "right")
     for r in records:
         table.add_row(r.model, str(r.tp), r.op, r.shape, str(r.chunks), r.backend,
                       *(f"{v:.2f}" for v in (r.gemm_ms, r.comm_ms, r.serial_ms, r.fused_ms,
                                              r.serial_exposed_ms, r.fused_exposed_ms)),
-                      f"{r.serial_ms / r.fused_ms:.2f}x")
+                      f"{r.serial_ms / r.fused_ms:.2f}x", *(f"{v:.2f}" for v in predict(r)))
     Console(width=200).print(table)
 
 
