@@ -1,0 +1,365 @@
+"""Online tuning: measure the first steps, calibrate the model to them, search, share the plan.
+
+The measured steps say how long each tuning key's collectives and the whole step really take with
+the settings in force. The cost model is scaled to agree (comm time per key, compute overall), and
+the search runs on that calibrated simulator: one search on rank 0, instead of trying settings on
+live steps. Every rank gets the same plan by broadcast, and it is cached per workload, machine and
+world size, so the next start needs no tuning steps.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch.distributed as dist
+
+from lagom import runtime
+from lagom.comm_config import CommConfig
+from lagom.cost_model import CostModel, RunningComm
+from lagom.errors import ConfigError, LagomError
+from lagom.hardware import Hardware, load_hardware
+from lagom.plan import Plan
+from lagom.points import Collective, ComputeSegment, Group, StepGraph
+from lagom.runtime import CallRecord, KeyIndex
+from lagom.search import STRATEGIES, Problem, SearchResult, run_strategy
+from lagom.search.base import nccl_configs
+from lagom.simulator import Configs, StepResult, simulate
+from lagom.tune import Tuned, plan_from, problem_for
+from lagom.workload import Workload, load_workload, validate
+
+log = logging.getLogger("lagom.online")
+
+SCALE_LIMITS = (1e-3, 1e3)  # a calibration factor outside this is a measurement problem, not the model
+STEP_TOLERANCE = 2e-3  # the calibrated step matches the measured one to 0.2%
+# Comm and compute scales interact (contention, and what hides under what): fit them in turn until
+# no scale moves by more than CALIBRATION_TOLERANCE, at most CALIBRATION_ROUNDS times.
+CALIBRATION_ROUNDS = 10
+CALIBRATION_TOLERANCE = 2e-3
+# What an adapter can switch between steps, and what is fixed when communicators and buffers are made.
+APPLIES_NOW = {"decomposition": "Flash-Overlap decomposition", "num_chunks": "chunks per peer step",
+               "priority": "priority"}
+NEXT_START = {"channels": "CTAs (communicator max_ctas/min_ctas)", "chunk_bytes": "chunk bytes (NCCL_BUFFSIZE)",
+              "threads": "threads (NCCL_NTHREADS)", "algorithm": "algorithm (NCCL tuner)",
+              "protocol": "protocol (NCCL tuner)", "transport": "transport"}
+
+
+class CalibratedModel(CostModel):
+    """The cost model scaled to a job's measurements: comm time per tuning key, compute overall.
+
+    A Flash-Overlap P2P step has no key of its own: it takes the mean scale of its group's keys.
+    The physical bound (``comm_peak_time``) is not scaled.
+    """
+
+    def __init__(self, hw: Hardware) -> None:
+        super().__init__(hw)
+        self.comm_scale: dict[str, float] = {}
+        self.compute_scale = 1.0
+        self._group_scale: dict[str, float] = {}
+
+    def set_comm_scale(self, scales: dict[str, float]) -> None:
+        self.comm_scale = dict(scales)
+        by_group: dict[str, list[float]] = {}
+        for key, s in scales.items():
+            by_group.setdefault(key.rsplit("/", 2)[0], []).append(s)
+        self._group_scale = {g: sum(v) / len(v) for g, v in by_group.items()}
+
+    def comm_time(self, coll: Collective, group: Group, nbytes: int, cfg: CommConfig, compute_hbm_util: float = 0.0) -> float:
+        scale = self.comm_scale.get(f"{group.name}/{coll.value}/{int(nbytes)}", 1.0)
+        return super().comm_time(coll, group, nbytes, cfg, compute_hbm_util) * scale
+
+    def p2p_step_time(self, group: Group, nbytes: float, cfg: CommConfig, compute_hbm_util: float = 0.0) -> float:
+        return super().p2p_step_time(group, nbytes, cfg, compute_hbm_util) * self._group_scale.get(group.name, 1.0)
+
+    def compute_solo(self, seg: ComputeSegment) -> float:
+        return super().compute_solo(seg) * self.compute_scale
+
+    def compute_time(self, seg: ComputeSegment, running: tuple[RunningComm, ...] = ()) -> float:
+        if not running:
+            return self.compute_solo(seg)
+        return super().compute_time(seg, running) * self.compute_scale
+
+
+@dataclass
+class Calibration:
+    """The calibrated problem (its ``model`` is a CalibratedModel) and how it was fitted."""
+
+    problem: Problem
+    measured_step_s: float
+    calibrated_step_s: float  # the simulated step with the settings in force, after fitting
+    measured: dict[str, float]  # model key -> measured mean seconds per call
+    unmatched: list[str] = field(default_factory=list)  # keys seen at run time that the model lacks
+    unmeasured: list[str] = field(default_factory=list)  # model keys no timed call matched (scale 1)
+    bounded_calls: int = 0  # calls timed only up to their wait (no completion callback)
+
+    @property
+    def model(self) -> CalibratedModel:
+        return self.problem.model  # type: ignore[return-value]
+
+
+def service_times(records: Iterable[CallRecord]) -> list[tuple[CallRecord, float]]:
+    """Each timed call's own run time: calls on one communicator run one after another, so a
+    call issued while an earlier one still runs starts when that one ends. Untimed calls (tracked
+    without a work, zero length) are left out."""
+    by_stream: dict[tuple[int, str], list[CallRecord]] = {}
+    for r in records:
+        if r.end_s > r.start_s:
+            by_stream.setdefault((r.step, r.group), []).append(r)
+    out = []
+    for calls in by_stream.values():
+        busy_until = -math.inf
+        for r in sorted(calls, key=lambda c: (c.start_s, c.seq)):
+            out.append((r, r.end_s - max(r.start_s, busy_until)))
+            busy_until = max(busy_until, r.end_s)
+    return out
+
+
+def _fit_compute(graph: StepGraph, configs: Configs, model: CalibratedModel, target: float) -> float:
+    """The compute scale that makes the simulated step last ``target`` (the step grows with it)."""
+    seen: dict[float, float] = {}
+
+    def step(scale: float) -> float:
+        if scale not in seen:
+            model.compute_scale = scale
+            seen[scale] = simulate(graph, configs, model).step_s
+        return seen[scale]
+
+    lo_limit, hi_limit = SCALE_LIMITS
+    start = model.compute_scale
+    guess = min(hi_limit, max(lo_limit, start * target / step(start)))
+    lo, hi = max(lo_limit, guess / 2), min(hi_limit, guess * 2)
+    while lo > lo_limit and step(lo) > target:
+        lo = max(lo_limit, lo / 4)
+    while hi < hi_limit and step(hi) < target:
+        hi = min(hi_limit, hi * 4)
+    if step(lo) >= target or step(hi) <= target:
+        edge = lo if step(lo) >= target else hi
+        log.warning("compute scale pinned at %.3g: the measured step (%.4g s) is outside what scaling compute can "
+                    "reach with the measured comm times", edge, target)
+        model.compute_scale = edge
+        return edge
+    mid = math.sqrt(lo * hi)
+    while hi / lo > 1 + STEP_TOLERANCE and abs(step(mid) - target) > STEP_TOLERANCE * target:
+        lo, hi = (mid, hi) if step(mid) < target else (lo, mid)
+        mid = math.sqrt(lo * hi)
+    model.compute_scale = mid
+    return mid
+
+
+def calibrate(problem: Problem, configs: Configs, records: list[CallRecord], step_s: float,
+              size_tolerance: float = 0.05) -> Calibration:
+    """Scale the model so that, with ``configs`` (the settings in force), it reproduces the measurements."""
+    index = KeyIndex(problem.keys, size_tolerance)
+    total: dict[str, float] = {}
+    calls: dict[str, int] = {}
+    unmatched: set[str] = set()
+    bounded = 0
+    for r, seconds in service_times(records):
+        key = index.match(r.key)
+        if key is None:
+            unmatched.add(r.key)
+            continue
+        total[key] = total.get(key, 0.0) + seconds
+        calls[key] = calls.get(key, 0) + 1
+        bounded += not r.exact
+    measured = {k: total[k] / calls[k] for k in total}
+    model = CalibratedModel(problem.hw)
+    cal = Problem(problem.graph, problem.hw, problem.space)
+    cal.model = model  # type: ignore[misc]  # the search and its evaluator both read problem.model
+    lo, hi = SCALE_LIMITS
+    for _ in range(CALIBRATION_ROUNDS):
+        per_key = simulate(problem.graph, configs, model).per_key()
+        before = {**model.comm_scale, "compute": model.compute_scale}
+        scales = dict(model.comm_scale)
+        for key, seconds in measured.items():
+            row = per_key.get(key)
+            if row and row["count"] and row["time"] > 0:
+                scales[key] = min(hi, max(lo, scales.get(key, 1.0) * seconds / (row["time"] / row["count"])))
+        model.set_comm_scale(scales)
+        _fit_compute(problem.graph, configs, model, step_s)
+        after = {**model.comm_scale, "compute": model.compute_scale}
+        if all(abs(after[k] / before.get(k, 1.0) - 1) <= CALIBRATION_TOLERANCE for k in after):
+            break
+    return Calibration(cal, step_s, simulate(problem.graph, configs, model).step_s, measured, sorted(unmatched),
+                       sorted(set(problem.keys) - set(measured)), bounded)
+
+
+def describe_changes(old: Configs, new: Configs) -> tuple[list[str], list[str]]:
+    """(what applies now, what applies on the next start), one line per changed tuning key."""
+    now, later = [], []
+    for key, cfg in new.items():
+        before = old.get(key)
+        if before is None or before == cfg:
+            continue
+        diffs = {f.name: (getattr(before, f.name), getattr(cfg, f.name)) for f in fields(CommConfig)
+                 if getattr(before, f.name) != getattr(cfg, f.name)}
+        for table, out in ((APPLIES_NOW, now), (NEXT_START, later)):
+            parts = [f"{label} {diffs[name][0]} -> {diffs[name][1]}" for name, label in table.items() if name in diffs]
+            if parts:
+                out.append(f"{key}: {', '.join(parts)}")
+    return now, later
+
+
+def _as_workload(workload: Workload | str | Path) -> Workload:
+    return workload if isinstance(workload, Workload) else load_workload(workload)
+
+
+def _as_hardware(hw: Hardware | str) -> Hardware:
+    return hw if isinstance(hw, Hardware) else load_hardware(str(hw))
+
+
+class OnlineTuner:
+    """Tunes a running job from its first ``tune_steps`` steps; see the module docstring.
+
+    ``running_plan``: the plan in force while measuring (default: the active runtime's plan when it
+    was made for this workload; else NCCL's defaults are what runs).
+    """
+
+    def __init__(self, workload: Workload | str | Path, hw: Hardware | str, *, strategy: str = "lagom",
+                 tune_steps: int = 5, cache_dir: str | Path = ".lagom-cache", group: Any = None,
+                 running_plan: Plan | None = None, size_tolerance: float = 0.05) -> None:
+        self.workload, self.hw = _as_workload(workload), _as_hardware(hw)
+        if strategy not in STRATEGIES:
+            raise ConfigError("strategy", f"unknown '{strategy}'", f"use one of {', '.join(STRATEGIES)}")
+        if tune_steps < 1:
+            raise ConfigError("tune_steps", f"must be at least 1, got {tune_steps}")
+        validate(self.workload, self.hw.cluster.world_size)
+        self.world_size = dist.get_world_size() if dist.is_initialized() else self.workload.world_size
+        if self.world_size != self.workload.world_size:
+            raise ConfigError("parallel", f"the workload has {self.workload.world_size} ranks, this job has {self.world_size}",
+                              "tune with the workload of this job")
+        self.strategy, self.tune_steps, self.group = strategy, tune_steps, group
+        self.running_plan, self.size_tolerance = running_plan, size_tolerance
+        self.cache_path = (Path(cache_dir) /
+                           f"{self.workload.fingerprint()}-{self.hw.fingerprint()}-w{self.world_size}.json")
+        self.plan: Plan | None = None
+        self.calibration: Calibration | None = None  # rank 0 only
+        self.applies_now: list[str] = []
+        self.next_start: list[str] = []
+        self._steps: list[float] = []
+        self._records: list[CallRecord] = []
+
+    # -- cache
+    def cached_plan(self) -> Plan | None:
+        """The plan an earlier run cached for this workload, machine and world size, if any."""
+        if not self.cache_path.exists():
+            return None
+        try:
+            plan = Plan.load(self.cache_path)
+            plan.check_for(self.world_size, self.workload, self.hw)
+        except ConfigError as err:
+            log.warning("ignoring cached plan %s: %s", self.cache_path, err)
+            return None
+        log.info("using the plan cached in %s (tuned %s from measured steps)", self.cache_path, plan.created)
+        return plan
+
+    def _save(self, plan: Plan) -> None:
+        """Written by one process per node (local rank 0), atomically: readers never see half a file."""
+        if os.environ.get("LOCAL_RANK", str(self._rank())) != "0":
+            return
+        tmp = self.cache_path.with_name(f"{self.cache_path.name}.{os.getpid()}.tmp")
+        plan.save(tmp)
+        os.replace(tmp, self.cache_path)
+        log.info("online plan cached in %s: the next start of this job uses it without tuning steps", self.cache_path)
+
+    # -- measuring and tuning
+    def reset(self) -> None:
+        """Measure again from the next step (after the monitor asks for a re-tune)."""
+        self._steps.clear()
+        self._records.clear()
+        self.plan = None
+
+    def observe(self, step_s: float, records: Iterable[CallRecord]) -> Plan | None:
+        """Take one measured step; after ``tune_steps`` of them, tune and return the plan (on every rank)."""
+        if self.plan is not None:
+            return None
+        if not step_s > 0:
+            raise ConfigError("OnlineTuner.observe step_s", f"must be positive, got {step_s}")
+        self._steps.append(step_s)
+        self._records.extend(records)
+        if len(self._steps) < self.tune_steps:
+            return None
+        self.plan = self._tune()
+        return self.plan
+
+    def _rank(self) -> int:
+        return dist.get_rank(self.group) if dist.is_initialized() else 0
+
+    def _running_configs(self, problem: Problem) -> Configs:
+        plan = self.running_plan
+        active = runtime.current()
+        if plan is None and active is not None and active.plan is not None \
+                and active.plan.workload_fingerprint == self.workload.fingerprint():
+            plan = active.plan
+        configs = nccl_configs(problem)
+        if plan is not None:
+            configs.update({k: c for k, c in plan.configs().items() if k in configs})
+        return configs
+
+    def _tune(self) -> Plan:
+        payload: dict[str, Any] = {}
+        if self._rank() == 0:
+            try:
+                payload = self._search()
+            except Exception as err:  # noqa: BLE001 - must reach every rank, or they wait in the broadcast forever
+                payload = {"error": f"{type(err).__name__}: {err}"}
+        if dist.is_initialized():
+            box = [payload]
+            dist.broadcast_object_list(box, group=self.group, group_src=0)
+            payload = box[0]
+        if "error" in payload:
+            raise LagomError(f"online tuning failed on rank 0: {payload['error']}")
+        plan = Plan.from_dict(json.loads(payload["plan"]), "online plan")
+        self.applies_now, self.next_start = payload["now"], payload["next"]
+        self._save(plan)
+        return plan
+
+    def _search(self) -> dict[str, Any]:
+        started = time.perf_counter()
+        problem = problem_for(self.workload, self.hw)
+        running = self._running_configs(problem)
+        step_s = sum(self._steps) / len(self._steps)
+        cal = calibrate(problem, running, self._records, step_s, self.size_tolerance)
+        self.calibration = cal
+        self._log_calibration(cal)
+        result = run_strategy(self.strategy, cal.problem)
+        kept = simulate(cal.problem.graph, running, cal.model)
+        if kept.step_s < result.result.step_s:
+            result = SearchResult(self.strategy, running, kept, result.evaluations,
+                                  {k: "kept the settings in force: the calibrated search found nothing faster" for k in running})
+        nccl = run_strategy("nccl", cal.problem).result.step_s
+        plan = plan_from(Tuned(self.workload, cal.problem, result), self.workload, self.hw,
+                         {"nccl": nccl, self.strategy: result.result.step_s})
+        now, later = describe_changes(running, plan.configs())
+        self._log_plan(result.result, step_s, now, later, time.perf_counter() - started, result.evaluations)
+        return {"plan": plan.to_json(), "now": now, "next": later}
+
+    def _log_calibration(self, cal: Calibration) -> None:
+        scales = cal.model.comm_scale
+        log.info("calibrated to %d measured steps (%.4g s/step): compute x%.3g, comm per key %s",
+                 len(self._steps), cal.measured_step_s, cal.model.compute_scale,
+                 ", ".join(f"{k} x{s:.3g}" for k, s in sorted(scales.items())) or "none measured")
+        if cal.unmatched:
+            log.warning("collectives seen that the workload model does not have (not calibrated): %s",
+                        ", ".join(cal.unmatched))
+        if cal.unmeasured:
+            log.info("model keys without timed calls keep the uncalibrated comm model: %s", ", ".join(cal.unmeasured))
+        if cal.bounded_calls:
+            log.info("%d calls had no completion callback: timed up to their wait (an upper bound)", cal.bounded_calls)
+
+    def _log_plan(self, result: StepResult, step_s: float, now: list[str], later: list[str], took: float,
+                  evaluations: int) -> None:
+        log.info("online search (%s, %d evaluations, %.2f s): %.4g s/step measured -> %.4g s/step predicted",
+                 self.strategy, evaluations, took, step_s, result.step_s)
+        for line in now:
+            log.info("applies now: %s", line)
+        for line in later:
+            log.info("applies on the next start (fixed when communicators and buffers are created): %s", line)
+        if not now and not later:
+            log.info("the settings in force are already the best the calibrated model finds")
