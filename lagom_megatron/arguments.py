@@ -46,7 +46,7 @@ def add_lagom_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     group.add_argument("--lagom-strategy", choices=list(STRATEGIES), default="lagom",
                        help="search strategy (default: lagom)")
     group.add_argument("--lagom-tune-iters", type=_positive_int, default=5, metavar="N",
-                       help="online mode: measured steps before the search runs (default 5)")
+                       help="online mode: steps measured (after one warm-up step) before the search runs (default 5)")
     group.add_argument("--lagom-report", metavar="PATH",
                        help="where the tuning report goes: a .json file (Markdown beside it) or a directory")
     group.add_argument("--lagom-flash-overlap", action="store_true",

@@ -22,6 +22,7 @@ element (Flash-Overlap), which matches up to floating-point summation order.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -40,10 +41,10 @@ def nbytes(tensor: torch.Tensor | None) -> int:
 
 
 class _Pending:
-    """A work handle for the recorder whose completion this module signals.
+    """The work handed to the recorder for a call whose start this module times itself.
 
-    Used for calls that finish synchronously (signalled right after the call returns) and for
-    works without a future (gloo send/recv, coalesced groups): signalled when megatron waits.
+    Its future completes when the call does: right after a synchronous call returns, with the
+    real work's future, or (works without one) when megatron waits for the work.
     """
 
     def __init__(self) -> None:
@@ -52,40 +53,36 @@ class _Pending:
     def get_future(self) -> torch.futures.Future:
         return self._future
 
-    def wait(self) -> bool:
-        self._future.wait()
-        return True
-
-    def is_completed(self) -> bool:
-        return self._future.done()
-
     def done(self) -> None:
         if not self._future.done():
             self._future.set_result(None)
 
-    def follow(self, works: list[Any]) -> None:
-        """Signal when all ``works`` are complete, through their futures where they have them."""
-        futures = []
-        for work in works:
-            try:
-                futures.append(work.get_future())
-            except RuntimeError:  # gloo send/recv: no future; the proxy handed to megatron signals on wait
-                return
-        if not futures:
+    def follow(self, works: list[Any]) -> bool:
+        """Signal when the last of ``works`` completes (they run in order on one communicator).
+
+        False when that work has no future (gloo send/recv and reduce-scatter): the caller then
+        hands megatron a proxy that signals when megatron waits for it.
+        """
+        if not works:
             self.done()
-        else:
-            torch.futures.collect_all(futures).then(lambda _: self.done())
+            return True
+        try:
+            future = works[-1].get_future()
+        except RuntimeError:
+            return False
+        future.add_done_callback(lambda _: self.done())  # on GPU: runs with streams that wait for the work
+        return True
 
 
 class _WaitSignals:
-    """Proxy for a work megatron will ``wait()`` on: signals the pending record when that returns."""
+    """Proxy for a work megatron will ``wait()`` on: counts the wait down when it returns."""
 
-    def __init__(self, work: Any, pending: _Pending) -> None:
-        self._work, self._pending = work, pending
+    def __init__(self, work: Any, countdown: "_Countdown") -> None:
+        self._work, self._countdown = work, countdown
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
         out = self._work.wait(*args, **kwargs)
-        self._pending.done()
+        self._countdown.done()
         return out
 
     def __getattr__(self, name: str) -> Any:
@@ -134,9 +131,11 @@ class Interceptor:
 
     # -- install / uninstall
     def _swap(self, owner: Any, attr: str, make: Callable[[Any], Any]) -> None:
+        """Replace ``owner.attr``; the wrapper carries the original's attributes (megatron keeps a
+        ``warned`` flag on linear_with_grad_accumulation_and_async_allreduce and reads it by name)."""
         original = getattr(owner, attr)
         self._saved.append((owner, attr, original))
-        setattr(owner, attr, make(original))
+        setattr(owner, attr, functools.wraps(original)(make(original)))
 
     def install(self) -> "Interceptor":
         from megatron.core.distributed import param_and_grad_buffer as pgb
@@ -200,15 +199,10 @@ class Interceptor:
     def _settle(self, pendings: list[_Pending], bucket_group: Any, handle_attr: str) -> None:
         """Completion of a bucket group's records: now when synchronous, else with its handle."""
         handle = getattr(bucket_group, handle_attr)
-        if handle is None:
-            for p in pendings:
-                p.done()
+        works = [] if handle is None else [w for w in getattr(handle, "works", [handle]) if w is not None]
+        if all(p.follow(works) for p in pendings):
             return
-        works = [w for w in getattr(handle, "works", getattr(handle, "handles", [handle])) if w is not None]
-        for p in pendings:
-            p.follow(works)
-        if any(not p.is_completed() for p in pendings) and not _has_futures(works):
-            setattr(bucket_group, handle_attr, _WaitSignals(handle, _Group(pendings)))
+        setattr(bucket_group, handle_attr, _WaitSignals(handle, _Countdown(pendings, 1)))
 
     # -- tensor parallel
     def _collective(self, original: Callable, collective: str, out_arg: int) -> Callable:
@@ -223,8 +217,7 @@ class Interceptor:
                 return self._sync(group, collective, size, lambda: original(output, input_, *args, **kwargs))
             pending = self._start(group, collective, size)
             work = original(output, input_, *args, **kwargs)
-            pending.follow([work])
-            return work if pending.is_completed() or _has_futures([work]) else _WaitSignals(work, pending)
+            return work if pending.follow([work]) else _WaitSignals(work, _Countdown([pending], 1))
         return wrapped
 
     def _tp_all_reduce(self, original: Callable) -> Callable:
@@ -299,36 +292,23 @@ class Interceptor:
             pending = self._start(kwargs["group"], "send_recv", sent or got)
             reqs = original(**kwargs)
             works = list(reqs.values()) if isinstance(reqs, dict) else list(reqs)
-            pending.follow(works)
-            if pending.is_completed() or _has_futures(works):
+            if pending.follow(works):
                 return reqs
-            if not works:
-                pending.done()
-                return reqs
-            group = _Group([pending], expected=len(works))
+            countdown = _Countdown([pending], len(works))  # megatron waits for each request
             if isinstance(reqs, dict):
-                return {k: _WaitSignals(w, group) for k, w in reqs.items()}
-            return [_WaitSignals(w, group) for w in reqs]
+                return {k: _WaitSignals(w, countdown) for k, w in reqs.items()}
+            return [_WaitSignals(w, countdown) for w in reqs]
         return ops
 
 
-class _Group:
-    """Signals several pending records once ``expected`` waits have returned."""
+class _Countdown:
+    """Signals its pending records once ``left`` waits have returned."""
 
-    def __init__(self, pendings: list[_Pending], expected: int = 1) -> None:
-        self.pendings, self.left = pendings, expected
+    def __init__(self, pendings: list[_Pending], left: int) -> None:
+        self.pendings, self.left = pendings, left
 
     def done(self) -> None:
         self.left -= 1
-        if self.left <= 0:
+        if self.left == 0:
             for p in self.pendings:
                 p.done()
-
-
-def _has_futures(works: list[Any]) -> bool:
-    try:
-        for work in works:
-            work.get_future()
-    except RuntimeError:
-        return False
-    return True

@@ -4,7 +4,7 @@ Start-up (``Session.start``, from the parsed arguments, before any process group
 - offline: the plan file (checked against this job's world size, workload and hardware), or a plan
   made now by the cost model and saved there;
 - online: the plan cached by an earlier run of the same job, else the plan file, else Megatron's
-  defaults while the first ``--lagom-tune-iters`` steps are measured.
+  defaults while ``--lagom-tune-iters`` steps (after one warm-up step) are measured.
 A plan in force at start-up sets the DDP bucket size, the NCCL options of each process group
 (through megatron's ``get_nccl_options``), the process-wide NCCL variables and, with Transformer
 Engine, the userbuffers config. Each step then records every intercepted collective. In online
@@ -34,7 +34,7 @@ from lagom.tune import make_plan, problem_for
 from lagom.workload import Workload
 from lagom_megatron import report
 from lagom_megatron.arguments import LagomOptions
-from lagom_megatron.groups import megatron_pg_names
+from lagom_megatron.groups import GROUP_DESC, megatron_pg_names
 from lagom_megatron.intercept import Interceptor, Router
 from lagom_megatron.workload import workload_from_args
 
@@ -65,85 +65,85 @@ def _load_plan(path: Path, world_size: int, wl: Workload, hw: Hardware | None) -
     return plan
 
 
+def _plan_offline(workload: Workload, hw: Hardware, options: LagomOptions, args: argparse.Namespace) -> Plan:
+    t0 = time.perf_counter()
+    plan = make_plan(workload, hw, options.strategy)
+    log.info("offline: planned %d points with strategy %s in %.1f s", len(plan.entries), plan.strategy,
+             time.perf_counter() - t0)
+    if options.plan is not None and _rank(args) == 0:
+        plan.save(options.plan)
+        log.info("offline: plan written to %s (used as is on the next start)", options.plan)
+    return plan
+
+
 class Session:
     """The state of one tuned run; hooks call ``step_begin``/``step_end`` around each training step."""
 
-    def __init__(self, args: argparse.Namespace, options: LagomOptions, workload: Workload, hw: Hardware) -> None:
+    def __init__(self, args: argparse.Namespace, options: LagomOptions, workload: Workload, hw: Hardware,
+                 plan: Plan | None) -> None:
         from lagom.runtime import init as init_runtime
 
         self.args, self.options, self.workload, self.hw = args, options, workload, hw
         self.cp = workload.parallel.cp
         self.plan: Plan | None = None
-        self.tuner: Any = None
+        self.tuner: Any = None  # online mode: the OnlineTuner
+        self.tuning = False  # online: the steps now are measured for the tuner
         self.monitor: Any = None
         self.applied_now: list[str] = []
         self.next_start: list[str] = []
         self.env_conflicts: list[str] = []
-        self.group_options: dict[str, Any] = {}  # megatron pg_name -> ProcessGroupNCCL.Options it was created with
+        self.group_options: dict[str, Any] = {}  # megatron pg_name -> options this adapter gave its group
         self.baseline: report.Measured | None = None  # steps measured before an online plan
         self.measured = report.Measured()  # steps under the plan in force
         self.iteration = 0
+        self.steps_seen = 0
         self._t0 = 0.0
         self._drift = False  # some step since the last agreement check saw drift
         self._restore: list[tuple[Any, str, Any]] = []
-        self.runtime = init_runtime(None, strict_env=False)
+        # NCCL env checks and export, per-group options by group_desc, the recorder
+        self.runtime = init_runtime(plan, strict_env=False, hw=hw)
         self.router = Router(flash_overlap=options.flash_overlap)
         self.interceptor = Interceptor(self.runtime.recorder, self.router)
+        if plan is not None:
+            self._apply_at_startup(plan)
 
     # -- start-up
     @classmethod
     def start(cls, args: argparse.Namespace, options: LagomOptions) -> "Session":
         workload = workload_from_args(args)
-        world = workload.world_size
         hw = _hardware(options, None) if options.hardware else None
         file_plan = None
         if options.plan is not None and options.plan.exists():
-            file_plan = _load_plan(options.plan, world, workload, hw)
+            file_plan = _load_plan(options.plan, workload.world_size, workload, hw)
         hw = hw or _hardware(options, file_plan)
-        session = cls(args, options, workload, hw)
+        tuner, cached = None, None
         if options.mode == "online":
             from lagom.online import OnlineTuner
 
-            session.tuner = OnlineTuner(workload, hw, strategy=options.strategy, tune_steps=options.tune_iters,
-                                        cache_dir=str(CACHE_DIR))
-            cached = session.tuner.cached_plan()
+            tuner = OnlineTuner(workload, hw, strategy=options.strategy, tune_steps=options.tune_iters,
+                                cache_dir=str(CACHE_DIR))
+            cached = tuner.cached_plan()
             if cached is not None:
                 log.info("online: reusing the plan cached for this job and machine; no tuning steps needed")
-                session.tuner = None
+            else:
+                log.info("online: measuring the first %d steps with %s, then tuning", options.tune_iters,
+                         f"the plan {options.plan}" if file_plan else "Megatron's defaults")
             startup = cached or file_plan
-            if startup is None:
-                log.info("online: running the first %d steps with Megatron's defaults to measure them, then tuning",
-                         options.tune_iters)
+            tuner.running_plan = startup  # what the measured steps run with
         else:
-            startup = file_plan or session._plan_offline()
-        if startup is not None:
-            session._apply_at_startup(startup)
+            startup = file_plan or _plan_offline(workload, hw, options, args)
+        session = cls(args, options, workload, hw, startup)
+        session.tuner, session.tuning = tuner, tuner is not None and cached is None
         session._install()
         return session
-
-    def _plan_offline(self) -> Plan:
-        t0 = time.perf_counter()
-        plan = make_plan(self.workload, self.hw, self.options.strategy)
-        log.info("offline: planned %d points with strategy %s in %.1f s", len(plan.entries), plan.strategy,
-                 time.perf_counter() - t0)
-        if self.options.plan is not None and _rank(self.args) == 0:
-            plan.save(self.options.plan)
-            log.info("offline: plan written to %s (used as is on the next start)", self.options.plan)
-        return plan
 
     def _apply_at_startup(self, plan: Plan) -> None:
         """Everything Megatron fixes at start-up: buckets, communicator options, NCCL env, TE userbuffers."""
         self.plan = plan
         self.router.plan = plan
-        self.runtime.close()
-        from lagom.runtime import init as init_runtime
-
-        self.runtime = init_runtime(plan, strict_env=False)
-        self.interceptor.recorder = self.runtime.recorder
-        self.env_conflicts = emit.env_conflicts(plan, self.hw, os.environ)
-        for conflict in self.env_conflicts:
-            log.warning("NCCL environment: %s; unset it to let the plan decide", conflict)
-        self.applied_now.append(f"NCCL variables exported where unset: {emit.nccl_env(plan, self.hw)}")
+        self.env_conflicts = emit.env_conflicts(plan, self.hw, os.environ)  # the runtime has logged them
+        if self.runtime.env_set:
+            self.applied_now.append(f"NCCL variables exported: {self.runtime.env_set}")
         self._apply_buckets(plan)
         self._apply_te(plan)
         comm = emit.communicator_configs(plan)
@@ -190,6 +190,8 @@ class Session:
         report._write(path, emit.te_ub_yaml(plan))
 
     def _monitor(self, plan: Plan) -> Any:
+        """Drift watch: efficiency against the simulated bound, collective keys against the first steps'
+        (megatron pads buckets, so the plan's modelled sizes are not the reference)."""
         from lagom.monitor import Monitor
 
         problem = problem_for(self.workload, self.hw)
@@ -207,10 +209,15 @@ class Session:
         setattr(owner, attr, value)
 
     def nccl_options(self, original: Any) -> Any:
-        """megatron's get_nccl_options, with the plan's settings for the groups it covers."""
+        """megatron's get_nccl_options, with the plan's settings for the groups it covers.
+
+        Groups whose group_desc the runtime's new_group wrapper already maps to a plan group are
+        left to it (it applies the same settings); the rest, e.g. the data-parallel group with
+        context parallel of size 1 that DDP reduces over, get them here.
+        """
         def get_nccl_options(pg_name: str, nccl_comm_cfgs: dict) -> Any:
             planned = self.communicator_configs().get(pg_name)
-            if planned is None:
+            if planned is None or self.runtime.plan_group(GROUP_DESC.get(pg_name)) is not None:
                 return original(pg_name, nccl_comm_cfgs)
             user = dict(nccl_comm_cfgs.get(pg_name) or {})
             for key, value in planned.items():
@@ -251,7 +258,10 @@ class Session:
     def step_end(self) -> None:
         step_s = time.perf_counter() - self._t0
         records = self.runtime.recorder.end_step()
-        if self.tuner is not None:
+        self.steps_seen += 1
+        if self.steps_seen == 1:  # warm-up: allocations and megatron's first-batch path; not representative
+            return
+        if self.tuning:
             self._observe_tuning(step_s, records)
         else:
             self.measured.add(step_s, records, self.plan)
@@ -266,27 +276,21 @@ class Session:
         plan = self.tuner.observe(step_s, records)
         if plan is None:
             return
-        self.tuner = None
+        self.tuning = False
         self._adopt_online(plan)
 
     def _adopt_online(self, plan: Plan) -> None:
-        """A plan found while running: routing now, start-up settings on the next start (it is cached)."""
+        """A plan found while running: the routing applies now; what Megatron fixes at start-up (CTAs,
+        NCCL variables, buffers) applies on the next start, which finds the plan in the cache."""
         self.plan = plan
         self.router.plan = plan
         self.measured = report.Measured()
-        self.applied_now = []
+        self.applied_now = list(self.tuner.applies_now)
+        self.next_start = list(self.tuner.next_start)
         decomposed = [e.key for e in plan.entries if e.config.decomposition == "p2p"]
-        if decomposed and self.options.flash_overlap:
-            self.applied_now.append(f"Flash-Overlap for {len(decomposed)} TP points: {', '.join(decomposed)}")
-        bucket = plan.framework.get("megatron", {}).get("bucket_size")
-        self.next_start = [f"DDP bucket size {bucket} elements (buffers are allocated at start-up)",
-                           "communicator options per group: " + ", ".join(
-                               f"{g} {c}" for g, c in sorted(emit.communicator_configs(plan).items())),
-                           f"NCCL variables {emit.nccl_env(plan, self.hw)} (read when communicators are created)"]
-        for line in self.applied_now:
-            log.info("online plan, applied now: %s", line)
-        for line in self.next_start:
-            log.info("online plan, applies on the next start (cached): %s", line)
+        if decomposed and not self.options.flash_overlap:
+            log.warning("the online plan decomposes %d TP points; pass --lagom-flash-overlap to run them with "
+                        "Flash-Overlap", len(decomposed))
         self.monitor = self._monitor(plan)
 
     def _watch(self, step_s: float, records: list[Any]) -> None:
@@ -299,14 +303,9 @@ class Session:
             return
         self._drift = self._drift or bool(reason)
         if self.measured.steps % DRIFT_CHECK_STEPS == 0 and self._agree(self._drift):
-            from lagom.online import OnlineTuner
-
-            log.info("online: overlap efficiency drifted on some rank; re-tuning over the next %d steps",
-                     self.options.tune_iters)
-            self.tuner = OnlineTuner(self.workload, self.hw, strategy=self.options.strategy,
-                                     tune_steps=self.options.tune_iters, cache_dir=str(CACHE_DIR))
-            self.baseline = None
-            self._drift = False
+            log.info("online: the plan went stale on some rank; re-tuning over the next %d steps", self.options.tune_iters)
+            self.tuner.reset()
+            self.tuning, self.baseline, self._drift = True, None, False
 
     @staticmethod
     def _agree(flag: bool) -> bool:
