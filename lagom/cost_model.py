@@ -44,20 +44,20 @@ class CostModel:
         self._comm = lru_cache(maxsize=200_000)(self._comm_time)
 
     # -- communication
-    def _links(self, group: Group, transport: str) -> tuple[float, float, str, str]:
-        """(bandwidth B/s, per-step latency s, slowest link kind for channels, kind for HBM)."""
+    def _links(self, group: Group, transport: str) -> tuple[float, float, str]:
+        """(bandwidth B/s, per-step latency s, the slowest link kind, which bounds each channel)."""
         c = self.hw.cluster
         intra_bw = (self.hw.nccl.shm_gbps if transport == "shm" else c.intra.gbps) * GB
         if group.nodes > 1:
             bw = min(intra_bw, c.inter.gbps * GB)
             slow = min((c.intra.kind, c.inter.kind), key=lambda k: self.hw.nccl.channel_gbps[k])
-            return bw, max(c.intra.latency_us, c.inter.latency_us) * US, slow, c.inter.kind
-        return intra_bw, c.intra.latency_us * US, c.intra.kind, c.intra.kind
+            return bw, max(c.intra.latency_us, c.inter.latency_us) * US, slow
+        return intra_bw, c.intra.latency_us * US, c.intra.kind
 
     def channel_bandwidth(self, group: Group, cfg: CommConfig, chunk: float) -> float:
         """B/s of one channel: a pipeline of chunk steps, each paying a synchronisation overhead."""
         n = self.hw.nccl
-        _, lat, kind, _ = self._links(group, cfg.transport)
+        _, lat, kind = self._links(group, cfg.transport)
         peak = n.channel_gbps[kind] * GB * min(1.0, cfg.threads / n.threads_saturation)
         if cfg.transport == "shm":
             peak = min(peak, n.shm_gbps * GB)
@@ -71,7 +71,7 @@ class CostModel:
         proto = self.hw.nccl.protocols[cfg.protocol]
         steps, factor = ring_shape(coll, n, cfg.algorithm)
         bus = nbytes * factor
-        link_bw, lat, _, _ = self._links(group, cfg.transport)
+        link_bw, lat, _ = self._links(group, cfg.transport)
         if coll == Collective.ALL_TO_ALL and group.nodes > 1:
             # Off-node blocks share the node's NICs among its ranks; on-node blocks use the local link.
             off = nbytes * (n - group.ranks_per_node) / n
@@ -99,7 +99,7 @@ class CostModel:
         if group.size <= 1:
             return 0.0
         _, factor = ring_shape(coll, group.size, "ring")
-        link_bw, _, _, _ = self._links(group, "p2p")
+        link_bw, _, _ = self._links(group, "p2p")
         return nbytes * factor / link_bw
 
     def comm_hbm_rate(self, coll: Collective, group: Group, nbytes: int, seconds: float) -> float:
