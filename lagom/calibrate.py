@@ -142,7 +142,8 @@ def measure(sizes: list[int], iters: int, device: torch.device) -> Samples:
 
 
 def fit(samples: Samples, world_size: int) -> dict[str, dict[str, float]]:
-    """Per collective: per-step latency (us) and bus bandwidth (GB/s) on the ring shape, least squares.
+    """Per collective: per-step latency (us) and bus bandwidth (GB/s) on the ring shape, by least squares
+    on relative errors (the sizes span four orders of magnitude).
 
     A negative intercept (noise on tiny sizes) is refitted through zero; a time that does not grow
     with size cannot give a bandwidth and is an error.
@@ -152,12 +153,16 @@ def fit(samples: Samples, world_size: int) -> dict[str, dict[str, float]]:
         steps, factor = ring_shape(Collective(coll), world_size, "ring")
         xs = [b * factor for b, _ in rows]
         ts = [s for _, s in rows]
-        mx, mt = sum(xs) / len(xs), sum(ts) / len(ts)
-        sxx = sum((x - mx) ** 2 for x in xs)
-        slope = sum((x - mx) * (t - mt) for x, t in zip(xs, ts)) / sxx if sxx else 0.0
+        ws = [1.0 / t**2 for t in ts]  # relative errors: 4 KiB counts as much as 64 MiB
+        sw = sum(ws)
+        mx = sum(w * x for w, x in zip(ws, xs)) / sw
+        mt = sum(w * t for w, t in zip(ws, ts)) / sw
+        sxx = sum(w * (x - mx) ** 2 for w, x in zip(ws, xs))
+        slope = sum(w * (x - mx) * (t - mt) for w, x, t in zip(ws, xs, ts)) / sxx if sxx else 0.0
         intercept = mt - slope * mx
         if intercept < 0:
-            intercept, slope = 0.0, sum(x * t for x, t in zip(xs, ts)) / sum(x * x for x in xs)
+            intercept = 0.0
+            slope = sum(w * x * t for w, x, t in zip(ws, xs, ts)) / sum(w * x * x for w, x in zip(ws, xs))
         if slope <= 0:
             raise LagomError(f"calibration of {coll}: the time does not grow with the message size "
                              f"({rows}); measure larger sizes with --sizes")
