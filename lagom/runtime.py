@@ -39,6 +39,7 @@ GROUP_DESC_ALIASES = {
 }
 OPTION_KEYS = ("max_ctas", "min_ctas", "cga_cluster_size", "net_name")
 CALLBACK_GRACE_S = 0.01  # a completed future runs its callbacks right after waking its waiters
+STALE_STEPS = 100  # a call still open this many steps after its own was never completed: dropped
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,6 +173,11 @@ class Recorder:
         done: list[CallRecord] = []
         still: list[_Open] = []
         step_end = None
+        stale = [op for op in self._open if op.step < self.step - STALE_STEPS]
+        if stale:
+            log.warning("dropping %d calls that never completed (e.g. %s issued in step %d): their works' futures "
+                        "were never marked done", len(stale), f"{stale[0].group}/{stale[0].collective}", stale[0].step)
+            self._open = [op for op in self._open if op.step >= self.step - STALE_STEPS]
         for op in self._open:
             if op.end is None and op.future is None:  # no future, not waited through the proxy: the step end bounds it
                 step_end = step_end or self._now()

@@ -135,6 +135,18 @@ def test_unfinished_call_is_kept_and_reported_in_a_later_step():
     assert [r.key for r in rec.records] == ["dp/all_reduce/200", "dp/all_gather/100"]
 
 
+def test_a_call_that_never_completes_is_dropped_after_stale_steps(caplog):
+    rec = Recorder(cuda=False)
+    rec.begin_step(0)
+    rec.track("dp", "all_gather", 100, _FutureWork())
+    rec.begin_step(runtime.STALE_STEPS)
+    assert rec.end_step() == [] and rec.pending == 1
+    rec.begin_step(runtime.STALE_STEPS + 1)
+    with caplog.at_level(logging.WARNING, logger="lagom.runtime"):
+        assert rec.end_step() == []
+    assert rec.pending == 0 and "dropping 1 calls that never completed" in caplog.text
+
+
 class _FakeEvent:
     """Stands in for torch.cuda.Event: timestamps from a counter, reached once ``clock`` passes them."""
 
