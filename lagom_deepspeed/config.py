@@ -47,8 +47,8 @@ class LagomConfig(DeepSpeedConfigModel):
     enabled: bool = False
     mode: Literal["offline", "online"] = "offline"
     plan: Optional[str] = None
-    """offline: plan file to load, or where to save the plan made at start-up when it does not exist.
-    online: plan to start from when no cached plan exists; the tuned plan is also written here."""
+    """Plan file to start from; when it does not exist, the plan searched at start-up is saved there.
+    online: used until tuned; the tuned plan is cached in ``cache_dir`` and preferred on the next start."""
     hardware: Optional[str] = None
     """Preset name (configs/hardware/) or YAML file; its cluster must have as many GPUs as ranks."""
     strategy: str = "lagom"
@@ -63,6 +63,8 @@ class LagomConfig(DeepSpeedConfigModel):
     """NCCL variables that contradict the plan are errors (else a logged warning)."""
     retune_threshold: float = Field(0.1, gt=0.0, lt=1.0)
     """online: relative drop in overlap efficiency that starts a new tuning round."""
+    monitor_interval: int = Field(20, gt=0)
+    """online: every this many steps the ranks agree (one tiny all-reduce) whether any saw drift."""
     flash_overlap: FlashOverlapSection = Field(default_factory=FlashOverlapSection)
 
     @field_validator("strategy")

@@ -13,22 +13,21 @@ from statistics import mean
 from typing import TYPE_CHECKING, Any
 
 from lagom.report import plan_markdown
+from lagom.runtime import KeyIndex
 
 if TYPE_CHECKING:
     from lagom_deepspeed.session import Session
 
 
 def measured(session: "Session") -> dict[str, Any]:
-    """Per recorded key: calls and seconds per step, and the plan entry it maps to (nearest size)."""
+    """Per recorded key: calls and seconds per step, and the plan key it is (same group and
+    collective, size within the runtime's tolerance; None: a collective the plan does not model)."""
     steps = max(1, len(session.steps))
-    out: dict[str, Any] = {}
+    index = KeyIndex(e.key for e in session.plan.entries)
     summary = session.runtime.recorder.summary() if session.runtime is not None else {}
-    for key, row in sorted(summary.items()):
-        group, collective, size = key.rsplit("/", 2)
-        entry = session.plan.lookup(group, collective, int(size))
-        out[key] = {"calls": row["count"], "calls_per_step": row["count"] / steps,
-                    "comm_s_per_step": row["total_s"] / steps, "plan_key": entry.key if entry else None}
-    return out
+    return {key: {"calls": row["count"], "calls_per_step": row["count"] / steps,
+                  "comm_s_per_step": row["total_s"] / steps, "plan_key": index.match(key)}
+            for key, row in sorted(summary.items())}
 
 
 def gains(session: "Session") -> dict[str, Any]:

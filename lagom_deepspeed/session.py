@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from lagom import runtime as lagom_runtime
+from lagom.comm_config import CommConfig
 from lagom.errors import ConfigError
 from lagom.hardware import Hardware, load_hardware
 from lagom.monitor import Monitor
@@ -49,6 +51,31 @@ def hardware_for(section: LagomConfig, world_size: int) -> Hardware:
                           f"({hw.cluster.nodes} x {hw.cluster.gpus_per_node}) but this job runs {world_size} ranks",
                           "use a hardware file with `base: <preset>` and a cluster of this size")
     return hw
+
+
+RUNTIME_FIELDS = ("decomposition", "num_chunks")  # what the Flash router reads at every call
+
+
+def plan_changes(old: Plan, new: Plan) -> tuple[list[str], list[str]]:
+    """(applies now, applies on the next start) between two plans, one line per changed knob.
+
+    Only the Flash-Overlap choice of data-parallel all-gathers and reduce-scatters can change in a
+    running DeepSpeed engine; channels, chunk, threads, algorithm, protocol and priority are fixed
+    in communicators and NCCL's environment, bucket sizes in the engine's buffers.
+    """
+    now, later = [], []
+    for e in new.entries:
+        was = old.entry(e.key) or old.lookup(e.group, e.collective, e.bytes)
+        if was is None:
+            continue
+        for f in fields(CommConfig):
+            a, b = getattr(was.config, f.name), getattr(e.config, f.name)
+            if a != b:
+                live = f.name in RUNTIME_FIELDS and e.collective in ("all_gather", "reduce_scatter")
+                (now if live else later).append(f"{e.key} {f.name} {a} -> {b}")
+    knobs_old, knobs_new = old.framework["deepspeed"], new.framework["deepspeed"]
+    later += [f"zero_optimization.{k} {knobs_old.get(k)} -> {v}" for k, v in knobs_new.items() if knobs_old.get(k) != v]
+    return now, later
 
 
 @dataclass
@@ -81,6 +108,8 @@ class Session:
     events: list[str] = field(default_factory=list)  # what was tuned, when, and when it applies
     tuned: list[Plan] = field(default_factory=list)
     _t0: float = 0.0
+    tuning: bool = False  # online: measuring steps for the tuner (not when started from a cached plan)
+    _drift: str | None = None
     _restore: list[tuple[Any, str, Any]] = field(default_factory=list)
 
     # -- start-up -------------------------------------------------------------------------------
@@ -93,18 +122,21 @@ class Session:
         tp = mpu.get_model_parallel_world_size() if mpu is not None else 1
         derived = apply_overrides(derive(model, ds_config, world, pp=pp, tp=tp), section.workload, world)
         wl = planning.pinned(derived.workload, section.buckets)
-        derived.workload = wl
-        tuner = OnlineTuner(wl, hw, strategy=section.strategy, tune_steps=section.tune_steps,
-                            cache_dir=section.cache_dir) if section.mode == "online" else None
-        cached = tuner.cached_plan() if tuner is not None else None
-        if cached is not None:
-            start = planning.StartPlan(planning.check(cached, world, wl, hw, section.cache_dir),
-                                       f"cached by an earlier online run in {section.cache_dir}")
-        else:
-            start = planning.offline_plan(section, wl, hw, world)
+        start = planning.offline_plan(section, wl, hw, world)
+        derived.workload = planning.running(wl, start.plan)
+        tuner, cached = None, None
+        if section.mode == "online":
+            tuner = OnlineTuner(derived.workload, hw, strategy=section.strategy, tune_steps=section.tune_steps,
+                                cache_dir=section.cache_dir, running_plan=start.plan)
+            cached = tuner.cached_plan()
+            if cached is not None:
+                start = planning.StartPlan(planning.check(cached, world, derived.workload, hw, section.cache_dir),
+                                           f"tuned by an earlier online run, cached in {section.cache_dir}")
+                tuner.running_plan = cached
         engine_cfg, changes = planning.engine_config(ds_config, start.plan, section.buckets, derived.largest_layer)
         session = cls(section, hw, derived, start.plan, start.source, changes,
-                      GroupNames.for_job(model, mpu, world), world, tuner=tuner)
+                      GroupNames.for_job(model, mpu, world), world, tuner=tuner,
+                      tuning=tuner is not None and cached is None)
         session._log_start()
         return session, engine_cfg
 
@@ -131,6 +163,16 @@ class Session:
         self.runtime = lagom_runtime.init(self.plan, strict_env=self.section.strict_env, hw=self.hw)
         import deepspeed.comm.comm as ds_comm
 
+        from deepspeed.utils import groups
+
+        if "nccl" in str(dist.get_backend()):
+            if self.names.p2p == "pp":
+                log.warning("pipeline engine: its groups were made with the PipelineModule and its send/recv use "
+                            "the default group, so the plan's per-group NCCL options cannot reach them; the plan's "
+                            "NCCL environment applies to communicators created from now on")
+            elif groups._WORLD_GROUP is not None and self.runtime.plan_group("dp"):
+                log.warning("DeepSpeed's data-parallel group was made by an earlier engine in this process: "
+                            "the plan's NCCL options for dp apply from the next start")
         backend = ds_comm.cdb
         original = backend.new_group
         names = self.names
@@ -180,46 +222,53 @@ class Session:
         records = recorder.end_step()
         self.steps.append(StepStats(step, step_s, sum(r.end_s - r.start_s for r in records), len(records),
                                     f"tuned {len(self.tuned)}" if self.tuned else "start"))
-        if self.tuner is not None:
-            new = self.tuner.observe(step_s, records)
+        if self.tuning:
+            new = self.tuner.observe(step_s, records)  # type: ignore[union-attr]
             if new is not None:
+                self.tuning = False
                 self.apply(new, step)
         reason = self.monitor.observe(step_s, records) if self.monitor is not None else None
-        if reason and self.section.mode == "online":
-            self.tuner = OnlineTuner(self.derived.workload, self.hw, strategy=self.section.strategy,
-                                     tune_steps=self.section.tune_steps, cache_dir=self.section.cache_dir)
-            self.event(f"step {step}: re-tuning over the next {self.section.tune_steps} steps ({reason})")
+        if self.tuner is None:
+            if reason:
+                self.event(f"step {step}: {reason}; the offline plan may be stale (re-plan, or use mode online)")
+        else:
+            self._drift = reason or self._drift
+            if len(self.steps) % self.section.monitor_interval == 0:
+                if self._agree(self._drift is not None):
+                    self.tuner.running_plan = self.plan
+                    self.tuner.reset()
+                    self.tuning = True
+                    self.event(f"step {step}: {self._drift or 'drift seen on another rank'}; "
+                               f"re-tuning from the next {self.section.tune_steps} steps")
+                self._drift = None
         if len(self.steps) == self.section.tune_steps:
             self.write_report()
         recorder.begin_step(step)
         self._t0 = time.perf_counter()
 
+    @staticmethod
+    def _agree(flag: bool) -> bool:
+        """Whether any rank saw drift: every rank must re-tune at the same step, or the tuner's
+        broadcast would wait forever. One tiny all-reduce (and its host sync) every
+        ``monitor_interval`` steps, at the step boundary, in online mode only."""
+        from deepspeed.accelerator import get_accelerator
+
+        t = torch.tensor([float(flag)], device=get_accelerator().current_device_name())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
     def apply(self, plan: Plan, step: int) -> None:
-        """Take a tuned plan: decomposition switches now; buckets and communicators on the next start."""
-        old = self.plan
-        now, later = [], []
-        for e in plan.entries:
-            was = old.lookup(e.group, e.collective, e.bytes)
-            if was is None or was.config == e.config:
-                continue
-            if was.config.decomposition != e.config.decomposition:
-                now.append(f"{e.key} {was.config.describe()} -> {e.config.describe()}")
-            else:
-                later.append(f"{e.key} {was.config.describe()} -> {e.config.describe()}")
-        knobs = {k: (old.framework["deepspeed"].get(k), v) for k, v in plan.framework.get("deepspeed", {}).items()
-                 if old.framework["deepspeed"].get(k) != v}
-        later += [f"zero_optimization.{k} {a} -> {b}" for k, (a, b) in knobs.items()]
+        """Take a tuned plan: Flash-Overlap choices switch now; the rest waits for the next start."""
+        now, later = plan_changes(self.plan, plan)
         self.plan = plan
         self.tuned.append(plan)
         if self.router is not None:
             self.router.plan = plan
         self.monitor = self._monitor(plan)
-        self.event(f"step {step}: online plan ({plan.strategy}, {plan.evaluations} evaluations) taken; "
-                   f"applied now: {'; '.join(now) or 'nothing that can change in a running engine'}; "
-                   f"on the next start (buckets are allocated and communicators built at init; the plan is cached "
-                   f"in {self.section.cache_dir}): {'; '.join(later) or 'nothing'}")
-        if self.section.plan and dist.get_rank() == 0:
-            plan.save(self.section.plan)
+        self.event(f"step {step}: online plan taken ({plan.strategy}, {plan.evaluations} evaluations, cached in "
+                   f"{self.section.cache_dir}). Applied now: {'; '.join(now) or 'nothing'}. "
+                   f"On the next start (buckets are allocated and communicators built with the engine): "
+                   f"{'; '.join(later) or 'nothing'}")
         self.write_report()
 
     def event(self, text: str) -> None:

@@ -91,11 +91,12 @@ def batch(step: int, rank: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def train(engine, steps: int, rank: int) -> list[float]:
-    """``steps`` optimizer steps (each with the engine's gradient accumulation); losses per step."""
+def train(engine, steps: int, rank: int, first: int = 0) -> list[float]:
+    """Optimizer steps ``first`` .. ``first + steps - 1`` (each with the engine's gradient
+    accumulation); the mean loss of each."""
     losses = []
     micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
-    for step in range(steps):
+    for step in range(first, first + steps):
         if hasattr(engine, "train_batch") and engine.is_pipe_parallel:
             data = iter([batch(step * accum + i, rank, micro) for i in range(accum)])
             losses.append(float(engine.train_batch(data_iter=data)))
@@ -105,7 +106,7 @@ def train(engine, steps: int, rank: int) -> list[float]:
             loss = engine(*batch(step * accum + i, rank, micro))
             engine.backward(loss)
             engine.step()
-            total += float(loss) / accum
+            total += loss.item() / accum
         losses.append(total)
     return losses
 
