@@ -207,6 +207,7 @@ def simulate_all(runs: list[Run], exhaustive_limit: int, jobs: int, console: Con
                 progress.update(task, description=f"{r.workload} on {r.hardware}")
                 done[r] = simulate_run(r, exhaustive_limit)
                 progress.advance(task)
+                progress.console.print(f"  {r.workload} on {r.hardware}: {done[r].wall_s:.0f} s")
         else:
             with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
                 futures = {pool.submit(simulate_run, r, exhaustive_limit): r for r in runs}
@@ -214,8 +215,8 @@ def simulate_all(runs: list[Run], exhaustive_limit: int, jobs: int, console: Con
                 for fut in as_completed(futures):
                     r = futures[fut]
                     done[r] = fut.result()
-                    progress.update(task, advance=1, description=f"done {r.workload} on {r.hardware} "
-                                                                 f"({done[r].wall_s:.0f} s)")
+                    progress.advance(task)
+                    progress.console.print(f"  {r.workload} on {r.hardware}: {done[r].wall_s:.0f} s")
     return [done[r] for r in runs]
 
 

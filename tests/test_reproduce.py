@@ -125,3 +125,31 @@ def test_only_rejects_a_workload_outside_the_run(tmp_path):
     with pytest.raises(ConfigError, match="--only"):
         reproduce.run(parser.parse_args(["--quick", "--only", "mpt-7b-tp8", "--out", str(tmp_path / "out")]))
     assert not (tmp_path / "out").exists()
+
+
+def test_real_runs_find_the_points_of_each_framework_and_keep_the_losses(tmp_path):
+    """T5 (the architecture with the most kinds of points) through DeepSpeed ZeRO-3 and megatron-core TP."""
+    from lagom.reproduce_real import real_markdown, run_real
+
+    results = {r.framework: r for r in run_real(tmp_path, ("deepspeed", "megatron"), ("t5",))}
+    ds, meg = results["deepspeed"], results["megatron"]
+    for r in (ds, meg):
+        assert r.equal, f"{r.framework}: losses with Lagom {r.losses_lagom} != without {r.losses_plain}"
+        assert len(r.losses_plain) == 2 and all(len(x) == 4 for x in r.losses_plain)
+        assert r.losses_plain[0][-1] < r.losses_plain[0][0] + 0.5  # it trains, it does not blow up
+        assert r.predicted["lagom"] <= r.predicted["nccl"]
+    # ZeRO-3 gathers parameters and reduce-scatters gradients over the data-parallel ranks
+    assert {p["key"].split("/")[1] for p in ds.points} == {"all_gather", "reduce_scatter"}
+    # encoder blocks and (larger, cross-attending) decoder blocks are gathered in calls of different sizes
+    assert len({p["key"] for p in ds.points if "/all_gather/" in p["key"]}) >= 2
+    assert any(k.startswith("dp/reduce_scatter/") for k in ds.seen)
+    # tensor parallel without sequence parallelism: all-reduces over tp, in encoder and decoder blocks
+    assert [p["key"].split("/")[:2] for p in meg.points] == [["tp", "all_reduce"]]
+    names = meg.points[0]["points"]
+    assert names and all(".ar" in n for n in names)
+    key = meg.points[0]["key"]
+    assert set(meg.seen) == {key} and meg.seen[key] >= 10  # forward alone: 2 encoder x 2 + 2 decoder x 3
+    assert (tmp_path / "t5-lagom.md").exists() and (tmp_path / "megatron-t5-lagom.md").exists()
+    md = real_markdown(list(results.values()))
+    assert "| megatron-core tensor parallel (tp=2) | t5 | 1 |" in md
+    assert f"| DeepSpeed ZeRO-3 (dp=2) | t5 | {len(ds.points)} |" in md
