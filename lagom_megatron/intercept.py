@@ -215,9 +215,9 @@ class Interceptor:
             size = nbytes(output if out_arg == 0 else input_)
             if not kwargs.get("async_op", False):
                 return self._sync(group, collective, size, lambda: original(output, input_, *args, **kwargs))
-            pending = self._start(group, collective, size)
             work = original(output, input_, *args, **kwargs)
-            return work if pending.follow([work]) else _WaitSignals(work, _Countdown([pending], 1))
+            # timed from issue to completion; a work without a future comes back as a proxy timed at its wait
+            return self.recorder.track(self.names.name(group), collective, size, work)
         return wrapped
 
     def _tp_all_reduce(self, original: Callable) -> Callable:
