@@ -11,7 +11,6 @@ the rest) and the published setup. No constant is fitted to a published number.
 from __future__ import annotations
 
 import argparse
-import logging
 import math
 import multiprocessing
 import os
@@ -41,8 +40,6 @@ from lagom.search.exhaustive import MAX_EVALUATIONS  # noqa: E402
 from lagom.simulator import simulate  # noqa: E402
 from lagom.tune import problem_for, search_with_buckets  # noqa: E402
 from lagom.workload import Workload, load_workload  # noqa: E402
-
-log = logging.getLogger("lagom.reproduce")
 
 PUBLISHED_FILE = Path(__file__).resolve().parent.parent / "configs" / "published.yaml"
 STRATEGIES = ("nccl", "autoccl", "lagom")
@@ -171,17 +168,14 @@ def simulate_run(run: Run, exhaustive_limit: int) -> Outcome:
     """
     start = time.perf_counter()
     wl, hw = load_workload(run.workload), load_hardware(run.hardware)
-    step, evals, configs, tuned = {}, {}, {}, {}
-    for name in STRATEGIES:
-        t = search_with_buckets(wl, hw, name)
-        step[name], evals[name] = t.result.result.step_s, t.result.evaluations
-        configs[name] = {k: t.result.configs[k] for k in t.problem.keys}  # in step order
-        tuned[name] = t.workload
-        if name == "nccl":
-            base = t.result.result
-        if name == "lagom":
-            per_key = t.result.result.per_key()
-            exposed = sorted(((k, v["exposed"]) for k, v in per_key.items() if v["exposed"] > 0), key=lambda kv: -kv[1])
+    found = {name: search_with_buckets(wl, hw, name) for name in STRATEGIES}
+    step = {name: t.result.result.step_s for name, t in found.items()}
+    evals = {name: t.result.evaluations for name, t in found.items()}
+    configs = {name: {k: t.result.configs[k] for k in t.problem.keys} for name, t in found.items()}  # step order
+    tuned = {name: t.workload for name, t in found.items()}
+    base = found["nccl"].result.result
+    left = found["lagom"].result.result.per_key()
+    exposed = sorted(((k, v["exposed"]) for k, v in left.items() if v["exposed"] > 0), key=lambda kv: -kv[1])
     problem = problem_for(wl, hw)
     size, note = exhaustive_size(problem), ""
     if size <= exhaustive_limit:
@@ -433,7 +427,7 @@ def plot_speedups(rows: list[Row], path: Path) -> Path:
     ax.set_xticks(range(len(rows)), [f"{r.workload}\n{r.hardware}" for r in rows], fontsize=7, rotation=30, ha="right")
     ax.set_ylabel("speedup over NCCL")
     ax.set_title("Speedup over NCCL per run: simulated (bars) vs published (black)", fontsize=10)
-    ax.legend(fontsize=7, loc="upper left")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return _save(fig, path)
 
 

@@ -28,8 +28,6 @@ from rich.console import Console
 from rich.table import Table
 from torch import nn
 
-log = logging.getLogger("lagom.reproduce_real")
-
 ARCHITECTURES = ("gpt", "bert", "t5")
 WORLD = 2
 VOCAB, HIDDEN, HEADS, FFN, SEQ, LAYERS = 96, 32, 2, 128, 16, 2
@@ -445,6 +443,7 @@ def _rank_main(rank: int, framework: str, port: int, out: str, hardware: str, ar
     os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), LOCAL_SIZE=str(WORLD))
     logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("lagom").setLevel(logging.INFO)  # what Lagom tuned and applied, in the rank's log
     try:
         if framework == "deepspeed":
             import deepspeed
