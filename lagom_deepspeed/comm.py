@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -43,7 +43,6 @@ class Spec:
     params: tuple[str, ...]  # parameter names in positional order (after self)
     data: str  # the parameter whose bytes are counted
     count: Callable[[Any], int] = nbytes
-    group: str = "group"
     async_param: bool = True  # has async_op; False: a blocking point-to-point call
 
 
@@ -97,15 +96,26 @@ class Handle:
         return self._future
 
 
-def _arg(spec: Spec, name: str, args: tuple, kwargs: dict, default: Any = None) -> Any:
+def _get(args: tuple, kwargs: dict, name: str, at: int, default: Any = None) -> Any:
+    """Argument ``name`` (positional index ``at``) of a call, whichever way it was passed."""
     if name in kwargs:
         return kwargs[name]
-    i = spec.params.index(name)
-    return args[i] if i < len(args) else default
+    return args[at] if at < len(args) else default
 
 
-Decomposer = Callable[[str, str, Any, int, tuple, dict], Callable[[], Any] | None]
-"""(method, group name, group, bytes, args, kwargs) -> what to run instead of the collective, or None."""
+def argument(spec: Spec, name: str, args: tuple, kwargs: dict, default: Any = None) -> Any:
+    """Argument ``name`` of a call to the backend method that ``spec`` describes."""
+    return _get(args, kwargs, name, spec.params.index(name), default)
+
+
+class Decomposer(Protocol):
+    """Runs some calls itself (Flash-Overlap): ``methods`` it may take; called with (method, group
+    name, group, bytes, args, kwargs), returns what to run instead of the collective, or None."""
+
+    methods: frozenset[str]
+
+    def __call__(self, method: str, name: str, group: Any, size: int, args: tuple,
+                 kwargs: dict) -> Callable[[], Any] | None: ...
 
 
 class WrappedBackend:
@@ -119,49 +129,65 @@ class WrappedBackend:
         self.originals: dict[str, Callable[..., Any]] = {
             m: getattr(backend, m) for m in SPECS if getattr(backend, m, None) is not None}
         for method, original in self.originals.items():
-            setattr(backend, method, self._wrap(method, SPECS[method], original))
+            spec = SPECS[method]
+            wrapper = self._collective(method, spec, original) if spec.async_param else self._p2p(method, spec, original)
+            wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+            setattr(backend, method, wrapper)
         batch = getattr(backend, "batch_isend_irecv", None)
         if batch is not None:
             self.originals["batch_isend_irecv"] = batch
             backend.batch_isend_irecv = self._wrap_batch(batch)
 
-    def _wrap(self, method: str, spec: Spec, original: Callable[..., Any]) -> Callable[..., Any]:
-        track, names = self.recorder.track, self.names
+    def _collective(self, method: str, spec: Spec, original: Callable[..., Any]) -> Callable[..., Any]:
+        """A call with ``async_op``: synchronous calls are issued async, tracked, then waited for."""
+        track, names, coll, count = self.recorder.track, self.names, spec.collective, spec.count
+        data, data_at = spec.data, spec.params.index(spec.data)
+        group_at, async_at = spec.params.index("group"), spec.params.index("async_op")
+        decompose = self.decompose if self.decompose is not None and method in self.decompose.methods else None
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            group = _get(args, kwargs, "group", group_at)
+            name = names(group)
+            size = count(_get(args, kwargs, data, data_at))
+            is_async = _get(args, kwargs, "async_op", async_at, False)
+            if decompose is not None:
+                run = decompose(method, name, group, size, args, kwargs)
+                if run is not None:
+                    handle = Handle()
+                    track(name, coll, size, handle)
+                    run()
+                    handle.finish()
+                    return handle if is_async else None
+            if not is_async:
+                kwargs = {**kwargs, "async_op": True}
+                args = args[:async_at]
+            work = original(*args, **kwargs)
+            if not hasattr(work, "wait"):  # DeepSpeed's comm-off switches return Noop, other ranks None
+                track(name, coll, size, None)
+                return work
+            work = track(name, coll, size, work)  # the work, or a proxy that times its wait()
+            if is_async:
+                return work
+            work.wait()
+            return None
+
+        return wrapped
+
+    def _p2p(self, method: str, spec: Spec, original: Callable[..., Any]) -> Callable[..., Any]:
+        """send/recv (blocking: issued as isend/irecv, tracked, waited for) and isend/irecv."""
+        track, names, coll = self.recorder.track, self.names, spec.collective
+        group_at = spec.params.index("group")
         twin = self.originals.get(ASYNC_TWIN.get(method, ""))
 
         def wrapped(*args: Any, **kwargs: Any) -> Any:
-            group = _arg(spec, spec.group, args, kwargs)
-            name = names(group) if group is not None or spec.async_param else names.p2p
-            size = spec.count(_arg(spec, spec.data, args, kwargs))
-            if self.decompose is not None:
-                run = self.decompose(method, name, group, size, args, kwargs)
-                if run is not None:
-                    handle = Handle()
-                    track(name, spec.collective, size, handle)
-                    run()
-                    handle.finish()
-                    return handle if _arg(spec, "async_op", args, kwargs, False) else None
-            if twin is not None:  # blocking send/recv: the async twin, then wait
-                work = track(name, spec.collective, size, twin(*args, **kwargs))
-                work.wait()
-                return _arg(spec, "src", args, kwargs) if method == "recv" else None
-            if not spec.async_param:  # isend / irecv: async by contract
-                return track(name, spec.collective, size, original(*args, **kwargs))
-            sync = not _arg(spec, "async_op", args, kwargs, False)
-            if sync:
-                kwargs = {**kwargs, "async_op": True}
-                args = args[:spec.params.index("async_op")]
-            work = original(*args, **kwargs)
-            if not hasattr(work, "wait"):  # DeepSpeed's comm-off switches return Noop, other ranks None
-                track(name, spec.collective, size, None)
-                return work
-            work = track(name, spec.collective, size, work)  # the work, or a proxy timing its wait()
-            if sync:
-                work.wait()
-                return None
-            return work
+            group = _get(args, kwargs, "group", group_at)
+            name = names(group) if group is not None else names.p2p
+            size = nbytes(_get(args, kwargs, "tensor", 0))
+            if twin is None:  # isend / irecv: async by contract
+                return track(name, coll, size, original(*args, **kwargs))
+            track(name, coll, size, twin(*args, **kwargs)).wait()
+            return _get(args, kwargs, "src", 1) if method == "recv" else None
 
-        wrapped.__wrapped__ = original  # type: ignore[attr-defined]
         return wrapped
 
     def _wrap_batch(self, original: Callable[..., Any]) -> Callable[..., Any]:

@@ -20,7 +20,7 @@ import torch
 
 from lagom import flash_overlap
 from lagom.plan import Plan
-from lagom_deepspeed.comm import SPECS, _arg
+from lagom_deepspeed.comm import SPECS, argument
 from lagom_deepspeed.config import FlashOverlapSection
 
 log = logging.getLogger("lagom.deepspeed")
@@ -30,6 +30,8 @@ ROUTED = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "redu
 
 class FlashRouter:
     """Decides per (group, collective, size) from the current plan; ``plan`` may be swapped at run time."""
+
+    methods = frozenset(ROUTED)
 
     def __init__(self, section: FlashOverlapSection, plan: Plan) -> None:
         self.section = section
@@ -69,9 +71,9 @@ class FlashRouter:
         if cfg is None:
             return None
         spec = SPECS[method]
-        out = _arg(spec, "output_tensor", args, kwargs)
-        inp = _arg(spec, "input_tensor", args, kwargs)
-        if collective == "reduce_scatter" and "SUM" not in str(_arg(spec, "op", args, kwargs, "SUM")):
+        out = argument(spec, "output_tensor", args, kwargs)
+        inp = argument(spec, "input_tensor", args, kwargs)
+        if collective == "reduce_scatter" and "SUM" not in str(argument(spec, "op", args, kwargs, "SUM")):
             return self._refuse(method, "only sum reductions are decomposed")
         flat_in, flat_out = inp.reshape(-1), out.view(-1)
         rows = flat_in.numel() if collective == "all_gather" else flat_out.numel()

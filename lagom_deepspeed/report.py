@@ -94,8 +94,8 @@ def markdown(data: dict[str, Any], plan_md: str) -> str:
     lines.append(f"- {g['note']}")
     lines += ["", "## Collectives seen (per step, measured)", "", "| key | calls/step | comm ms/step | plan entry |",
               "|---|---:|---:|---|"]
-    lines += [f"| `{k}` | {m['calls_per_step']:.2f} | {m['comm_s_per_step'] * 1e3:.3f} | `{m['plan_key']}` |"
-              for k, m in data["measured"].items()]
+    lines += [f"| `{k}` | {m['calls_per_step']:.2f} | {m['comm_s_per_step'] * 1e3:.3f} | "
+              + (f"`{m['plan_key']}` |" if m["plan_key"] else "not modelled |") for k, m in data["measured"].items()]
     lines += ["", plan_md.replace("# Lagom plan", "## Plan", 1)]
     return "\n".join(lines) + "\n"
 
