@@ -99,9 +99,10 @@ def test_cli_entry_points(copy: Path, capsys: pytest.CaptureFixture[str]) -> Non
 
 PARSE = textwrap.dedent("""
     import contextlib, io, json, sys
-    sys.path.insert(0, sys.argv[1])
+    copy, hardware = sys.argv[1:3]
+    sys.path.insert(0, copy)
     import megatron.training.arguments as A
-    assert A.__file__.startswith(sys.argv[1]), A.__file__
+    assert A.__file__.startswith(copy), A.__file__
     base = ["prog", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
             "--seq-length", "32", "--micro-batch-size", "2"]
     sys.argv = base + ["--lagom", "--lagom-mode", "online", "--lagom-hardware", "a100-8x-100g",
@@ -120,14 +121,26 @@ PARSE = textwrap.dedent("""
                 A.parse_args()
             except SystemExit as exc:
                 errors.append([exc.code, err.getvalue().strip().splitlines()[-1]])
-    print(json.dumps({"good": good, "errors": errors}))
+    sys.argv = base + ["--global-batch-size", "4", "--max-position-embeddings", "32", "--train-iters", "4",
+                       "--lr", "0.1", "--vocab-size", "128", "--tokenizer-type", "NullTokenizer",
+                       "--use-distributed-optimizer", "--overlap-grad-reduce",
+                       "--lagom", "--lagom-hardware", hardware]
+    args = A.parse_and_validate_args()  # the patch's second hunk starts Lagom here
+    from lagom_megatron.hooks import current
+    session = current()
+    started = {"session": session is not None and session.args is args, "plan_keys": len(session.plan.entries),
+               "bucket": args.ddp_bucket_size == session.plan.framework["megatron"]["bucket_size"]}
+    session.close()
+    print(json.dumps({"good": good, "errors": errors, "started": started}))
 """)
 
 
-def test_flags_parse_through_patched_parse_args(copy: Path) -> None:
+def test_patched_megatron_parses_the_flags_and_starts_lagom(copy: Path) -> None:
     patch_megatron(copy)
-    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "PYTHONWARNINGS": "ignore"}
-    run = subprocess.run([sys.executable, "-c", PARSE, str(copy)], capture_output=True, text=True, env=env, timeout=300)
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "PYTHONWARNINGS": "ignore"}
+    hardware = Path(__file__).resolve().parent.parent / "examples" / "megatron" / "cpu-2ranks.yaml"
+    run = subprocess.run([sys.executable, "-c", PARSE, str(copy), str(hardware)], capture_output=True, text=True,
+                         env=env, timeout=300, cwd=copy)
     assert run.returncode == 0, run.stderr[-3000:]
     data = json.loads(run.stdout.strip().splitlines()[-1])
     assert data["good"] == {"lagom": True, "lagom_mode": "online", "lagom_hardware": "a100-8x-100g",
@@ -136,3 +149,4 @@ def test_flags_parse_through_patched_parse_args(copy: Path) -> None:
     (code1, msg1), (code2, msg2) = data["errors"]
     assert code1 == 2 and "argument --lagom-mode: invalid choice: 'fast'" in msg1
     assert code2 == 2 and "argument --lagom-tune-iters: must be at least 1, got 0" in msg2
+    assert data["started"]["session"] and data["started"]["plan_keys"] > 0 and data["started"]["bucket"]
