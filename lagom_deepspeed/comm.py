@@ -15,7 +15,6 @@ for all-to-all and send. A receive is recorded as ``recv`` (the other side of a 
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -23,9 +22,6 @@ from typing import Any, Protocol
 import torch
 
 from lagom_deepspeed.groups import GroupNames
-
-log = logging.getLogger("lagom.deepspeed")
-
 
 def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()

@@ -7,7 +7,6 @@ these knobs are decided here, once, and only change on the next start.
 from __future__ import annotations
 
 import copy
-import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -22,8 +21,6 @@ from lagom.tune import Tuned, make_plan, plan_from, problem_for
 from lagom.workload import Workload
 from lagom_deepspeed.config import BucketPins, LagomConfig
 from lagom_deepspeed.workload import zero_knobs
-
-log = logging.getLogger("lagom.deepspeed")
 
 # What each ZeRO stage reads at engine build (stage 0 buckets are fixed inside DeepSpeed).
 STAGE_KNOBS = {

@@ -13,6 +13,7 @@ Run time (after the engine exists):
 
 from __future__ import annotations
 
+import atexit
 import logging
 import time
 from dataclasses import dataclass, field, fields
@@ -107,8 +108,8 @@ class Session:
     steps: list[StepStats] = field(default_factory=list)
     events: list[str] = field(default_factory=list)  # what was tuned, when, and when it applies
     tuned: list[Plan] = field(default_factory=list)
-    _t0: float = 0.0
     tuning: bool = False  # online: measuring steps for the tuner (not when started from a cached plan)
+    _t0: float = 0.0
     _drift: str | None = None
     _restore: list[tuple[Any, str, Any]] = field(default_factory=list)
 
@@ -160,11 +161,10 @@ class Session:
 
     def start_runtime(self) -> None:
         """NCCL env and per-group options; must run before DeepSpeed creates its groups."""
-        self.runtime = lagom_runtime.init(self.plan, strict_env=self.section.strict_env, hw=self.hw)
         import deepspeed.comm.comm as ds_comm
-
         from deepspeed.utils import groups
 
+        self.runtime = lagom_runtime.init(self.plan, strict_env=self.section.strict_env, hw=self.hw)
         if "nccl" in str(dist.get_backend()):
             if self.names.p2p == "pp":
                 log.warning("pipeline engine: its groups were made with the PipelineModule and its send/recv use "
@@ -188,12 +188,12 @@ class Session:
     def attach(self, engine: Any) -> None:
         """Wrap the backend and the engine's step boundary; the first step starts now."""
         import deepspeed.comm.comm as ds_comm
+        from deepspeed.runtime.pipe.engine import PipelineEngine
 
         self.router = FlashRouter(self.section.flash_overlap, self.plan)
         self.backend = WrappedBackend(ds_comm.cdb, self.runtime.recorder, self.names, self.router)
         self.monitor = self._monitor(self.plan)
-        boundary = "train_batch" if hasattr(engine, "train_batch") and hasattr(engine, "is_pipe_parallel") \
-            and engine.is_pipe_parallel else "step"
+        boundary = "train_batch" if isinstance(engine, PipelineEngine) else "step"  # where global_steps moves
         original = getattr(engine, boundary)
 
         def stepped(*args: Any, **kwargs: Any) -> Any:
@@ -209,6 +209,7 @@ class Session:
         self.runtime.recorder.begin_step(engine.global_steps)
         self._t0 = time.perf_counter()
         self.write_report()
+        atexit.register(self.write_report)  # the final report, also when the script never calls close()
 
     def _monitor(self, plan: Plan) -> Monitor:
         problem: Problem = problem_for(self.derived.workload, self.hw)
@@ -284,8 +285,9 @@ class Session:
 
     def close(self) -> None:
         """Write the final report and undo every wrapper (the engine keeps running untuned)."""
-        self.write_report()
         if self.backend is not None:
+            atexit.unregister(self.write_report)
+            self.write_report()
             self.backend.close()
         for obj, attr, original in reversed(self._restore):
             if original is None:

@@ -94,10 +94,12 @@ def batch(step: int, rank: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]
 def train(engine, steps: int, rank: int, first: int = 0) -> list[float]:
     """Optimizer steps ``first`` .. ``first + steps - 1`` (each with the engine's gradient
     accumulation); the mean loss of each."""
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
     losses = []
     micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     for step in range(first, first + steps):
-        if hasattr(engine, "train_batch") and engine.is_pipe_parallel:
+        if isinstance(engine, PipelineEngine):
             data = iter([batch(step * accum + i, rank, micro) for i in range(accum)])
             losses.append(float(engine.train_batch(data_iter=data)))
             continue
