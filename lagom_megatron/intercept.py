@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass, field
+import inspect
 from typing import Any, Callable
 
 import torch
@@ -68,7 +68,7 @@ class _Pending:
             return True
         try:
             future = works[-1].get_future()
-        except RuntimeError:
+        except (AttributeError, RuntimeError):  # no future: gloo p2p/reduce-scatter, megatron's own handles
             return False
         future.add_done_callback(lambda _: self.done())  # on GPU: runs with streams that wait for the work
         return True
@@ -89,21 +89,34 @@ class _WaitSignals:
         return getattr(self._work, name)
 
 
-@dataclass
 class Router:
     """Which tensor-parallel points run decomposed (Flash-Overlap), from the plan in force."""
 
-    plan: Plan | None = None
-    flash_overlap: bool = False
-    decomposed: dict[str, int] = field(default_factory=dict)  # key -> calls run decomposed
+    def __init__(self, plan: Plan | None = None, flash_overlap: bool = False) -> None:
+        self.flash_overlap = flash_overlap
+        self.decomposed: dict[str, int] = {}  # key -> calls run decomposed
+        self.plan = plan
+
+    @property
+    def plan(self) -> Plan | None:
+        return self._plan
+
+    @plan.setter
+    def plan(self, plan: Plan | None) -> None:
+        self._plan = plan
+        self.active = self.flash_overlap and plan is not None and any(
+            e.config.decomposition == "p2p" for e in plan.entries)  # else the linears pass straight through
 
     def decomposition(self, group: str, collective: str, size: int) -> FlashOverlapConfig | None:
-        if not self.flash_overlap or self.plan is None:
+        if not self.active:
             return None
-        entry = self.plan.lookup(group, collective, size)
+        entry = self._plan.lookup(group, collective, size)  # type: ignore[union-attr]
         if entry is None or entry.config.decomposition != "p2p":
             return None
         return FlashOverlapConfig(num_chunks=entry.config.num_chunks, comm_stream_priority=-1 if entry.config.priority else 0)
+
+    def count(self, key: str) -> None:
+        self.decomposed[key] = self.decomposed.get(key, 0) + 1
 
 
 class Interceptor:
@@ -233,27 +246,32 @@ class Interceptor:
             log.warning("Flash-Overlap not used for a decomposed TP point: %s; it runs as a collective", why)
 
     def _column_linear(self, original: Callable) -> Callable:
-        """Column-parallel GEMM with sequence parallel: all_gather_matmul where the plan says p2p."""
-        def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                   gradient_accumulation_fusion: bool, allreduce_dgrad: bool, sequence_parallel: bool,
-                   grad_output_buffer: list | None = None, wgrad_deferral_limit: int | None = 0,
-                   tp_group: Any = None, gtp_remat_size: int = 1) -> torch.Tensor:
-            call = lambda: original(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,  # noqa: E731
-                                    sequence_parallel, grad_output_buffer, wgrad_deferral_limit, tp_group,
-                                    gtp_remat_size)
-            if not sequence_parallel or tp_group is None or tp_group.size() == 1:
-                return call()
-            size = nbytes(input) * tp_group.size()
-            cfg = self.router.decomposition(self.names.name(tp_group), "all_gather", size)
+        """Column-parallel GEMM with sequence parallel: all_gather_matmul where the plan says p2p.
+
+        Arguments are read by name from megatron's own signature, so releases that add or drop
+        parameters of linear_with_grad_accumulation_and_async_allreduce still route correctly.
+        """
+        signature = inspect.signature(original)
+
+        def linear(*args: Any, **kwargs: Any) -> torch.Tensor:
+            if not self.router.active:
+                return original(*args, **kwargs)
+            a = signature.bind(*args, **kwargs).arguments
+            tp_group = a.get("tp_group")
+            if not a.get("sequence_parallel") or tp_group is None or tp_group.size() == 1:
+                return original(*args, **kwargs)
+            name, size = self.names.name(tp_group), nbytes(a["input"]) * tp_group.size()
+            cfg = self.router.decomposition(name, "all_gather", size)
             if cfg is None:
-                return call()
-            if gradient_accumulation_fusion or grad_output_buffer is not None or gtp_remat_size > 1:
+                return original(*args, **kwargs)
+            if a.get("gradient_accumulation_fusion") or a.get("grad_output_buffer") is not None \
+                    or a.get("gtp_remat_size", 1) > 1:
                 self._flash_blocked("gradient-accumulation fusion, deferred wgrad or GTP is on")
-                return call()
-            key = f"{self.names.name(tp_group)}/all_gather/{size}"
-            self.router.decomposed[key] = self.router.decomposed.get(key, 0) + 1
-            out = self._sync(tp_group, "all_gather", size, lambda: all_gather_matmul(input, weight, tp_group, config=cfg))
-            return out if bias is None else out + bias
+                return original(*args, **kwargs)
+            self.router.count(f"{name}/all_gather/{size}")
+            out = self._sync(tp_group, "all_gather", size,
+                             lambda: all_gather_matmul(a["input"], a["weight"], tp_group, config=cfg))
+            return out if a.get("bias") is None else out + a["bias"]
         return linear
 
     def _row_forward(self, original: Callable) -> Callable:
@@ -261,19 +279,19 @@ class Interceptor:
         interceptor = self
 
         def forward(layer: Any, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-            if not layer.sequence_parallel or layer.explicit_expert_comm or layer.tp_group.size() == 1:
+            if (not interceptor.router.active or not layer.sequence_parallel or layer.explicit_expert_comm
+                    or layer.tp_group.size() == 1):
                 return original(layer, input_)
             size = input_.shape[:-1].numel() * layer.weight.shape[0] * input_.element_size()
             name = interceptor.names.name(layer.tp_group)
             cfg = interceptor.router.decomposition(name, "reduce_scatter", size)
             if cfg is None:
                 return original(layer, input_)
-            if (layer.gradient_accumulation_fusion or layer.gtp_remat_size > 1 or not layer.weight.requires_grad
-                    or layer.config._cpu_offloading_context is not None):
+            if (layer.gradient_accumulation_fusion or getattr(layer, "gtp_remat_size", 1) > 1
+                    or not layer.weight.requires_grad or getattr(layer.config, "_cpu_offloading_context", None)):
                 interceptor._flash_blocked("gradient-accumulation fusion, GTP, a frozen weight or CPU offloading is on")
                 return original(layer, input_)
-            key = f"{name}/reduce_scatter/{size}"
-            interceptor.router.decomposed[key] = interceptor.router.decomposed.get(key, 0) + 1
+            interceptor.router.count(f"{name}/reduce_scatter/{size}")
             out = interceptor._sync(layer.tp_group, "reduce_scatter", size,
                                     lambda: matmul_reduce_scatter(input_, layer.weight, layer.tp_group, config=cfg))
             if layer.skip_bias_add:
