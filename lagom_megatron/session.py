@@ -287,6 +287,9 @@ class Session:
         self.measured = report.Measured()
         self.applied_now = list(self.tuner.applies_now)
         self.next_start = list(self.tuner.next_start)
+        if self.options.plan is not None and _rank(self.args) == 0:
+            plan.save(self.options.plan)
+            log.info("online plan also written to %s", self.options.plan)
         decomposed = [e.key for e in plan.entries if e.config.decomposition == "p2p"]
         if decomposed and not self.options.flash_overlap:
             log.warning("the online plan decomposes %d TP points; pass --lagom-flash-overlap to run them with "

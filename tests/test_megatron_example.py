@@ -23,7 +23,8 @@ def run_example(cwd: Path, iters: int) -> subprocess.CompletedProcess:
     cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", "-m", "lagom_megatron.run",
            str(ROOT / "examples/megatron/train_tiny.py"), *MEGATRON_ARGS, "--train-iters", str(iters),
            "--lagom", "--lagom-mode", "online", "--lagom-tune-iters", "2",
-           "--lagom-hardware", str(ROOT / "examples/megatron/cpu-2ranks.yaml"), "--lagom-report", "report"]
+           "--lagom-hardware", str(ROOT / "examples/megatron/cpu-2ranks.yaml"), "--lagom-report", "report",
+           "--lagom-plan", "plan.json"]
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT)}
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=400)
 
@@ -40,7 +41,8 @@ def test_cpu_example_tunes_online_then_reuses_the_cached_plan(tmp_path: Path) ->
     assert report["measured"]["baseline_steps"] == 2 and report["measured"]["tuned_steps"] >= 2
     assert {p["group"] for p in report["points"]} == {"dp"}
     assert (tmp_path / "report" / "lagom-report.md").read_text().startswith("# Lagom report")
-    assert len(list((tmp_path / ".lagom-cache").glob("*.json"))) == 1
+    cached = list((tmp_path / ".lagom-cache").glob("*.json"))
+    assert len(cached) == 1 and (tmp_path / "plan.json").read_text() == cached[0].read_text()
 
     second = run_example(tmp_path, iters=3)
     assert second.returncode == 0, second.stderr[-4000:]
