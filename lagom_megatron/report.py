@@ -96,7 +96,7 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _write(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
     """Atomic, so a reader never sees half a report."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
@@ -105,8 +105,8 @@ def _write(path: Path, text: str) -> None:
 
 
 def write(report: dict[str, Any], files: tuple[Path, Path]) -> None:
-    _write(files[0], json.dumps(report, indent=2) + "\n")
-    _write(files[1], markdown(report))
+    write_atomic(files[0], json.dumps(report, indent=2) + "\n")
+    write_atomic(files[1], markdown(report))
 
 
 def to_writers(report: dict[str, Any], iteration: int, tensorboard: Any = None, wandb: Any = None) -> None:

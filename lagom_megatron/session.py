@@ -115,6 +115,9 @@ class Session:
         file_plan = None
         if options.plan is not None and options.plan.exists():
             file_plan = _load_plan(options.plan, workload.world_size, workload, hw)
+        if hw is None and file_plan is None:
+            raise ConfigError("--lagom-hardware", f"is needed: the plan {options.plan} does not exist yet, so one is made",
+                              "pass a preset name from configs/hardware or a hardware YAML file")
         hw = hw or _hardware(options, file_plan)
         tuner, cached = None, None
         if options.mode == "online":
@@ -187,7 +190,7 @@ class Session:
         else:
             self.args.tp_comm_overlap_cfg = str(path)
             self.applied_now.append(f"Transformer Engine userbuffers config {path}")
-        report._write(path, emit.te_ub_yaml(plan))
+        report.write_atomic(path, emit.te_ub_yaml(plan))
 
     def _monitor(self, plan: Plan) -> Any:
         """Drift watch: efficiency against the simulated bound, collective keys against the first steps'

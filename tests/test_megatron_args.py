@@ -116,6 +116,9 @@ def test_plan_for_another_topology_is_refused_naming_the_key(parse, tmp_path: Pa
     make_plan(workload_from_args(other), hw, "nccl").save(tmp_path / "plan.json")
     with pytest.raises(ConfigError, match=r"^--lagom-plan .*: plan.workload_fingerprint: plan was made for workload"):
         Session.start(args, options_from_args(args))
+    missing = parse([*MODEL, "--lagom", "--lagom-plan", str(tmp_path / "missing.json")])
+    with pytest.raises(ConfigError, match=r"^--lagom-hardware: is needed: the plan .*missing.json does not exist yet"):
+        Session.start(missing, options_from_args(missing))
     args.lagom_hardware = "no-such-gpu"
     with pytest.raises(ConfigError, match=r"^--lagom-hardware: hardware: unknown hardware 'no-such-gpu'"):
         Session.start(args, options_from_args(args))
