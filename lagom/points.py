@@ -10,6 +10,8 @@ Whatever runs between the two is the compute the collective can hide under.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -193,6 +195,7 @@ class _StepBuilder:
         self.groups = make_groups(wl, hw)
         m, p = wl.model, wl.parallel
         self.b = wl.dtype_bytes
+        self.seq = m.seq_len  # the sequence the layers being built see
         self.tokens = wl.training.micro_batch * m.seq_len // p.cp  # tokens per rank before TP/SP split
         self.kv = m.kv_heads or m.heads
         self.head_dim = m.hidden // m.heads
@@ -259,9 +262,8 @@ class _StepBuilder:
                 self.column_linear(s, f"{name}.{lin}", h, width, backward)
         else:
             self.row_linear(s, f"{name}.proj", h, h, backward)
-        kv_tokens = (kv_len or m.seq_len) * self.wl.training.micro_batch
-        frac = 0.5 if causal else 1.0
-        core_flops = 4.0 * T * kv_tokens * h / tp * frac * (2.5 if backward else 1.0)
+        frac = 0.5 if causal else 1.0  # every query of a sequence attends to (half of) its keys
+        core_flops = 4.0 * T * (kv_len or self.seq) * h / tp * frac * (2.5 if backward else 1.0)
         core_bytes = self.b * (T * 3 + T) * h / tp * (2 if backward else 1)
         ctas = self.wl.training.micro_batch * (m.heads // tp) * math.ceil(T / self.wl.training.micro_batch / 128)
         if cp.size > 1 and not cross:  # ring attention: K/V blocks travel around the cp ring
@@ -312,29 +314,34 @@ class _StepBuilder:
         s.comm(f"{name}.combine{tag}", Collective.ALL_TO_ALL, ep, a2a_bytes, wait=1)
         s.seg(f"{name}.unpermute{tag}", 0.0, routed * m.hidden * self.b * 2 / tp, routed * m.hidden / tp / 1024)
 
+    @contextmanager
+    def sequence(self, seq_len: int) -> Iterator[None]:
+        """Build with another sequence length (the T5 decoder's), then restore the encoder's."""
+        saved = self.seq, self.tokens
+        self.seq, self.tokens = seq_len, self.wl.training.micro_batch * seq_len // self.wl.parallel.cp
+        try:
+            yield
+        finally:
+            self.seq, self.tokens = saved
+
     def layer(self, s: _DeviceStream, idx: int, kind: str, backward: bool) -> None:
         """kind: enc (bidirectional), dec (causal), xdec (causal + cross-attention: t5 decoder)."""
         m = self.wl.model
-        name = f"L{idx}"
-        is_moe = m.architecture == "moe" and idx % m.moe_every == m.moe_every - 1
-        blocks = [("ln1", None), ("attn", False)]
-        if kind == "xdec":
-            blocks += [("lnx", None), ("xattn", True)]
-        blocks += [("ln2", None), ("moe" if is_moe else "mlp", None)]
-        if backward:
-            blocks.reverse()
-        for block, cross in blocks:
-            full = f"{name}.{block}"
-            if block.startswith("ln"):
-                self.norm(s, full, backward)
-            elif block == "attn":
-                self.attention(s, full, backward, causal=kind != "enc")
-            elif block == "xattn":
-                self.attention(s, full, backward, causal=False, kv_len=m.seq_len, cross=True)
-            elif block == "moe":
-                self.moe(s, full, backward)
-            else:
-                self.mlp(s, full, backward)
+        blocks = ["ln1", "attn"] + (["lnx", "xattn"] if kind == "xdec" else [])
+        blocks += ["ln2", "moe" if m.architecture == "moe" and idx % m.moe_every == m.moe_every - 1 else "mlp"]
+        with self.sequence(m.decoder_seq_len or m.seq_len) if kind == "xdec" else nullcontext():
+            for block in reversed(blocks) if backward else blocks:
+                full = f"L{idx}.{block}"
+                if block.startswith("ln"):
+                    self.norm(s, full, backward)
+                elif block == "attn":
+                    self.attention(s, full, backward, causal=kind != "enc")
+                elif block == "xattn":  # decoder queries against the encoder's keys and values
+                    self.attention(s, full, backward, causal=False, kv_len=m.seq_len, cross=True)
+                elif block == "moe":
+                    self.moe(s, full, backward)
+                else:
+                    self.mlp(s, full, backward)
 
     def layer_params(self, kind: str, is_moe: bool) -> float:
         """Parameters of one layer held by one rank (after tp and ep sharding)."""
@@ -353,7 +360,8 @@ class _StepBuilder:
 
     def head(self, s: _DeviceStream, backward: bool) -> None:
         m, tp = self.wl.model, self.groups["tp"].size
-        T = self.tokens
+        seq = (m.decoder_seq_len or m.seq_len) if m.architecture == "t5" else m.seq_len  # t5: the decoder's output
+        T = self.wl.training.micro_batch * seq // self.wl.parallel.cp
         if not backward:
             if self.wl.parallel.sequence_parallel:
                 s.comm("head.ag", Collective.ALL_GATHER, self.groups["tp"], T * m.hidden * self.b, wait=1, fuse="next")

@@ -9,7 +9,8 @@ from lagom.plan import Plan, PlanEntry
 from lagom.points import points_for
 from lagom.search import Problem, SearchResult, run_strategy
 from lagom.search.base import SimulatedEvaluator
-from lagom.search.exhaustive import feasible
+from lagom.search import exhaustive
+from lagom.search.exhaustive import MAX_EVALUATIONS
 from lagom.workload import Workload, validate
 
 MAX_POINT_NAMES = 12
@@ -93,9 +94,10 @@ def plan_from(tuned: Tuned, wl: Workload, hw: Hardware, predicted: dict[str, flo
                 framework=framework_knobs(tuned.workload))
 
 
-def compare_strategies(wl: Workload, hw: Hardware) -> dict[str, Tuned | None]:
-    """Every strategy on the simulator; exhaustive is None where the problem is too large for it."""
+def compare_strategies(wl: Workload, hw: Hardware, exhaustive_limit: int = MAX_EVALUATIONS) -> dict[str, Tuned | None]:
+    """Every strategy on the simulator; exhaustive is None where it needs more than the limit's evaluations."""
     out: dict[str, Tuned | None] = {s: search_with_buckets(wl, hw, s) for s in ("nccl", "autoccl", "lagom")}
     problem = problem_for(wl, hw)
-    out["exhaustive"] = Tuned(wl, problem, run_strategy("exhaustive", problem)) if feasible(problem) else None
+    out["exhaustive"] = (Tuned(wl, problem, exhaustive.search(problem, SimulatedEvaluator(problem), exhaustive_limit))
+                         if exhaustive.feasible(problem, exhaustive_limit) else None)
     return out

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from lagom.errors import LagomError
 from lagom.hardware import load_hardware
 from lagom.search import Problem, run_strategy
-from lagom.search.priority import CHECKED_PER_KEY
+from lagom.search.priority import MAX_CHECKS_PER_KEY
 from lagom.tune import problem_for
 from lagom.workload import load_workload
 from tests.helpers import SMALL_SPACE, gpt_workload, synthetic_problem, write_yaml
@@ -83,9 +83,9 @@ def test_lagom_evaluations_grow_linearly_with_the_number_of_collectives():
         problem = many_keys(n)
         assert len(problem.keys) == n
         counts[n] = run_strategy("lagom", problem).evaluations
-        assert n < counts[n] <= 1 + CHECKED_PER_KEY * n  # at least one check per key, at most a fixed number
+        assert n < counts[n] <= 1 + MAX_CHECKS_PER_KEY * n  # at least one check per key, at most a fixed number
     per_key = [(counts[n] - 1) / n for n in counts]
-    assert max(per_key) <= CHECKED_PER_KEY and counts[64] > 4 * counts[8]
+    assert max(per_key) <= MAX_CHECKS_PER_KEY and counts[64] > 4 * counts[8]
 
 
 def test_exhaustive_refuses_large_problems_with_a_clear_message():
@@ -106,8 +106,8 @@ def test_compute_bound_fsdp_window_on_a40_reproduces_the_phi2_pattern(tmp_path):
     assert auto.channels > nccl.channels
     assert r["autoccl"].result.step_s > r["nccl"].result.step_s  # faster comm, slower step
     assert r["lagom"].result.step_s < r["nccl"].result.step_s
-    sm = problem.model.sm_taken  # SMs the comm CTAs take: channels x threads share
-    assert lagom.channels < nccl.channels or lagom.chunk_bytes < nccl.chunk_bytes
+    sm = problem.model.sm_taken  # SMs the comm CTAs take: channels x the share of a CTA's threads
+    assert sm(lagom) < sm(nccl) or lagom.chunk_bytes < nccl.chunk_bytes  # resources given back
     assert sm(lagom) <= sm(nccl) < sm(auto)
 
 

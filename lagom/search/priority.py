@@ -20,6 +20,8 @@ from lagom.points import ComputeSegment, OverlapPoint, StepGraph
 from lagom.search.base import Evaluator, Problem, SearchResult, nccl_configs
 
 CHECKED_PER_KEY = 4  # candidates per collective confirmed with the evaluator
+WINDOW_CHECKS = 2  # extra checks for a comm-bound collective, from the window ranking
+MAX_CHECKS_PER_KEY = CHECKED_PER_KEY + WINDOW_CHECKS
 
 
 @dataclass
@@ -28,11 +30,11 @@ class Window:
 
     point: OverlapPoint
     repeat: int  # occurrences per step
-    hide: float  # uncontended seconds of compute between release and need
-    segments: list[ComputeSegment]  # that compute, in stream order
+    segments: list[ComputeSegment]  # compute between release and need, in stream order
+    fused: list[ComputeSegment]  # the GEMM a Flash-Overlap decomposition would split (empty if none)
 
 
-def windows(graph: StepGraph, model: CostModel) -> dict[str, list[Window]]:
+def windows(graph: StepGraph) -> dict[str, list[Window]]:
     """Per key, the distinct windows its instances hide under, each weighted by how often it occurs.
 
     Identical layers give identical windows, so a 48-layer model has a handful per key, not hundreds.
@@ -42,25 +44,22 @@ def windows(graph: StepGraph, model: CostModel) -> dict[str, list[Window]]:
         pos = {s.name: i for segs in phase.segments.values() for i, s in enumerate(segs)}
         for p in phase.points:
             segs = phase.segments[p.device]
-            if p.fuse_with is not None and can_decompose(p):
-                hide_segs = segs[pos[p.fuse_with]:pos[p.fuse_with] + 1]  # what a decomposition would hide under
-            else:
-                hide_segs = segs[pos[p.after] + 1 if p.after else 0:pos[p.before] if p.before else len(segs)]
-            sig = (p.collective, p.group, p.bytes, p.fuse_with is not None,
-                   tuple((s.flops, s.bytes, s.ctas) for s in hide_segs))
+            between = segs[pos[p.after] + 1 if p.after else 0:pos[p.before] if p.before else len(segs)]
+            fused = segs[pos[p.fuse_with]:pos[p.fuse_with] + 1] if p.fuse_with and can_decompose(p) else []
+            sig = (p.collective, p.group, p.bytes, *(tuple((s.flops, s.bytes, s.ctas) for s in part) for part in (between, fused)))
             known = out.setdefault(p.key, {})
             if sig in known:
                 known[sig].repeat += phase.repeat
             else:
-                known[sig] = Window(p, phase.repeat, sum(model.compute_solo(s) for s in hide_segs), hide_segs)
+                known[sig] = Window(p, phase.repeat, between, fused)
     return {key: list(wins.values()) for key, wins in out.items()}
 
 
 @dataclass
 class Estimate:
     comm: float  # X: seconds of communication per step
-    compute: float  # Y: seconds of compute beside it, inflated
-    makespan: float  # Z: seconds the windows take
+    compute: float  # Y: seconds the compute beside it is slowed by per step
+    added: float  # seconds the windows take beyond their compute alone: exposed comm plus slowdown
 
 
 def _inflation(comm_s: float, segments: list[ComputeSegment], running: tuple[RunningComm, ...], model: CostModel) -> float:
@@ -78,23 +77,31 @@ def _inflation(comm_s: float, segments: list[ComputeSegment], running: tuple[Run
 
 
 def estimate(cfg: CommConfig, wins: list[Window], model: CostModel) -> Estimate:
-    """The windows of one key under one config, each in isolation: Z = max(X, inflated compute)."""
-    X = Y = Z = 0.0
+    """The windows of one key under one config, each in isolation.
+
+    A collective hides under the compute between its release and its need; a decomposition hides
+    under the GEMM it splits, all but its first step. Either way the window adds max(comm beyond the
+    compute, the compute's slowdown), plus the first P2P step for a decomposition.
+    """
+    X = Y = added = 0.0
     for w in wins:
         p = w.point
-        util = max((model.hbm_util(s) for s in w.segments), default=0.0)
-        if cfg.decomposition == "p2p" and can_decompose(p):
+        decomposed = cfg.decomposition == "p2p" and bool(w.fused)
+        segs = w.fused if decomposed else w.segments
+        util = max((model.hbm_util(s) for s in segs), default=0.0)
+        if decomposed:
             n = p.group.size * cfg.num_chunks
             step = model.p2p_step_time(p.group, p.bytes / n, cfg, util)
             x, first = step * (n - cfg.num_chunks), step
         else:
             x, first = model.comm_time(p.collective, p.group, p.bytes, cfg, util), 0.0
         rate = model.comm_hbm_rate(p.collective, p.group, p.bytes, x) if x > 0 else 0.0
-        y = w.hide + _inflation(x, w.segments, (RunningComm(cfg, rate),), model)
+        slow = _inflation(x, segs, (RunningComm(cfg, rate),), model)
+        hide = sum(model.compute_solo(s) for s in segs)
         X += x * w.repeat
-        Y += y * w.repeat
-        Z += (first + max(x, y)) * w.repeat
-    return Estimate(X, Y, Z)
+        Y += slow * w.repeat
+        added += (first + max(x - hide, slow)) * w.repeat
+    return Estimate(X, Y, added)
 
 
 def priority(cur: Estimate, new: Estimate) -> float:
@@ -103,44 +110,57 @@ def priority(cur: Estimate, new: Estimate) -> float:
     return (new.compute - cur.compute) / saved if saved else math.inf
 
 
-def _ranked(key: str, cur: Estimate, exposed: float, problem: Problem, wins: list[Window]) -> list[tuple[Estimate, CommConfig]]:
-    """Candidates best first. Comm-bound: the exposed comm a move can remove (at most ``exposed``, the
-    step's), net of the compute it adds; ties go to the faster comm. Compute-bound: predicted makespan."""
+def _distinct(ranked: list[tuple[Estimate, CommConfig]], k: int, seen: set) -> list[tuple[Estimate, CommConfig]]:
+    """The first k candidates whose predictions differ from each other and from ``seen``: checks go to
+    distinct predictions, not to knobs the model says are moot."""
+    out = []
+    for est, cfg in ranked:
+        if len(out) == k:
+            break
+        predicted = (round(est.comm, 12), round(est.compute, 12))
+        if predicted not in seen:
+            seen.add(predicted)
+            out.append((est, cfg))
+    return out
+
+
+def _checks(key: str, cur: Estimate, exposed: float, problem: Problem, wins: list[Window]) -> list[tuple[Estimate, CommConfig]]:
+    """The candidates to evaluate for one key, best first.
+
+    Compute-bound: the smallest time the windows add (exposed comm plus slowdown). Comm-bound
+    (``exposed`` > 0, the step's exposed comm): first the cheapest speed-ups, ranked by the exposed comm a
+    move removes net of the compute it slows, since queueing on a communicator exposes more than each
+    window alone shows; then the best of the window ranking (e.g. a decomposition, whose comm is longer
+    but hidden).
+    """
     model = problem.model
     scored = [(estimate(c, wins, model), c) for c in candidates(problem.keys[key][0], problem.hw, problem.space)]
-    if exposed > 0:
-        def gain(ec: tuple[Estimate, CommConfig]) -> tuple[float, float]:
-            est = ec[0]
-            return ((est.compute - cur.compute) - min(exposed, cur.comm - est.comm), est.comm)
-        return sorted(scored, key=gain)
-    return sorted(scored, key=lambda ec: ec[0].makespan)
+    by_window = sorted(scored, key=lambda ec: (ec[0].added, ec[0].comm))
+    seen = {(round(cur.comm, 12), round(cur.compute, 12))}
+    if exposed <= 0:
+        return _distinct(by_window, CHECKED_PER_KEY, seen)
+    by_speed = sorted(scored, key=lambda ec: (ec[0].compute - cur.compute - min(exposed, cur.comm - ec[0].comm), ec[0].comm))
+    return _distinct(by_speed, CHECKED_PER_KEY, seen) + _distinct(by_window, WINDOW_CHECKS, seen)
 
 
 def search(problem: Problem, evaluator: Evaluator) -> SearchResult:
     model = problem.model
     configs = nccl_configs(problem)
     best = evaluator.evaluate(configs)
-    wins = windows(problem.graph, model)
+    wins = windows(problem.graph)
     per_key = best.per_key()
     plans = []
     for key in problem.keys:
         cur = estimate(configs[key], wins[key], model)
         exposed = per_key[key]["exposed"]
-        ranked = _ranked(key, cur, best.exposed_comm_s if exposed > 0 else 0.0, problem, wins[key])
-        h = priority(cur, ranked[0][0])
+        checks = _checks(key, cur, best.exposed_comm_s if exposed > 0 else 0.0, problem, wins[key])
+        h = priority(cur, checks[0][0]) if checks else math.inf
         # Comm-bound first, smallest H first; then compute-bound, largest compute saving per comm added.
-        plans.append(((0, h) if exposed > 0 else (1, -h if math.isfinite(h) else 0.0), key, cur, ranked, exposed > 0))
+        plans.append(((0, h) if exposed > 0 else (1, -h if math.isfinite(h) else 0.0), key, cur, checks, exposed > 0))
     notes: dict[str, str] = {}
-    for _, key, cur, ranked, comm_bound in sorted(plans, key=lambda p: p[0]):
-        seen = {(round(cur.comm, 12), round(cur.compute, 12))}
+    for _, key, cur, checks, comm_bound in sorted(plans, key=lambda p: p[0]):
         chosen = None
-        for est, cfg in ranked:
-            if len(seen) > CHECKED_PER_KEY:
-                break
-            predicted = (round(est.comm, 12), round(est.compute, 12))
-            if predicted in seen:  # checks go to distinct predictions, not to knobs the model says are moot
-                continue
-            seen.add(predicted)
+        for est, cfg in checks:
             result = evaluator.evaluate({**configs, key: cfg})
             if result.step_s < best.step_s:
                 best, chosen = result, (cfg, est)
@@ -150,7 +170,10 @@ def search(problem: Problem, evaluator: Evaluator) -> SearchResult:
         cfg, est = chosen
         configs[key] = cfg
         window = "comm-bound" if comm_bound else "compute-bound"
-        if est.comm < cur.comm:
+        if cfg.decomposition == "p2p":
+            notes[key] = (f"{window}: Flash-Overlap P2P decomposition ({cfg.num_chunks} chunk(s) per peer), "
+                          "all but the first step hidden under the GEMM it feeds")
+        elif est.comm < cur.comm:
             notes[key] = f"{window}: faster comm, H={priority(cur, est):.3g} compute s added per comm s saved"
         else:
             notes[key] = f"{window}: resources given back, {cur.compute - est.compute:.3g} s compute saved per step"
