@@ -11,7 +11,6 @@ the rest) and the published setup. No constant is fitted to a published number.
 from __future__ import annotations
 
 import argparse
-import math
 import multiprocessing
 import os
 import time
@@ -29,20 +28,20 @@ from rich.console import Console  # noqa: E402
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from lagom.comm_config import CommConfig, candidates  # noqa: E402
+from lagom.comm_config import CommConfig  # noqa: E402
 from lagom.cost_model import CostModel  # noqa: E402
 from lagom.errors import ConfigError  # noqa: E402
 from lagom.hardware import load_hardware  # noqa: E402
 from lagom.plot import timeline  # noqa: E402
 from lagom.points import Collective, ComputeSegment, Group, OverlapPoint, Phase, StepGraph  # noqa: E402
 from lagom.search import Problem, run_strategy  # noqa: E402
+from lagom.search import exhaustive  # noqa: E402
 from lagom.search.exhaustive import MAX_EVALUATIONS  # noqa: E402
 from lagom.simulator import simulate  # noqa: E402
-from lagom.tune import problem_for, search_with_buckets  # noqa: E402
+from lagom.tune import compare_strategies, problem_for  # noqa: E402
 from lagom.workload import Workload, load_workload  # noqa: E402
 
 PUBLISHED_FILE = Path(__file__).resolve().parent.parent / "configs" / "published.yaml"
-STRATEGIES = ("nccl", "autoccl", "lagom")
 COMPARED = ("autoccl", "lagom")  # the strategies with published speedups
 TOLERANCE = 0.05  # rows further than this from the published figure get a line on why
 # --quick: the user's three runs, and one paper workload per A40 cluster (the paper's headline FSDP
@@ -156,19 +155,15 @@ class Outcome:
         return self.step_s["nccl"] / step if step else None
 
 
-def exhaustive_size(problem: Problem) -> int:
-    return math.prod(len(candidates(p[0], problem.hw, problem.space)) for p in problem.keys.values())
-
-
 def simulate_run(run: Run, exhaustive_limit: int) -> Outcome:
     """nccl, autoccl and lagom on one run; exhaustive too when it needs at most ``exhaustive_limit`` steps.
 
     The limit keeps `--quick` short: a joint brute force of a few hundred settings already takes minutes
-    on a step of thousands of kernels (tune.compare_strategies uses the search's own cap instead).
+    on a step of thousands of kernels.
     """
     start = time.perf_counter()
     wl, hw = load_workload(run.workload), load_hardware(run.hardware)
-    found = {name: search_with_buckets(wl, hw, name) for name in STRATEGIES}
+    found = {name: t for name, t in compare_strategies(wl, hw, exhaustive_limit).items() if t is not None}
     step = {name: t.result.result.step_s for name, t in found.items()}
     evals = {name: t.result.evaluations for name, t in found.items()}
     configs = {name: {k: t.result.configs[k] for k in t.problem.keys} for name, t in found.items()}  # step order
@@ -176,14 +171,9 @@ def simulate_run(run: Run, exhaustive_limit: int) -> Outcome:
     base = found["nccl"].result.result
     left = found["lagom"].result.result.per_key()
     exposed = sorted(((k, v["exposed"]) for k, v in left.items() if v["exposed"] > 0), key=lambda kv: -kv[1])
-    problem = problem_for(wl, hw)
-    size, note = exhaustive_size(problem), ""
-    if size <= exhaustive_limit:
-        res = run_strategy("exhaustive", problem)
-        step["exhaustive"], evals["exhaustive"], configs["exhaustive"] = res.result.step_s, res.evaluations, res.configs
-        tuned["exhaustive"] = wl
-    else:
-        note = f"not run: {size:.3g} joint settings over {len(problem.keys)} keys (limit {exhaustive_limit})"
+    problem = found["nccl"].problem
+    note = "" if "exhaustive" in found else (
+        f"not run: {exhaustive.size(problem):.3g} joint settings over {len(problem.keys)} keys (limit {exhaustive_limit})")
     return Outcome(run, hw.contention.source, len(problem.keys), step, evals, configs, tuned, base.compute_s,
                    base.exposed_comm_s, max(base.compute_s, base.comm_peak_s), problem.graph.devices, dict(exposed),
                    note, time.perf_counter() - start)
@@ -390,7 +380,7 @@ def search_cost(sizes: Iterable[int] = SEARCH_COST_KEYS) -> list[SearchCost]:
     for n in sizes:
         problem = synthetic_problem(n)
         evals = {name: run_strategy(name, problem).evaluations for name in COMPARED}
-        evals["exhaustive"] = exhaustive_size(problem)
+        evals["exhaustive"] = exhaustive.size(problem)
         out.append(SearchCost(n, evals))
     return out
 

@@ -11,7 +11,6 @@ from lagom import calibrate
 from lagom.cost_model import ring_shape
 from lagom.errors import ConfigError
 from lagom.hardware import load_hardware
-from lagom.points import Collective
 from tests.distributed import run_ranks
 
 BASE = "a100-8x-100g"

@@ -1,7 +1,5 @@
 """Properties of the strategies on the model: Lagom vs NCCL, AutoCCL and exhaustive search."""
 
-from dataclasses import replace
-
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Protocol
 
-from lagom.comm_config import CommConfig, SearchSpace, default_config, subspaces
+from lagom.comm_config import SearchSpace, default_config, subspaces
 from lagom.cost_model import CostModel
 from lagom.hardware import Hardware
 from lagom.points import OverlapPoint, StepGraph

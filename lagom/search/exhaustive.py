@@ -12,15 +12,20 @@ from lagom.search.base import Evaluator, Problem, SearchResult
 MAX_EVALUATIONS = 20_000
 
 
+def size(problem: Problem) -> int:
+    """Evaluations a joint brute force needs: the product of every key's candidate count."""
+    return math.prod(len(candidates(p[0], problem.hw, problem.space)) for p in problem.keys.values())
+
+
 def search(problem: Problem, evaluator: Evaluator, limit: int = MAX_EVALUATIONS) -> SearchResult:
     keys = list(problem.keys)
-    choices = [candidates(problem.keys[k][0], problem.hw, problem.space) for k in keys]
-    total = math.prod(len(c) for c in choices)
+    total = size(problem)
     if total > limit:
         raise LagomError(
             f"exhaustive search needs {total:.3g} evaluations for {len(keys)} tuning keys (limit {limit}); "
             "use --strategy lagom, or a smaller search space"
         )
+    choices = [candidates(problem.keys[k][0], problem.hw, problem.space) for k in keys]
     best = None
     for combo in product(*choices):
         configs = dict(zip(keys, combo))
@@ -33,4 +38,4 @@ def search(problem: Problem, evaluator: Evaluator, limit: int = MAX_EVALUATIONS)
 
 
 def feasible(problem: Problem, limit: int = MAX_EVALUATIONS) -> bool:
-    return math.prod(len(candidates(p[0], problem.hw, problem.space)) for p in problem.keys.values()) <= limit
+    return size(problem) <= limit
