@@ -17,7 +17,7 @@ from pathlib import Path
 from lagom.errors import ConfigError
 
 PATCH_FILE = Path(__file__).resolve().parent.parent / "patches" / "megatron-training.patch"
-FITS = "megatron-core 0.18 and 0.19 (wheel) and Megatron-LM main"
+FITS = "megatron-core 0.18, 0.19 and Megatron-LM main (0.20 dev)"
 LAUNCHER = "python -m lagom_megatron.run pretrain_gpt.py <megatron args> --lagom ..."
 
 

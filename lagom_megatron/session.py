@@ -167,8 +167,10 @@ class Session:
         if getattr(self.args, "ddp_num_buckets", None) is not None:
             log.warning("--ddp-num-buckets is set, so megatron ignores the plan's bucket size %d", bucket)
             return
-        if self.args.ddp_bucket_size != bucket:
-            log.info("DDP bucket size: %s -> %d elements (plan)", self.args.ddp_bucket_size, bucket)
+        p = self.workload.parallel
+        current = self.args.ddp_bucket_size or max(40_000_000, 1_000_000 * p.dp * p.cp)  # megatron's default
+        if current != bucket:
+            log.info("DDP bucket size: %d -> %d elements (plan)", current, bucket)
             self.args.ddp_bucket_size = bucket
         self.applied_now.append(f"DDP bucket size {bucket} elements")
 
