@@ -3,9 +3,11 @@
 Two measurements on 2 processes (gloo on CPU, or NCCL with --nccl on 2 GPUs):
 - isolated: the wrapper around a backend whose calls return an already completed work, so the
   difference is the wrapper alone (naming the group, counting bytes, Recorder.track and its
-  completion callback, the sync-as-async conversion);
+  completion callback, the sync-as-async conversion); the fastest block (noise only adds);
 - live: DeepSpeed's real backend (``deepspeed.comm.comm.cdb``), small tensors, bare blocks and
-  wrapped blocks interleaved so that machine noise hits both alike; the median of the blocks.
+  wrapped blocks interleaved so that machine noise hits both alike; the median of the blocks, as
+  wall clock and as CPU time of the calling thread (on a loaded machine the wall clock of a small
+  gloo collective is mostly scheduling, and the CPU time is what the wrapper adds).
 
     DS_ACCELERATOR=cpu python benchmarks/deepspeed_wrap_overhead.py [--calls 2000] [--blocks 7]
 """
@@ -73,25 +75,28 @@ def _calls(backend: Any, world: int, device: str) -> dict[str, Callable[[], Any]
     }
 
 
-def _per_call_us(fn: Callable[[], Any], calls: int, sync: Callable[[], None]) -> float:
+def _per_call_us(fn: Callable[[], Any], calls: int, sync: Callable[[], None]) -> tuple[float, float]:
+    """(wall, calling thread's CPU) microseconds per call."""
     sync()
-    start = time.perf_counter()
+    wall, cpu = time.perf_counter(), time.thread_time()
     for _ in range(calls):
         fn()
     sync()
-    return (time.perf_counter() - start) / calls * 1e6
+    return (time.perf_counter() - wall) / calls * 1e6, (time.thread_time() - cpu) / calls * 1e6
+
+
+Row = tuple[tuple[float, float], tuple[float, float]]  # (bare, wrapped) x (wall, cpu)
 
 
 def _measure(backend: Any, names: Any, calls: int, blocks: int, world: int, device: str,
-             sync: Callable[[], None], pick: Callable[[list[float]], float]) -> dict[str, tuple[float, float]]:
+             sync: Callable[[], None], pick: Callable[[list[float]], float]) -> dict[str, Row]:
     """Microseconds per call over ``blocks`` (bare, wrapped) block pairs, per collective: ``pick``
-    (min or median) of the blocks' means."""
+    (min or median) of the blocks' means, wall and CPU."""
     from lagom.runtime import Recorder
     from lagom_deepspeed.comm import WrappedBackend
 
-    results: dict[str, tuple[list[float], list[float]]] = {}
-    for name in _calls(backend, world, device):
-        results[name] = ([], [])
+    results: dict[str, tuple[list[tuple[float, float]], list[tuple[float, float]]]] = {
+        name: ([], []) for name in _calls(backend, world, device)}
     recorder = Recorder()
     for _ in range(blocks):
         for name, fn in _calls(backend, world, device).items():
@@ -103,7 +108,10 @@ def _measure(backend: Any, names: Any, calls: int, blocks: int, world: int, devi
             recorder.end_step()
             recorder.begin_step(0)
         wrapped.close()
-    return {k: (pick(b), pick(w)) for k, (b, w) in results.items()}
+    def both(blocks_: list[tuple[float, float]]) -> tuple[float, float]:
+        return pick([b[0] for b in blocks_]), pick([b[1] for b in blocks_])
+
+    return {k: (both(b), both(w)) for k, (b, w) in results.items()}
 
 
 def _rank(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
@@ -128,11 +136,12 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     if rank == 0:
         print(f"per call, {BYTES} B messages, {world} ranks, {'NCCL' if args.nccl else 'gloo'}, "
               f"{args.blocks} blocks of {args.calls} calls")
-        print(f"{'collective':28s} {'isolated: bare':>15s} {'wrapped':>8s} {'overhead':>9s}   "
-              f"{'live (median): bare':>20s} {'wrapped':>8s} {'overhead':>9s}   [us]")
+        print(f"{'[us per call]':26s} | {'isolated: bare':>14s} {'wrapped':>8s} {'+':>5s} | "
+              f"{'live wall: bare':>15s} {'wrapped':>8s} {'+':>6s} | {'live CPU: bare':>14s} {'wrapped':>8s} {'+':>5s}")
         for name, (bare, wrapped) in live.items():
-            ib, iw = isolated[name]
-            print(f"{name:28s} {ib:15.1f} {iw:8.1f} {iw - ib:9.1f}   {bare:20.1f} {wrapped:8.1f} {wrapped - bare:9.1f}")
+            ib, iw = isolated[name][0][0], isolated[name][1][0]
+            print(f"{name:26s} | {ib:14.1f} {iw:8.1f} {iw - ib:5.1f} | {bare[0]:15.1f} {wrapped[0]:8.1f} "
+                  f"{wrapped[0] - bare[0]:6.1f} | {bare[1]:14.1f} {wrapped[1]:8.1f} {wrapped[1] - bare[1]:5.1f}")
     dist.barrier()
     dist.destroy_process_group()
 
