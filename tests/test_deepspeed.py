@@ -136,8 +136,9 @@ def _lagom_run(spy: Spy, rank: int, stage: int, section: dict[str, Any], init: A
 
 
 def _expect_error(init: Any, config: dict[str, Any]) -> str:
-    from lagom.errors import ConfigError
     import torch.distributed as dist
+
+    from lagom.errors import ConfigError
 
     before = dist.new_group
     model = _model()
@@ -152,7 +153,7 @@ def _expect_error(init: Any, config: dict[str, Any]) -> str:
 def scenarios(rank: int, world: int, tmp: str) -> dict[str, Any]:
     spy = Spy()  # before DeepSpeed's backend is created
     import deepspeed
-
+    import torch.distributed as dist
     from deepspeed.utils import groups
 
     import lagom_deepspeed
@@ -183,8 +184,6 @@ def scenarios(rank: int, world: int, tmp: str) -> dict[str, Any]:
     # ZeRO-3 started from a plan edited to decompose every data-parallel collective (Flash-Overlap)
     if rank == 0:
         p2p(Plan.load(f"{tmp}/plan3.json")).save(f"{tmp}/plan3_p2p.json")
-    import torch.distributed as dist
-
     dist.barrier()
     out["flash3"] = _lagom_run(spy, rank, 3, {"enabled": True, "hardware": hw, "plan": f"{tmp}/plan3_p2p.json"},
                                lagom_deepspeed.initialize)
