@@ -2,12 +2,12 @@
 
 Each case calls a megatron-core communication path (tensor-parallel mappings, the async
 all-gather of the linear layers, a DDP bucket's gradient all-reduce, pipeline send/recv) many times,
-alternating blocks with the interceptor installed and removed, and reports the median time per
-call of each and their difference. The first row isolates the interceptor's own work (recording a
-call that does no communication), which is what it adds on any backend; the gloo rows include
-gloo's run-to-run noise, so their difference is that overhead plus noise.
+alternating call by call with the interceptor installed and removed, and reports the median time
+of one call each way and the difference. The first row isolates the interceptor's own work
+(recording a call that does no communication), which is what it adds on any backend; the gloo rows
+add what that work costs next to a real collective on a busy CPU.
 
-    .venv/bin/python benchmarks/megatron_interception.py [--iters 100] [--reps 30] [--kib 4] [--json]
+    .venv/bin/python benchmarks/megatron_interception.py [--calls 2000] [--kib 4] [--json]
 """
 
 from __future__ import annotations
@@ -32,38 +32,45 @@ def cpu_megatron() -> None:
     torch.cuda.current_stream = lambda *args, **kwargs: None
 
 
-def per_call_us(fn: Callable[[], object], iters: int, then: Callable[[], object] = lambda: None) -> float:
-    """µs per call of ``fn``, ``then`` (run once after the calls) included."""
-    torch.distributed.barrier()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    then()
-    return (time.perf_counter() - t0) / iters * 1e6
-
-
 def measure(cases: dict[str, Callable[[], object]], install: Callable[[], object], uninstall: Callable[[], None],
-            recorder, iters: int, reps: int) -> dict[str, tuple[float, float, float]]:
-    """Per case: median µs per call unwrapped, wrapped, and the median of paired differences.
+            recorder, calls: int) -> dict[str, tuple[float, float, float]]:
+    """Per case: median µs of one call unwrapped and wrapped, and the wrapped median's excess.
 
-    Short unwrapped and wrapped blocks alternate, so load that drifts over seconds hits each pair alike.
+    Calls alternate one by one between unwrapped and wrapped (both ranks in lock-step), so load that
+    comes and goes on a shared machine hits both alike; the recorder's step end, which resolves the
+    records, is timed too and its cost spread over the calls it resolved.
     """
     out = {}
     for name, fn in cases.items():
-        plain, wrapped = [], []
         fn()  # warm-up
-        for _ in range(reps):
-            plain.append(per_call_us(fn, iters))
-            install()
-            recorder.begin_step(0)
-            wrapped.append(per_call_us(fn, iters, recorder.end_step))  # the step end resolves the records
-            uninstall()
-        out[name] = (statistics.median(plain), statistics.median(wrapped),
-                     statistics.median(w - p for p, w in zip(plain, wrapped)))
+        plain, wrapped, step_end, pending = [], [], 0.0, 0
+        torch.distributed.barrier()
+        recorder.begin_step(0)
+        for i in range(2 * calls):
+            if i % 2:
+                install()
+            t0 = time.perf_counter()
+            fn()
+            t = time.perf_counter() - t0
+            if i % 2:
+                uninstall()
+                wrapped.append(t)
+                pending += 1
+                if pending == 100:
+                    t0 = time.perf_counter()
+                    recorder.end_step()
+                    step_end += time.perf_counter() - t0
+                    pending = 0
+            else:
+                plain.append(t)
+        recorder.end_step()
+        a = statistics.median(plain) * 1e6
+        b = (statistics.median(wrapped) + step_end / len(wrapped)) * 1e6
+        out[name] = (a, b, b - a)
     return out
 
 
-def bench_rank(rank: int, world: int, iters: int, reps: int, kib: int) -> dict[str, tuple[float, float, float]]:
+def bench_rank(rank: int, world: int, calls: int, kib: int) -> dict[str, tuple[float, float, float]]:
     cpu_megatron()
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -76,6 +83,14 @@ def bench_rank(rank: int, world: int, iters: int, reps: int, kib: int) -> dict[s
 
     recorder = Recorder(cuda=False)
     interceptor = Interceptor(recorder)
+
+    def switches() -> tuple[Callable[[], None], Callable[[], None]]:
+        """(on, off) that swap the installed wrappers in and out, made once (installing makes new ones)."""
+        interceptor.install()
+        swaps = [(owner, attr, getattr(owner, attr), original) for owner, attr, original in interceptor._saved]
+        interceptor.uninstall()
+        return (lambda: [setattr(o, a, w) for o, a, w, _ in swaps],
+                lambda: [setattr(o, a, orig) for o, a, _, orig in swaps])
     elems = kib * 1024 // 4
     results: dict[str, tuple[float, float, float]] = {}
 
@@ -87,7 +102,7 @@ def bench_rank(rank: int, world: int, iters: int, reps: int, kib: int) -> dict[s
     wrapped = interceptor._collective(nothing, "all_gather", out_arg=0)
     buf = torch.zeros(elems)
     results |= measure({"interception alone (no-op collective)": lambda: target["call"](buf, buf, group=None)},
-                       lambda: target.update(call=wrapped), lambda: target.update(call=nothing), recorder, iters, reps)
+                       lambda: target.update(call=wrapped), lambda: target.update(call=nothing), recorder, calls)
 
     parallel_state.initialize_model_parallel(2, 1)
     tp = parallel_state.get_tensor_model_parallel_group()
@@ -101,7 +116,7 @@ def bench_rank(rank: int, world: int, iters: int, reps: int, kib: int) -> dict[s
         f"tp all-gather {kib} KiB (layers, async + wait)":
             lambda: layers.dist_all_gather_func(gathered, shard, group=tp, async_op=True).wait(),
     }
-    results |= measure(cases, interceptor.install, interceptor.uninstall, recorder, iters, reps)
+    results |= measure(cases, *switches(), recorder, calls)
     parallel_state.destroy_model_parallel()
 
     parallel_state.initialize_model_parallel(1, 1)
@@ -111,7 +126,7 @@ def bench_rank(rank: int, world: int, iters: int, reps: int, kib: int) -> dict[s
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(overlap_grad_reduce=False), model)
     group = ddp.bucket_groups[0]
     results |= measure({f"dp bucket all-reduce {kib} KiB (DDP start_grad_sync)": group.finish_grad_sync},
-                       interceptor.install, interceptor.uninstall, recorder, iters, reps)
+                       *switches(), recorder, calls)
     parallel_state.destroy_model_parallel()
 
     parallel_state.initialize_model_parallel(1, 2)
@@ -128,19 +143,18 @@ def bench_rank(rank: int, world: int, iters: int, reps: int, kib: int) -> dict[s
             req.wait()
 
     results |= measure({f"pp send/recv {kib} KiB (batched P2P)": lambda: exchange()},
-                       interceptor.install, interceptor.uninstall, recorder, iters, reps)
+                       *switches(), recorder, calls)
     parallel_state.destroy_model_parallel()
     return results
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iters", type=int, default=100, help="calls per timed block")
-    parser.add_argument("--reps", type=int, default=30, help="block pairs per case (medians taken)")
+    parser.add_argument("--calls", type=int, default=2000, help="calls per case and variant")
     parser.add_argument("--kib", type=int, default=4, help="message size in KiB")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    ranks = run_ranks(bench_rank, 2, args.iters, args.reps, args.kib)
+    ranks = run_ranks(bench_rank, 2, args.calls, args.kib)
     # per case, the rank that saw the larger time (collectives finish together; the slower rank is the step)
     rows = {name: tuple(max(r[name][i] for r in ranks) for i in range(3)) for name in ranks[0]}
     if args.json:
