@@ -404,9 +404,9 @@ def _data_parallel(b: _StepBuilder, s: _DeviceStream, layers: list[tuple[int, st
     if wl.framework.name == "megatron":
         bucket_elems = wl.framework.bucket_size or max(40_000_000, 1_000_000 * dp.size)
         coll = Collective.REDUCE_SCATTER if p.distributed_optimizer else Collective.ALL_REDUCE
-    else:
+    else:  # DeepSpeed 0.19 all-reduces the stage 0-2 gradient buckets (seen on its communication backend)
         bucket_elems = wl.framework.reduce_bucket_size
-        coll = Collective.ALL_REDUCE if p.zero_stage == 0 else Collective.REDUCE_SCATTER
+        coll = Collective.ALL_REDUCE
     overlap = wl.framework.overlap_grad_reduce if wl.framework.name == "megatron" else wl.framework.overlap_comm
     pending, bucket_no = 0.0, 0
     order = list(reversed(layers))
@@ -424,9 +424,10 @@ def _optimizer(b: _StepBuilder, s: _DeviceStream, stage_params: float) -> None:
     shard = b.groups["dp"].size if (p.distributed_optimizer or p.zero_stage >= 1 or p.fsdp) else 1
     s.seg("optimizer", 0.0, stage_params / shard * 16 * 2, stage_params / shard / 1024)
     if (p.distributed_optimizer or p.zero_stage in (1, 2)) and b.groups["dp"].size > 1:
+        # megatron gathers per bucket; DeepSpeed 0.19 gathers the whole partitioned buffer in one call
         bucket = wl.framework.bucket_size or max(40_000_000, 1_000_000 * b.groups["dp"].size)
         if wl.framework.name == "deepspeed":
-            bucket = wl.framework.allgather_bucket_size
+            bucket = stage_params
         left, n = stage_params, 0
         while left > 0:
             chunk = min(bucket, left)

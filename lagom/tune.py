@@ -51,10 +51,11 @@ class Tuned:
     result: SearchResult
 
 
-def search_with_buckets(wl: Workload, hw: Hardware, strategy: str) -> Tuned:
-    """Run a strategy; lagom also tries bucket sizes around the workload's (one search per size)."""
+def search_with_buckets(wl: Workload, hw: Hardware, strategy: str, search_buckets: bool = True) -> Tuned:
+    """Run a strategy; lagom also tries bucket sizes around the workload's (one search per size) unless
+    ``search_buckets`` is off (the user pinned them)."""
     problem = problem_for(wl, hw)
-    if strategy != "lagom" or not _has_buckets(problem):
+    if strategy != "lagom" or not search_buckets or not _has_buckets(problem):
         return Tuned(wl, problem, run_strategy(strategy, problem))
     best: Tuned | None = None
     evaluations = 0
@@ -70,8 +71,8 @@ def search_with_buckets(wl: Workload, hw: Hardware, strategy: str) -> Tuned:
     return best
 
 
-def make_plan(wl: Workload, hw: Hardware, strategy: str = "lagom") -> Plan:
-    tuned = search_with_buckets(wl, hw, strategy)
+def make_plan(wl: Workload, hw: Hardware, strategy: str = "lagom", search_buckets: bool = True) -> Plan:
+    tuned = search_with_buckets(wl, hw, strategy, search_buckets)
     baseline = run_strategy("nccl", problem_for(wl, hw)).result.step_s
     return plan_from(tuned, wl, hw, {"nccl": baseline, strategy: tuned.result.result.step_s})
 

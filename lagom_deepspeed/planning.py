@@ -16,8 +16,7 @@ import torch.distributed as dist
 from lagom.errors import ConfigError
 from lagom.hardware import Hardware
 from lagom.plan import Plan
-from lagom.search import run_strategy
-from lagom.tune import Tuned, make_plan, plan_from, problem_for
+from lagom.tune import make_plan
 from lagom.workload import Workload
 from lagom_deepspeed.config import BucketPins, LagomConfig
 from lagom_deepspeed.workload import zero_knobs
@@ -52,12 +51,7 @@ def running(wl: Workload, plan: Plan) -> Workload:
 
 def search(wl: Workload, hw: Hardware, strategy: str, pins: BucketPins) -> Plan:
     """A plan from the cost model; bucket sizes are searched unless the user pinned them."""
-    if pins.reduce_bucket_size is None and pins.allgather_bucket_size is None:
-        return make_plan(wl, hw, strategy)
-    problem = problem_for(wl, hw)
-    tuned = Tuned(wl, problem, run_strategy(strategy, problem))
-    baseline = run_strategy("nccl", problem_for(wl, hw)).result.step_s
-    return plan_from(tuned, wl, hw, {"nccl": baseline, strategy: tuned.result.result.step_s})
+    return make_plan(wl, hw, strategy, search_buckets=pins.reduce_bucket_size is None and pins.allgather_bucket_size is None)
 
 
 def check(plan: Plan, world_size: int, wl: Workload, hw: Hardware, where: str) -> Plan:
