@@ -28,14 +28,15 @@ from lagom.plan import Plan
 log = logging.getLogger("lagom.runtime")
 
 # megatron-core's group_desc for the communicators a plan names (its gloo twins are never NCCL).
+# Megatron group_desc -> plan group names, first match wins (with cp = 1 the dp_cp group is the dp group).
 GROUP_DESC_ALIASES = {
-    "DATA_PARALLEL_GROUP": "dp",
-    "DATA_PARALLEL_GROUP_WITH_CP": "dp_cp",
-    "TENSOR_MODEL_PARALLEL_GROUP": "tp",
-    "PIPELINE_MODEL_PARALLEL_GROUP": "pp",
-    "CONTEXT_PARALLEL_GROUP": "cp",
-    "EXPERT_MODEL_PARALLEL_GROUP": "ep",
-    "EXPERT_DATA_PARALLEL_GROUP": "expt_dp",
+    "DATA_PARALLEL_GROUP": ("dp",),
+    "DATA_PARALLEL_GROUP_WITH_CP": ("dp_cp", "dp"),
+    "TENSOR_MODEL_PARALLEL_GROUP": ("tp",),
+    "PIPELINE_MODEL_PARALLEL_GROUP": ("pp",),
+    "CONTEXT_PARALLEL_GROUP": ("cp",),
+    "EXPERT_MODEL_PARALLEL_GROUP": ("ep",),
+    "EXPERT_DATA_PARALLEL_GROUP": ("expt_dp",),
 }
 OPTION_KEYS = ("max_ctas", "min_ctas", "cga_cluster_size", "net_name")
 CALLBACK_GRACE_S = 0.01  # a completed future runs its callbacks right after waking its waiters
@@ -301,11 +302,18 @@ class Runtime:
         name = self.plan_group(group_name)
         return nccl_options(self._comm_cfgs[name]) if name is not None else None
 
+    def _matches_plan(self, name: str, options: Any) -> bool:
+        """Whether options a caller built carry this plan's values (e.g. megatron's, routed through the plan)."""
+        cfg = self._comm_cfgs[name]
+        config = getattr(options, "config", None)
+        same = all(getattr(config, key, None) == cfg[key] for key in OPTION_KEYS if key in cfg)
+        return same and bool(getattr(options, "is_high_priority_stream", False)) == bool(cfg.get("is_high_priority_stream", False))
+
     def plan_group(self, desc: str | None) -> str | None:
         if desc is None:
             return None
-        name = desc if desc in self._comm_cfgs else GROUP_DESC_ALIASES.get(desc)
-        return name if name in self._comm_cfgs else None
+        names = (desc, *GROUP_DESC_ALIASES.get(desc, ()))
+        return next((n for n in names if n in self._comm_cfgs), None)
 
     # -- environment
     def _export_env(self, strict: bool) -> None:
@@ -346,9 +354,13 @@ class Runtime:
             return
         backend = arguments.get("backend") or (dist.get_backend() if dist.is_initialized() else "")
         is_nccl = "nccl" in str(backend).lower()
-        if arguments.get("pg_options") is not None:
-            log.warning("group %s: the caller passed its own pg_options; the plan's %s is not applied",
-                        name, self._comm_cfgs[name])
+        given = arguments.get("pg_options")
+        if given is not None:
+            if self._matches_plan(name, given):
+                self.group_options[name] = given  # e.g. megatron's get_nccl_options, routed through the plan
+            else:
+                log.warning("group %s: the caller passed its own pg_options; the plan's %s is not applied",
+                            name, self._comm_cfgs[name])
             return
         options = self.options_for(name)
         self.group_options[name] = options

@@ -30,13 +30,6 @@ _GROUPS: tuple[tuple[str, str], ...] = (
 )
 
 
-# megatron's get_nccl_options pg_name -> the group_desc it creates that group with
-GROUP_DESC = {
-    "tp": "TENSOR_MODEL_PARALLEL_GROUP", "dp": "DATA_PARALLEL_GROUP", "dp_cp": "DATA_PARALLEL_GROUP_WITH_CP",
-    "intra_dp_cp": "INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP", "cp": "CONTEXT_PARALLEL_GROUP",
-    "pp": "PIPELINE_MODEL_PARALLEL_GROUP", "ep": "EXPERT_MODEL_PARALLEL_GROUP", "ep_dp": "EXPERT_DATA_PARALLEL_GROUP",
-}
-
 
 def megatron_pg_names(lagom_name: str, cp: int) -> tuple[str, ...]:
     """The ``pg_name`` keys megatron's get_nccl_options is asked for that a plan group covers.

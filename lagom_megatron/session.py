@@ -34,7 +34,7 @@ from lagom.tune import make_plan, problem_for
 from lagom.workload import Workload
 from lagom_megatron import report
 from lagom_megatron.arguments import LagomOptions
-from lagom_megatron.groups import GROUP_DESC, megatron_pg_names
+from lagom_megatron.groups import megatron_pg_names
 from lagom_megatron.intercept import Interceptor, Router
 from lagom_megatron.workload import workload_from_args
 
@@ -214,15 +214,14 @@ class Session:
         setattr(owner, attr, value)
 
     def nccl_options(self, original: Any) -> Any:
-        """megatron's get_nccl_options, with the plan's settings for the groups it covers.
+        """megatron's get_nccl_options, with the plan's settings for every group the plan covers.
 
-        Groups whose group_desc the runtime's new_group wrapper already maps to a plan group are
-        left to it (it applies the same settings); the rest, e.g. the data-parallel group with
-        context parallel of size 1 that DDP reduces over, get them here.
+        Megatron then creates each group with these options; the runtime's new_group wrapper sees
+        they are the plan's and records them.
         """
         def get_nccl_options(pg_name: str, nccl_comm_cfgs: dict) -> Any:
             planned = self.communicator_configs().get(pg_name)
-            if planned is None or self.runtime.plan_group(GROUP_DESC.get(pg_name)) is not None:
+            if planned is None:
                 return original(pg_name, nccl_comm_cfgs)
             user = dict(nccl_comm_cfgs.get(pg_name) or {})
             for key, value in planned.items():

@@ -74,8 +74,9 @@ def test_startup_applies_the_plan_to_megatron(session, caplog: pytest.LogCapture
     options = parallel_state.get_nccl_options("dp_cp", {})  # the group DDP reduces over
     assert (options.config.max_ctas, options.config.min_ctas) == (dp["max_ctas"], dp["min_ctas"])
     assert s.group_options["dp_cp"] is options
-    # DATA_PARALLEL_GROUP is the runtime's (its new_group wrapper maps the group_desc): left to it here
-    assert parallel_state.get_nccl_options("dp", {}) is None and s.runtime.plan_group("DATA_PARALLEL_GROUP") == "dp"
+    # every pg_name the plan covers gets its options here; the runtime maps the group_desc to the same plan group
+    assert parallel_state.get_nccl_options("dp", {}).config.max_ctas == dp["max_ctas"]
+    assert s.runtime.plan_group("DATA_PARALLEL_GROUP") == s.runtime.plan_group("DATA_PARALLEL_GROUP_WITH_CP") == "dp"
     assert parallel_state.get_nccl_options("tp", {}) is None  # no tensor parallelism, nothing planned
     user = parallel_state.get_nccl_options("dp_cp", {"dp_cp": {"max_ctas": 1, "net_name": "IB"}})
     assert (user.config.max_ctas, user.config.net_name) == (dp["max_ctas"], "IB")
