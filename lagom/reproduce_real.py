@@ -86,30 +86,18 @@ class Stack(nn.Module):
         return self.ln(x)
 
 
-class TinyGPT(nn.Module):
-    """Decoder only: next-token prediction."""
+class TinyLM(nn.Module):
+    """One stack and a head. Causal: a GPT decoder predicting the next token. Bidirectional: a BERT
+    encoder predicting the masked tokens (targets are -100 where nothing is masked)."""
 
-    def __init__(self) -> None:
+    def __init__(self, causal: bool) -> None:
         super().__init__()
         self.tok = _embedding()
-        self.decoder = Stack(causal=True)
+        self.stack = Stack(causal=causal)
         self.head = nn.Linear(HIDDEN, VOCAB)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return _loss(self.head(self.decoder(self.tok(tokens))), targets)
-
-
-class TinyBERT(nn.Module):
-    """Encoder only: predict the masked tokens (targets are -100 where nothing is masked)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.tok = _embedding()
-        self.encoder = Stack(causal=False)
-        self.head = nn.Linear(HIDDEN, VOCAB)
-
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return _loss(self.head(self.encoder(self.tok(tokens))), targets)
+        return _loss(self.head(self.stack(self.tok(tokens))), targets)
 
 
 class TinyT5(nn.Module):
@@ -128,7 +116,8 @@ class TinyT5(nn.Module):
         return _loss(out @ self.tok.weight.t(), targets)
 
 
-MODELS: dict[str, Callable[[], nn.Module]] = {"gpt": TinyGPT, "bert": TinyBERT, "t5": TinyT5}
+MODELS: dict[str, Callable[[], nn.Module]] = {"gpt": lambda: TinyLM(causal=True), "bert": lambda: TinyLM(causal=False),
+                                              "t5": TinyT5}
 
 
 def _embedding() -> nn.Embedding:
