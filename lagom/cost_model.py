@@ -92,7 +92,9 @@ class CostModel:
     def p2p_step_time(self, group: Group, nbytes: float, cfg: CommConfig, compute_hbm_util: float = 0.0) -> float:
         """One ring-exchange step of a Flash-Overlap decomposition: send one block, receive one."""
         p2p = Group(group.name, 2, 2, 1) if group.nodes == 1 else Group(group.name, 2, 1, 2)
-        return self.comm_time(Collective.SEND_RECV, p2p, int(nbytes), cfg, compute_hbm_util)
+        # the cached model itself, not comm_time: a calibrated subclass scales comm_time per tuning key,
+        # which a decomposition's steps do not have
+        return self._comm(Collective.SEND_RECV, p2p, int(nbytes), cfg, round(compute_hbm_util, 2))
 
     def comm_peak_time(self, coll: Collective, group: Group, nbytes: int) -> float:
         """The physical limit: bus bytes at the link's peak, no latency."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from lagom.hardware import Hardware
-from lagom.workload import Workload
+from lagom.workload import DTYPE_BYTES, Workload
 
 
 class Collective(StrEnum):
@@ -120,10 +120,10 @@ def make_groups(wl: Workload, hw: Hardware) -> dict[str, Group]:
     strides = {"tp": 1, "cp": p.tp, "dp": p.tp * p.cp, "pp": p.tp * p.cp * p.dp}
     sizes = {"tp": p.tp, "cp": p.cp, "dp": p.dp, "pp": p.pp}
     groups = {n: Group(n, sizes[n], *group_span(sizes[n], strides[n], gpn)) for n in sizes}
+    groups["ep"] = Group("ep", p.ep, *group_span(p.ep, p.tp * p.cp, gpn))  # size 1: no all-to-all points
     if p.cp > 1:
         groups["dp_cp"] = Group("dp_cp", p.dp * p.cp, *group_span(p.dp * p.cp, p.tp, gpn))
-    if p.ep > 1:
-        groups["ep"] = Group("ep", p.ep, *group_span(p.ep, p.tp * p.cp, gpn))
+    if p.ep > 1:  # expert gradients reduce over the data-parallel ranks that hold the same experts
         edp = p.dp * p.cp // p.ep
         groups["expt_dp"] = Group("expt_dp", edp, *group_span(edp, p.tp * p.cp * p.ep, gpn))
     return groups
@@ -195,6 +195,7 @@ class _StepBuilder:
         self.groups = make_groups(wl, hw)
         m, p = wl.model, wl.parallel
         self.b = wl.dtype_bytes
+        self.grad_b = DTYPE_BYTES[wl.training.grad_dtype]
         self.seq = m.seq_len  # the sequence the layers being built see
         self.tokens = wl.training.micro_batch * m.seq_len // p.cp  # tokens per rank before TP/SP split
         self.kv = m.kv_heads or m.heads
@@ -269,7 +270,8 @@ class _StepBuilder:
         if cp.size > 1 and not cross:  # ring attention: K/V blocks travel around the cp ring
             kv_block = T * kv_out / tp * self.b
             for step in range(cp.size - 1):
-                s.comm(f"{name}.cp{step}", Collective.SEND_RECV, cp, kv_block * (2 if backward else 1), wait=1)
+                s.comm(f"{name}.cp{step}{'.bwd' if backward else ''}", Collective.SEND_RECV, cp,
+                       kv_block * (2 if backward else 1), wait=1)
                 s.seg(f"{name}.core{step}{'.bwd' if backward else ''}", core_flops / cp.size, core_bytes / cp.size, ctas)
             s.seg(f"{name}.core{cp.size - 1}{'.bwd' if backward else ''}", core_flops / cp.size, core_bytes / cp.size, ctas)
         else:
@@ -328,7 +330,7 @@ class _StepBuilder:
         """kind: enc (bidirectional), dec (causal), xdec (causal + cross-attention: t5 decoder)."""
         m = self.wl.model
         blocks = ["ln1", "attn"] + (["lnx", "xattn"] if kind == "xdec" else [])
-        blocks += ["ln2", "moe" if m.architecture == "moe" and idx % m.moe_every == m.moe_every - 1 else "mlp"]
+        blocks += ["ln2", "moe" if self.is_moe(idx) else "mlp"]
         with self.sequence(m.decoder_seq_len or m.seq_len) if kind == "xdec" else nullcontext():
             for block in reversed(blocks) if backward else blocks:
                 full = f"L{idx}.{block}"
@@ -343,17 +345,21 @@ class _StepBuilder:
                 else:
                     self.mlp(s, full, backward)
 
-    def layer_params(self, kind: str, is_moe: bool) -> float:
-        """Parameters of one layer held by one rank (after tp and ep sharding)."""
+    def is_moe(self, idx: int) -> bool:
+        m = self.wl.model
+        return m.architecture == "moe" and idx % m.moe_every == m.moe_every - 1
+
+    def layer_params(self, kind: str, idx: int) -> tuple[float, float]:
+        """(dense, expert) parameters of one layer held by one rank (after tp and ep sharding)."""
         m, tp, ep = self.wl.model, self.groups["tp"].size, self.wl.parallel.ep
-        h = m.hidden
+        h, mult = m.hidden, 3 if m.gated_mlp else 2
         attn = h * (h + 2 * self.kv * self.head_dim) + h * h
         if kind == "xdec":
             attn *= 2
-        mlp = h * m.ffn * (3 if m.gated_mlp else 2)
-        if is_moe:
-            mlp = m.experts / ep * h * m.moe_ffn * (3 if m.gated_mlp else 2) + m.shared_experts * h * m.moe_ffn * 3
-        return (attn + mlp) / tp + 4 * h
+        if not self.is_moe(idx):
+            return (attn + h * m.ffn * mult) / tp + 4 * h, 0.0
+        shared = m.shared_experts * h * m.moe_ffn * mult
+        return (attn + shared) / tp + 4 * h, m.experts / ep * h * m.moe_ffn * mult / tp
 
     def embedding(self, s: _DeviceStream, backward: bool) -> None:
         self._elementwise(s, f"embed{'.bwd' if backward else ''}", self.tokens * self.wl.model.hidden, rw=2.0)
@@ -394,44 +400,55 @@ class _Block:
     last: str
 
 
-def _data_parallel(b: _StepBuilder, s: _DeviceStream, layers: list[tuple[int, str]], layer_last: dict[int, str],
-                   last_stage: bool) -> None:
-    """Gradient buckets released as backward finishes their layers (reverse order), needed by the optimizer."""
+def _dp_group(b: _StepBuilder) -> Group:
+    """The group dense gradients are reduced over (and the distributed optimizer shards over)."""
+    return b.groups["dp_cp" if b.wl.parallel.cp > 1 else "dp"]
+
+
+def _data_parallel(b: _StepBuilder, s: _DeviceStream, stage: int, layer_last: dict[int, str]) -> None:
+    """Gradient buckets released as backward finishes their layers (reverse order), needed by the optimizer.
+
+    Dense gradients reduce over dp (dp_cp), expert gradients over expt_dp. Megatron keeps one bucket
+    when it does not overlap the reduction and on every pipeline stage but the first (megatron-core 0.19).
+    """
     wl, p = b.wl, b.wl.parallel
-    dp_name = "dp_cp" if p.cp > 1 else "dp"
-    dp = b.groups[dp_name]
-    grad_b = 2 if wl.training.grad_dtype in ("bf16", "fp16") else 4
+    layers = _stage_layers(wl, stage)
     if wl.framework.name == "megatron":
-        bucket_elems = wl.framework.bucket_size or max(40_000_000, 1_000_000 * dp.size)
+        one_bucket = not wl.framework.overlap_grad_reduce or stage > 0
+        bucket_elems = math.inf if one_bucket else wl.ddp_bucket_elems
         coll = Collective.REDUCE_SCATTER if p.distributed_optimizer else Collective.ALL_REDUCE
     else:  # DeepSpeed 0.19 all-reduces the stage 0-2 gradient buckets (seen on its communication backend)
         bucket_elems = wl.framework.reduce_bucket_size
         coll = Collective.ALL_REDUCE
     overlap = wl.framework.overlap_grad_reduce if wl.framework.name == "megatron" else wl.framework.overlap_comm
-    pending, bucket_no = 0.0, 0
+    groups = {"dense": _dp_group(b), "expert": b.groups.get("expt_dp", _dp_group(b))}
+    pending = {"dense": 0.0, "expert": 0.0}
+    count = 0
     order = list(reversed(layers))
     for pos, (idx, kind) in enumerate(order):
-        pending += b.layer_params(kind, False) + (b.wl.model.vocab * b.wl.model.hidden / b.groups["tp"].size
-                                                  if pos == len(order) - 1 and (idx == 0 or last_stage) else 0)
-        if pending >= bucket_elems or pos == len(order) - 1:
-            s.comm(f"grad.bucket{bucket_no}", coll, dp, pending * grad_b, wait=None,
-                   after=layer_last[idx] if overlap else s.last)
-            pending, bucket_no = 0.0, bucket_no + 1
+        dense, expert = b.layer_params(kind, idx)
+        embedding = pos == len(order) - 1 and (stage == 0 or stage == p.pp - 1)
+        pending["dense"] += dense + (wl.model.vocab * wl.model.hidden / b.groups["tp"].size if embedding else 0.0)
+        pending["expert"] += expert
+        for part, group in groups.items():
+            if pending[part] and (pending[part] >= bucket_elems or pos == len(order) - 1):
+                s.comm(f"grad.bucket{count}{'.expert' if part == 'expert' else ''}", coll, group,
+                       pending[part] * b.grad_b, wait=None, after=layer_last[idx] if overlap else s.last)
+                pending[part], count = 0.0, count + 1
 
 
 def _optimizer(b: _StepBuilder, s: _DeviceStream, stage_params: float) -> None:
     p, wl = b.wl.parallel, b.wl
-    shard = b.groups["dp"].size if (p.distributed_optimizer or p.zero_stage >= 1 or p.fsdp) else 1
+    dp = _dp_group(b)
+    shard = dp.size if (p.distributed_optimizer or p.zero_stage >= 1 or p.fsdp) else 1
     s.seg("optimizer", 0.0, stage_params / shard * 16 * 2, stage_params / shard / 1024)
-    if (p.distributed_optimizer or p.zero_stage in (1, 2)) and b.groups["dp"].size > 1:
+    if (p.distributed_optimizer or p.zero_stage in (1, 2)) and dp.size > 1:
         # megatron gathers per bucket; DeepSpeed 0.19 gathers the whole partitioned buffer in one call
-        bucket = wl.framework.bucket_size or max(40_000_000, 1_000_000 * b.groups["dp"].size)
-        if wl.framework.name == "deepspeed":
-            bucket = stage_params
+        bucket = stage_params if wl.framework.name == "deepspeed" else wl.ddp_bucket_elems
         left, n = stage_params, 0
         while left > 0:
             chunk = min(bucket, left)
-            s.comm(f"param.ag{n}", Collective.ALL_GATHER, b.groups["dp"], chunk * b.b, wait=None)
+            s.comm(f"param.ag{n}", Collective.ALL_GATHER, dp, chunk * b.b, wait=None)
             left, n = left - chunk, n + 1
 
 
@@ -454,17 +471,15 @@ def points_for(wl: Workload, hw: Hardware) -> StepGraph:
             b.embedding(s, False)
         release = s.last  # ZeRO-3 prefetch: a layer's gather is released when the layer before it starts
         for idx, kind in seq:
-            is_moe = wl.model.architecture == "moe" and idx % wl.model.moe_every == wl.model.moe_every - 1
+            params = sum(b.layer_params(kind, idx))
             if sharded_params:
                 s.comm(f"L{idx}.{'bwd.' if backward else ''}param_ag", Collective.ALL_GATHER, b.groups["dp"],
-                       b.layer_params(kind, is_moe) * b.b, wait=1, after=release)
+                       params * b.b, wait=1, after=release)
             release = s.last
             b.layer(s, idx, kind, backward)
             layer_last[idx] = s.last  # type: ignore[assignment]
             if sharded_params and backward and with_grads:
-                grad_b = 2 if wl.training.grad_dtype in ("bf16", "fp16") else 4
-                s.comm(f"L{idx}.grad_rs", Collective.REDUCE_SCATTER, b.groups["dp"],
-                       b.layer_params(kind, is_moe) * grad_b, wait=None)
+                s.comm(f"L{idx}.grad_rs", Collective.REDUCE_SCATTER, b.groups["dp"], params * b.grad_b, wait=None)
         if stage == p.pp - 1 and not backward:
             b.head(s, False)
         if stage == 0 and backward:
@@ -472,8 +487,7 @@ def points_for(wl: Workload, hw: Hardware) -> StepGraph:
         return _Block(s.segments[first_idx].name, s.last)  # type: ignore[arg-type]
 
     def stage_params(stage: int) -> float:
-        total = sum(b.layer_params(k, wl.model.architecture == "moe" and i % wl.model.moe_every == wl.model.moe_every - 1)
-                    for i, k in _stage_layers(wl, stage))
+        total = sum(sum(b.layer_params(k, i)) for i, k in _stage_layers(wl, stage))
         if stage in (0, p.pp - 1):
             total += wl.model.vocab * wl.model.hidden / b.groups["tp"].size
         return total
@@ -486,7 +500,7 @@ def points_for(wl: Workload, hw: Hardware) -> StepGraph:
             micro(s, 0, False, grads, layer_last)
             micro(s, 0, True, grads, layer_last)
             if grads and not sharded_params:
-                _data_parallel(b, s, _stage_layers(wl, 0), layer_last, True)
+                _data_parallel(b, s, 0, layer_last)
             if name == "last":
                 _optimizer(b, s, stage_params(0))
             phases.append(Phase(name, repeat, {0: s.segments}, s.points))
@@ -496,6 +510,9 @@ def points_for(wl: Workload, hw: Hardware) -> StepGraph:
         one_micro("last", True, 1)
     else:
         phases.append(_pipeline_phase(b, wl, micro, stage_params))
+    for phase in phases:
+        names = [pt.name for pt in phase.points]
+        assert len(names) == len(set(names)), f"duplicate point names in phase {phase.name}"
     return StepGraph(wl.name, hw.name, p.pp, phases, b.groups)
 
 
@@ -525,7 +542,8 @@ def _pipeline_phase(b: _StepBuilder, wl: Workload, micro, stage_params) -> Phase
             block = micro(s, st, kind == "B", last_b or p.fsdp or p.zero_stage >= 2, layer_last)
             (fwd if kind == "F" else bwd)[(st, i)] = block
         s.prefix = f"s{st}."
-        _data_parallel(b, s, _stage_layers(wl, st), layer_last, st == p.pp - 1)
+        if not (p.fsdp or p.zero_stage == 3):  # sharded parameters reduce-scatter per layer instead
+            _data_parallel(b, s, st, layer_last)
         _optimizer(b, s, stage_params(st))
     sends: list[OverlapPoint] = []
     for st in range(p.pp - 1):

@@ -219,7 +219,7 @@ def _duration(task: Task, model: CostModel, compute_on: dict[int, Task], comms_o
               comm_rates: dict[int, float]) -> float:
     if task.is_comm:
         util = max((model.hbm_util(compute_on[d].segment) for d in task.devices if d in compute_on), default=0.0)
-        if task.coll == Collective.SEND_RECV and task.point is not None and task.point.peer_device is None:
+        if task.coll != task.point.collective:  # one P2P step of a Flash-Overlap decomposition
             return model.p2p_step_time(task.point.group, task.nbytes, task.config, util)
         return model.comm_time(task.coll, task.point.group, task.nbytes, task.config, util)
     running = tuple(RunningComm(c.config, comm_rates.get(c.id, 0.0)) for c in comms_on.get(task.device, ()))

@@ -23,9 +23,9 @@ def problem_for(wl: Workload, hw: Hardware) -> Problem:
 
 
 def framework_knobs(wl: Workload) -> dict:
-    f, dp = wl.framework, wl.parallel.dp
+    f = wl.framework
     if f.name == "megatron":
-        return {"megatron": {"bucket_size": f.bucket_size or max(40_000_000, 1_000_000 * dp),
+        return {"megatron": {"bucket_size": wl.ddp_bucket_elems,
                              "overlap_grad_reduce": f.overlap_grad_reduce, "overlap_param_gather": f.overlap_param_gather}}
     return {"deepspeed": {"reduce_bucket_size": f.reduce_bucket_size, "allgather_bucket_size": f.allgather_bucket_size,
                           "stage3_prefetch_bucket_size": f.prefetch_bucket_size, "overlap_comm": f.overlap_comm}}
@@ -34,8 +34,7 @@ def framework_knobs(wl: Workload) -> dict:
 def _with_buckets(wl: Workload, scale: float) -> Workload:
     f = wl.framework
     if f.name == "megatron":
-        base = f.bucket_size or max(40_000_000, 1_000_000 * wl.parallel.dp)
-        return replace(wl, framework=replace(f, bucket_size=int(base * scale)))
+        return replace(wl, framework=replace(f, bucket_size=int(wl.ddp_bucket_elems * scale)))
     return replace(wl, framework=replace(f, reduce_bucket_size=int(f.reduce_bucket_size * scale),
                                          allgather_bucket_size=int(f.allgather_bucket_size * scale)))
 

@@ -100,6 +100,11 @@ class Workload:
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.training.dtype]
 
+    @property
+    def ddp_bucket_elems(self) -> int:
+        """Megatron DDP's bucket size: the configured one, else max(40M, 1M x dp) (megatron-core 0.19)."""
+        return self.framework.bucket_size or max(40_000_000, 1_000_000 * self.parallel.dp)
+
     def fingerprint(self) -> str:
         blob = json.dumps(asdict(self), sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -149,7 +154,8 @@ def validate(wl: Workload, world_size: int | None = None) -> None:
     if m.architecture == "t5":
         positive["model.decoder_layers"] = m.decoder_layers
     if m.architecture == "moe":
-        positive |= {"model.experts": m.experts, "model.top_k": m.top_k, "model.moe_ffn": m.moe_ffn}
+        positive |= {"model.experts": m.experts, "model.top_k": m.top_k, "model.moe_ffn": m.moe_ffn,
+                     "model.moe_every": m.moe_every}
     if f.bucket_size is not None:
         positive["framework.bucket_size"] = f.bucket_size
     for key, value in positive.items():

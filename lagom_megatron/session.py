@@ -167,8 +167,7 @@ class Session:
         if getattr(self.args, "ddp_num_buckets", None) is not None:
             log.warning("--ddp-num-buckets is set, so megatron ignores the plan's bucket size %d", bucket)
             return
-        p = self.workload.parallel
-        current = self.args.ddp_bucket_size or max(40_000_000, 1_000_000 * p.dp * p.cp)  # megatron's default
+        current = self.workload.ddp_bucket_elems  # the job's own, or megatron's default
         if current != bucket:
             log.info("DDP bucket size: %d -> %d elements (plan)", current, bucket)
             self.args.ddp_bucket_size = bucket

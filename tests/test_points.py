@@ -80,3 +80,38 @@ def test_t5_decoder_has_cross_attention(tmp_path):
     wl, hw = load(tmp_path, model={"architecture": "t5", "decoder_layers": 2})
     names = [s.name for ph in points_for(wl, hw).phases for segs in ph.segments.values() for s in segs]
     assert any(".L3.xattn.kv" in n for n in names) and not any(".L0.xattn" in n for n in names)
+
+
+def test_context_parallel_ring_exchange_runs_through_the_search(tmp_path):
+    from lagom.search import run_strategy
+    from lagom.tune import problem_for
+
+    wl, hw = load(tmp_path, "h100-sxm-8x-400g", parallel={"tp": 2, "cp": 2, "dp": 2})
+    problem = problem_for(wl, hw)
+    cp_keys = [k for k in problem.keys if k.startswith("cp/send_recv")]
+    assert len(cp_keys) == 2  # forward K/V blocks and backward (twice the bytes)
+    result = run_strategy("lagom", problem)
+    assert set(cp_keys) <= set(result.result.per_key()) and result.result.step_s > 0
+
+
+def test_sharded_parameters_with_a_pipeline_reduce_per_layer_only(tmp_path):
+    wl, hw = load(tmp_path, model={"layers": 4}, parallel={"tp": 1, "dp": 4, "pp": 2, "fsdp": True,
+                                                           "sequence_parallel": False})
+    points = points_for(wl, hw).points
+    assert not [p for p in points if "grad.bucket" in p.name]
+    assert len([p for p in points if p.name.endswith("grad_rs")]) == wl.model.layers * wl.microbatches
+
+
+def test_moe_gradients_split_dense_over_dp_and_experts_over_expt_dp(tmp_path):
+    moe = {"architecture": "moe", "experts": 8, "top_k": 2, "moe_ffn": 512}
+    wl, hw = load(tmp_path, "a40-2x8-nvlink", model=moe, parallel={"tp": 1, "dp": 16, "ep": 8, "sequence_parallel": False},
+                  training={"global_batch": 32})
+    buckets = [p for p in points_for(wl, hw).points if "grad.bucket" in p.name]
+    expert = [p for p in buckets if p.name.endswith(".expert")]
+    assert {p.group.name for p in expert} == {"expt_dp"} and {p.group.size for p in expert} == {2}
+    per_layer_experts = 8 / 8 * 256 * 512 * 2  # one expert per rank, fc1 + fc2
+    assert sum(p.bytes for p in expert) == int(wl.model.layers * per_layer_experts * 4)
+    wl1, hw1 = load(tmp_path, "a100-8x-100g", model=moe, parallel={"tp": 1, "dp": 8, "ep": 1, "sequence_parallel": False})
+    graph = points_for(wl1, hw1)  # ep = 1: experts replicated, no all-to-all, expert grads with the dense ones
+    assert not [p for p in graph.points if p.collective == Collective.ALL_TO_ALL]
+    assert {p.group.name for p in graph.points if "grad.bucket" in p.name} == {"dp"}

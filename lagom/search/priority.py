@@ -41,11 +41,14 @@ def windows(graph: StepGraph) -> dict[str, list[Window]]:
     """
     out: dict[str, dict[tuple, Window]] = {}
     for phase in graph.phases:
-        pos = {s.name: i for segs in phase.segments.values() for i, s in enumerate(segs)}
+        pos = {s.name: i for segs in phase.segments.values() for i, s in enumerate(segs)}  # names are unique
         for p in phase.points:
             segs = phase.segments[p.device]
-            between = segs[pos[p.after] + 1 if p.after else 0:pos[p.before] if p.before else len(segs)]
-            fused = segs[pos[p.fuse_with]:pos[p.fuse_with] + 1] if p.fuse_with and can_decompose(p) else []
+            if p.peer_device is not None:  # a pipeline send: another stage waits for it, nothing here hides it
+                between, fused = [], []
+            else:
+                between = segs[pos[p.after] + 1 if p.after else 0:pos[p.before] if p.before else len(segs)]
+                fused = segs[pos[p.fuse_with]:pos[p.fuse_with] + 1] if p.fuse_with and can_decompose(p) else []
             sig = (p.collective, p.group, p.bytes, *(tuple((s.flops, s.bytes, s.ctas) for s in part) for part in (between, fused)))
             known = out.setdefault(p.key, {})
             if sig in known:
