@@ -39,7 +39,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         (out / "nccl_comm_cfgs.yaml").write_text(emit.megatron_nccl_yaml(plan))
         (out / "nccl_tuner.csv").write_text(emit.tuner_csv(plan))
         (out / "nccl.env").write_text("".join(f"export {k}={v}\n" for k, v in emit.nccl_env(plan, hw).items()))
-        (out / "buckets.json").write_text(json.dumps(emit.bucket_sizes(plan), indent=2) + "\n")
+        (out / "buckets.json").write_text(json.dumps(plan.framework, indent=2) + "\n")
         (out / "te_ub_cfgs.yaml").write_text(emit.te_ub_yaml(plan))
         (out / "plan.md").write_text(plan_markdown(plan))
     if args.json:

@@ -25,6 +25,7 @@ class SearchSpace:
     chunks: tuple[int, ...] = tuple(64 * 1024 * 2**i for i in range(7))  # 64 KiB .. 4 MiB
     protocols: tuple[str, ...] = ("LL", "LL128", "Simple")
     splits: tuple[int, ...] = (1, 2, 4)  # Flash-Overlap chunks per peer step; () turns decomposition off
+    priorities: tuple[int, ...] = (0, 1)  # 1: the communicator's high-priority stream
 
 
 @dataclass(frozen=True)
@@ -109,11 +110,11 @@ def default_config(hw: Hardware) -> CommConfig:
 
 def candidates(point: OverlapPoint, hw: Hardware, space: SearchSpace = SearchSpace()) -> list[CommConfig]:
     """Every setting of the space for one point (the exhaustive search's per-point choices)."""
-    out = [CommConfig(algo, proto, transport, nc, nt, chunk)
-           for (algo, proto, transport), nc, nt, chunk in product(
-               subspaces(point, hw, space), channel_choices(hw, space), space.threads, space.chunks)]
+    out = [CommConfig(algo, proto, transport, nc, nt, chunk, prio)
+           for (algo, proto, transport), nc, nt, chunk, prio in product(
+               subspaces(point, hw, space), channel_choices(hw, space), space.threads, space.chunks, space.priorities)]
     if can_decompose(point):
         base = default_config(hw)
-        out += [replace(base, decomposition="p2p", num_chunks=k, channels=nc)
-                for k in space.splits for nc in channel_choices(hw, space)]
+        out += [replace(base, decomposition="p2p", num_chunks=k, channels=nc, priority=prio)
+                for k in space.splits for nc in channel_choices(hw, space) for prio in space.priorities]
     return out

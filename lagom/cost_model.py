@@ -49,7 +49,8 @@ class CostModel:
         c = self.hw.cluster
         intra_bw = (self.hw.nccl.shm_gbps if transport == "shm" else c.intra.gbps) * GB
         if group.nodes > 1:
-            bw = min(intra_bw, c.inter.gbps * GB)
+            # the node's NICs are shared by the sibling groups crossing nodes at the same time
+            bw = min(intra_bw, c.inter.gbps * GB * group.ranks_per_node / c.gpus_per_node)
             slow = min((c.intra.kind, c.inter.kind), key=lambda k: self.hw.nccl.channel_gbps[k])
             return bw, max(c.intra.latency_us, c.inter.latency_us) * US, slow
         return intra_bw, c.intra.latency_us * US, c.intra.kind
@@ -73,10 +74,11 @@ class CostModel:
         bus = nbytes * factor
         link_bw, lat, _ = self._links(group, cfg.transport)
         if coll == Collective.ALL_TO_ALL and group.nodes > 1:
-            # Off-node blocks share the node's NICs among its ranks; on-node blocks use the local link.
+            # Off-node blocks share the node's NICs among all its GPUs (sibling groups exchange at the same
+            # time); on-node blocks use the local link.
+            c = self.hw.cluster
             off = nbytes * (n - group.ranks_per_node) / n
-            link_bw = nbytes * factor / max(off / (self.hw.cluster.inter.gbps * GB / group.ranks_per_node),
-                                            (bus - off) / link_bw)
+            link_bw = nbytes * factor / max(off / (c.inter.gbps * GB / c.gpus_per_node), (bus - off) / link_bw)
         # A channel carries 1/channels of each step's slice; small messages use smaller chunks.
         per_channel_step = bus / max(1, steps) / cfg.channels
         chunk = max(1024.0, min(float(cfg.chunk_bytes), per_channel_step))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 from typing import Any, Mapping
@@ -14,6 +15,7 @@ from lagom.plan import Plan, PlanEntry
 
 TUNER_COLL = {"all_reduce": "allreduce", "all_gather": "allgather", "reduce_scatter": "reducescatter"}
 TUNER_COLUMNS = "coll,min_bytes,max_bytes,algo,proto,channels,nNodes,nRanks,numPipeOps,regBuff"
+SIZE_TOLERANCE = 0.05  # frameworks pad buffers: a row covers its modelled size +-5% (as the runtime matches)
 
 
 def communicator_configs(plan: Plan) -> dict[str, dict[str, Any]]:
@@ -47,17 +49,22 @@ def _dominant(plan: Plan, attr: str) -> Any:
 
 
 def nccl_env(plan: Plan, hw: Hardware) -> dict[str, str]:
-    """Process-wide NCCL variables: buffer (chunk) size and threads, read at communicator creation."""
+    """Process-wide NCCL variables, read at communicator creation: buffer (chunk) size, threads, and the
+    intra-node transport (NCCL_P2P_DISABLE=1 sends it through host shared memory). Each takes the value
+    that the most communication time wants."""
     if not plan.entries:
         return {}
-    return {
+    env = {
         "NCCL_BUFFSIZE": str(_dominant(plan, "chunk_bytes") * hw.nccl.buffsize_per_chunk),
         "NCCL_NTHREADS": str(_dominant(plan, "threads")),
     }
+    if _dominant(plan, "transport") == "shm":
+        env["NCCL_P2P_DISABLE"] = "1"
+    return env
 
 
 PLAN_ENV_VARS = ("NCCL_BUFFSIZE", "NCCL_NTHREADS", "NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS", "NCCL_MIN_CTAS",
-                 "NCCL_MAX_CTAS", "NCCL_ALGO", "NCCL_PROTO")
+                 "NCCL_MAX_CTAS", "NCCL_ALGO", "NCCL_PROTO", "NCCL_P2P_DISABLE")
 
 
 def env_conflicts(plan: Plan, hw: Hardware, environ: Mapping[str, str]) -> list[str]:
@@ -82,14 +89,10 @@ def tuner_csv(plan: Plan) -> str:
         if e.collective not in TUNER_COLL or e.config.decomposition != "collective":
             continue
         lines.append(",".join(str(v) for v in (
-            TUNER_COLL[e.collective], e.bytes, e.bytes, e.config.algorithm, e.config.protocol.lower(),
+            TUNER_COLL[e.collective], math.floor(e.bytes * (1 - SIZE_TOLERANCE)), math.ceil(e.bytes * (1 + SIZE_TOLERANCE)),
+            e.config.algorithm, e.config.protocol.lower(),
             e.config.channels, e.group_nodes, e.group_size, -1, -1)))
     return "\n".join(lines) + "\n"
-
-
-def bucket_sizes(plan: Plan) -> dict[str, Any]:
-    """The bucket knobs a framework allocates at start-up (what the plan was evaluated with)."""
-    return dict(plan.framework)
 
 
 # Transformer Engine userbuffers: which GEMM a tensor-parallel point feeds, by the point's name.

@@ -75,7 +75,6 @@ class Nccl:
     protocols: dict[str, Protocol] = field(default_factory=dict)
     tree_min_nodes: int = 2  # tree all-reduce is only offered across this many nodes
     shm_gbps: float = 0.0  # intra-node transport through host shared memory
-    p2p_chunk_bytes: int = 524288  # NCCL_P2P_*_CHUNKSIZE default for send/recv
 
 
 @dataclass

@@ -17,6 +17,7 @@ plan is cached), and both are logged. A monitor watches the overlap efficiency a
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
 import time
@@ -177,9 +178,7 @@ class Session:
         if not getattr(self.args, "tp_comm_overlap", False):
             return
         cfgs = emit.te_ub_cfgs(plan)
-        try:
-            import transformer_engine  # noqa: F401
-        except ImportError:
+        if importlib.util.find_spec("transformer_engine") is None:
             log.info("Transformer Engine is not importable: the plan's userbuffers config is not used")
             return
         if not cfgs:

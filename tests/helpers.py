@@ -43,7 +43,7 @@ def synthetic_problem(segments: list[tuple[float, float, int]], points: list[dic
     pts = []
     for j, p in enumerate(points):
         nodes = p.get("nodes", 1)
-        group = Group(p.get("group", f"g{j}"), p.get("size", 8), 8 if nodes == 1 else 8, nodes)
+        group = Group(p.get("group", f"g{j}"), p.get("size", 8), 8, nodes)
         pts.append(OverlapPoint(
             name=f"p{j}", collective=Collective(p["collective"]), group=group, bytes=int(p["mb"] * 1e6),
             after=None if p.get("after") is None else segs[p["after"]].name,
@@ -54,7 +54,7 @@ def synthetic_problem(segments: list[tuple[float, float, int]], points: list[dic
 
 
 SMALL_SPACE = SearchSpace(channels=(1, 2, 4, 8, 16, 32), threads=(512,), chunks=(256 * 1024, 2 * 1024 * 1024),
-                          protocols=("Simple",), splits=())
+                          protocols=("Simple",), splits=(), priorities=(0,))
 
 
 def with_space(problem: Problem, space: SearchSpace) -> Problem:
