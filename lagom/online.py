@@ -43,9 +43,10 @@ STEP_TOLERANCE = 2e-3  # the calibrated step matches the measured one to 0.2%
 CALIBRATION_ROUNDS = 10
 CALIBRATION_TOLERANCE = 2e-3
 # What an adapter can switch between steps, and what is fixed when communicators and buffers are made.
-APPLIES_NOW = {"decomposition": "Flash-Overlap decomposition", "num_chunks": "chunks per peer step",
-               "priority": "priority"}
-NEXT_START = {"channels": "CTAs (communicator max_ctas/min_ctas)", "chunk_bytes": "chunk bytes (NCCL_BUFFSIZE)",
+APPLIES_NOW = {"decomposition": "Flash-Overlap decomposition", "num_chunks": "chunks per peer step"}
+# a collective's priority is its communicator's stream, chosen when the process group is created
+NEXT_START = {"priority": "priority (communicator high-priority stream)",
+              "channels": "CTAs (communicator max_ctas/min_ctas)", "chunk_bytes": "chunk bytes (NCCL_BUFFSIZE)",
               "threads": "threads (NCCL_NTHREADS)", "algorithm": "algorithm (NCCL tuner)",
               "protocol": "protocol (NCCL tuner)", "transport": "transport"}
 
