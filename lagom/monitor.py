@@ -13,7 +13,10 @@ from collections import deque
 from typing import Iterable
 
 from lagom.errors import ConfigError
+from lagom.hardware import Hardware
+from lagom.plan import Plan
 from lagom.runtime import CallRecord, KeyIndex
+from lagom.workload import Workload
 
 log = logging.getLogger("lagom.monitor")
 MAX_KEYS_SHOWN = 5
@@ -54,6 +57,16 @@ class Monitor:
     def efficiency(self) -> float | None:
         """The smoothed efficiency since the baseline was set (None before)."""
         return self._recent_sum / len(self._recent) if self._recent else None
+
+    @classmethod
+    def for_plan(cls, workload: Workload, hw: Hardware, plan: Plan, **kwargs) -> "Monitor":
+        """A monitor whose expectations are the plan simulated on the job as it runs under it."""
+        from lagom.simulator import simulate
+        from lagom.tune import problem_for, running_workload
+
+        problem = problem_for(running_workload(workload, plan), hw)
+        result = simulate(problem.graph, plan.configs(), problem.model)
+        return cls(result.step_s, max(result.compute_s, result.comm_peak_s), **kwargs)
 
     def observe(self, step_s: float, records: Iterable[CallRecord] | None = None) -> str | None:
         """Take one step; return (and log) why the plan should be re-tuned, or None."""

@@ -224,8 +224,11 @@ class OnlineTuner:
 
     def __init__(self, workload: Workload | str | Path, hw: Hardware | str, *, strategy: str = "lagom",
                  tune_steps: int = 5, cache_dir: str | Path = ".lagom-cache", group: Any = None,
-                 running_plan: Plan | None = None, size_tolerance: float = 0.05) -> None:
+                 running_plan: Plan | None = None, size_tolerance: float = 0.05,
+                 model_workload: Workload | None = None) -> None:
         self.workload, self.hw = _as_workload(workload), _as_hardware(hw)
+        # what is modelled: the job as it runs (e.g. with a plan's bucket sizes); ``workload`` keys caches and plans
+        self.model_workload = model_workload or self.workload
         if strategy not in STRATEGIES:
             raise ConfigError("strategy", f"unknown '{strategy}'", f"use one of {', '.join(STRATEGIES)}")
         if tune_steps < 1:
@@ -323,7 +326,7 @@ class OnlineTuner:
 
     def _search(self) -> dict[str, Any]:
         started = time.perf_counter()
-        problem = problem_for(self.workload, self.hw)
+        problem = problem_for(self.model_workload, self.hw)
         running = self._running_configs(problem)
         step_s = sum(self._steps) / len(self._steps)
         cal = calibrate(problem, running, self._records, step_s, self.size_tolerance)
@@ -335,7 +338,7 @@ class OnlineTuner:
             result = SearchResult(self.strategy, running, kept, result.evaluations,
                                   {k: "kept the settings in force: the calibrated search found nothing faster" for k in running})
         nccl = run_strategy("nccl", cal.problem).result.step_s
-        plan = plan_from(Tuned(self.workload, cal.problem, result), self.workload, self.hw,
+        plan = plan_from(Tuned(self.model_workload, cal.problem, result), self.workload, self.hw,
                          {"nccl": nccl, self.strategy: result.result.step_s})
         now, later = describe_changes(running, plan.configs())
         self._log_plan(result.result, step_s, now, later, time.perf_counter() - started, result.evaluations)

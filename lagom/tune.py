@@ -31,6 +31,22 @@ def framework_knobs(wl: Workload) -> dict:
                           "stage3_prefetch_bucket_size": f.prefetch_bucket_size, "overlap_comm": f.overlap_comm}}
 
 
+def running_workload(wl: Workload, plan: Plan | None) -> Workload:
+    """The workload as the framework runs it under a plan: with the plan's bucket knobs, so the modelled
+    collectives have the sizes the job's will have. Plans are still checked against the job's own."""
+    f = wl.framework
+    if plan is None:
+        return wl
+    if "megatron" in plan.framework:
+        return replace(wl, framework=replace(f, bucket_size=plan.framework["megatron"]["bucket_size"]))
+    if "deepspeed" in plan.framework:
+        k = plan.framework["deepspeed"]
+        return replace(wl, framework=replace(
+            f, reduce_bucket_size=k["reduce_bucket_size"], allgather_bucket_size=k["allgather_bucket_size"],
+            prefetch_bucket_size=k["stage3_prefetch_bucket_size"], overlap_comm=k["overlap_comm"]))
+    return wl
+
+
 def _with_buckets(wl: Workload, scale: float) -> Workload:
     f = wl.framework
     if f.name == "megatron":

@@ -40,15 +40,6 @@ def pinned(wl: Workload, pins: BucketPins) -> Workload:
         overlap_comm=f.overlap_comm if pins.overlap_comm is None else pins.overlap_comm))
 
 
-def running(wl: Workload, plan: Plan) -> Workload:
-    """The workload as the engine runs it: with the plan's bucket knobs, so its overlap points
-    have the sizes the engine's collectives will have (what online tuning measures and caches)."""
-    k = plan.framework["deepspeed"]
-    return replace(wl, framework=replace(
-        wl.framework, reduce_bucket_size=k["reduce_bucket_size"], allgather_bucket_size=k["allgather_bucket_size"],
-        prefetch_bucket_size=k["stage3_prefetch_bucket_size"], overlap_comm=k["overlap_comm"]))
-
-
 def search(wl: Workload, hw: Hardware, strategy: str, pins: BucketPins) -> Plan:
     """A plan from the cost model; bucket sizes are searched unless the user pinned them."""
     return make_plan(wl, hw, strategy, search_buckets=pins.reduce_bucket_size is None and pins.allgather_bucket_size is None)

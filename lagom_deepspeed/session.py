@@ -29,9 +29,7 @@ from lagom.hardware import Hardware, load_hardware
 from lagom.monitor import Monitor
 from lagom.online import OnlineTuner
 from lagom.plan import Plan
-from lagom.search import Problem
-from lagom.simulator import simulate
-from lagom.tune import problem_for
+from lagom.tune import running_workload
 from lagom_deepspeed import planning
 from lagom_deepspeed.comm import WrappedBackend
 from lagom_deepspeed.config import LagomConfig
@@ -124,7 +122,7 @@ class Session:
         derived = apply_overrides(derive(model, ds_config, world, pp=pp, tp=tp), section.workload, world)
         wl = planning.pinned(derived.workload, section.buckets)
         start = planning.offline_plan(section, wl, hw, world)
-        derived.workload = planning.running(wl, start.plan)
+        derived.workload = running_workload(wl, start.plan)
         tuner, cached = None, None
         if section.mode == "online":
             tuner = OnlineTuner(derived.workload, hw, strategy=section.strategy, tune_steps=section.tune_steps,
@@ -212,9 +210,7 @@ class Session:
         atexit.register(self.write_report)  # the final report, also when the script never calls close()
 
     def _monitor(self, plan: Plan) -> Monitor:
-        problem: Problem = problem_for(self.derived.workload, self.hw)
-        result = simulate(problem.graph, plan.configs(), problem.model)
-        return Monitor(result.step_s, max(result.compute_s, result.comm_peak_s), threshold=self.section.retune_threshold)
+        return Monitor.for_plan(self.derived.workload, self.hw, plan, threshold=self.section.retune_threshold)
 
     def step_done(self, step: int) -> None:
         now = time.perf_counter()

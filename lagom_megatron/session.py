@@ -30,8 +30,7 @@ from lagom import emit
 from lagom.errors import ConfigError
 from lagom.hardware import Hardware, load_hardware
 from lagom.plan import Plan
-from lagom.simulator import simulate
-from lagom.tune import make_plan, problem_for
+from lagom.tune import make_plan, running_workload
 from lagom.workload import Workload
 from lagom_megatron import report
 from lagom_megatron.arguments import LagomOptions
@@ -125,7 +124,7 @@ class Session:
             from lagom.online import OnlineTuner
 
             tuner = OnlineTuner(workload, hw, strategy=options.strategy, tune_steps=options.tune_iters,
-                                cache_dir=str(CACHE_DIR))
+                                cache_dir=str(CACHE_DIR), model_workload=running_workload(workload, file_plan))
             cached = tuner.cached_plan()
             if cached is not None:
                 log.info("online: reusing the plan cached for this job and machine; no tuning steps needed")
@@ -197,9 +196,7 @@ class Session:
         (megatron pads buckets, so the plan's modelled sizes are not the reference)."""
         from lagom.monitor import Monitor
 
-        problem = problem_for(self.workload, self.hw)
-        result = simulate(problem.graph, plan.configs(), problem.model)
-        return Monitor(expected_step_s=result.step_s, bound_s=max(result.compute_s, result.comm_peak_s))
+        return Monitor.for_plan(self.workload, self.hw, plan)
 
     @property
     def out_dir(self) -> Path:
