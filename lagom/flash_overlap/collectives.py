@@ -21,11 +21,6 @@ OnShard = Callable[[int, torch.Tensor], None]
 """(rank, shard) -> None: called once per rank's shard when it is complete; read-only use."""
 
 
-def _ring(op: str, tensor: torch.Tensor, group: ProcessGroup | None, num_chunks: int | None,
-          config: FlashOverlapConfig | None) -> Ring:
-    return Ring.of(op, group, tensor.device, (config or FlashOverlapConfig()).with_chunks(num_chunks))
-
-
 def _gather_into(ring: Ring, out: torch.Tensor, mine: torch.Tensor, on_shard: OnShard | None,
                  outgoing: Callable[[Transfer], torch.Tensor] | None = None) -> torch.Tensor:
     """Fill ``out`` (block i = rank i's shard) with pieces landing in place; ``mine`` is copied."""
@@ -51,7 +46,7 @@ def all_gather(tensor: torch.Tensor, group: ProcessGroup | None = None, on_shard
 
     The local shard is handed over first, then peers' shards in schedule order (r-1, r-2, ...).
     """
-    ring = _ring("all_gather", tensor, group, num_chunks, config)
+    ring = Ring.of("all_gather", group, tensor.device, config, num_chunks)
     if tensor.dim() == 0:
         raise ValueError("all_gather: tensor has shape (); it needs a dim 0 to gather along")
     out = tensor.new_empty((ring.world * tensor.shape[0], *tensor.shape[1:]))
@@ -67,7 +62,7 @@ def reduce_scatter(tensor: torch.Tensor, group: ProcessGroup | None = None,
     sent (peers first, this rank's own last), so a framework can compute a bucket's blocks in the
     order they leave; ``tensor`` then fixes shape and dtype (fill it, or a view of it, and return it).
     """
-    ring = _ring("reduce_scatter", tensor, group, num_chunks, config)
+    ring = Ring.of("reduce_scatter", group, tensor.device, config, num_chunks)
     rows = ring.block_rows(tensor, "tensor")
     tensor = tensor.contiguous()
     block_shape = (rows, *tensor.shape[1:])
@@ -124,4 +119,4 @@ def all_to_all(tensor: torch.Tensor, group: ProcessGroup | None = None, on_block
     """``all_to_all_single`` with equal splits: block j of dim 0 goes to rank j, block i of the result
     came from rank i. ``on_block(rank, block)`` runs as each rank's block lands, own first.
     Differentiable."""
-    return _AllToAll.apply(tensor, _ring("all_to_all", tensor, group, num_chunks, config), on_block)
+    return _AllToAll.apply(tensor, Ring.of("all_to_all", group, tensor.device, config, num_chunks), on_block)

@@ -114,11 +114,6 @@ def _check_linear(op: str, x: torch.Tensor, name: str, weight: torch.Tensor) -> 
                          "(torch.nn.Linear layout)")
 
 
-def _ring(op: str, x: torch.Tensor, group: ProcessGroup | None, num_chunks: int | None,
-          config: FlashOverlapConfig | None) -> Ring:
-    return Ring.of(op, group, x.device, (config or FlashOverlapConfig()).with_chunks(num_chunks))
-
-
 def all_gather_matmul(x_shard: torch.Tensor, weight: torch.Tensor, group: ProcessGroup | None = None, *,
                       num_chunks: int | None = None, config: FlashOverlapConfig | None = None) -> torch.Tensor:
     """``all_gather(x_shard, dim 0) @ weight.t()``: a sequence-parallel column-parallel linear.
@@ -128,7 +123,7 @@ def all_gather_matmul(x_shard: torch.Tensor, weight: torch.Tensor, group: Proces
     ``num_chunks`` overrides ``config.num_chunks``.
     """
     _check_linear("all_gather_matmul", x_shard, "x_shard", weight)
-    return _AllGatherMatmul.apply(x_shard, weight, _ring("all_gather_matmul", x_shard, group, num_chunks, config))
+    return _AllGatherMatmul.apply(x_shard, weight, Ring.of("all_gather_matmul", group, x_shard.device, config, num_chunks))
 
 
 def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group: ProcessGroup | None = None, *,
@@ -140,6 +135,6 @@ def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group: ProcessG
     ``num_chunks`` overrides ``config.num_chunks``.
     """
     _check_linear("matmul_reduce_scatter", x, "x", weight)
-    ring = _ring("matmul_reduce_scatter", x, group, num_chunks, config)
+    ring = Ring.of("matmul_reduce_scatter", group, x.device, config, num_chunks)
     ring.block_rows(x, "x")
     return _MatmulReduceScatter.apply(x, weight, ring)

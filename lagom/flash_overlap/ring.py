@@ -57,9 +57,11 @@ class Ring:
 
     @classmethod
     def of(cls, op: str, group: ProcessGroup | None, device: torch.device,
-           config: FlashOverlapConfig) -> Ring:
-        """The ring of ``group`` (see ``group_size``)."""
+           config: FlashOverlapConfig | None = None, num_chunks: int | None = None) -> Ring:
+        """The ring of ``group`` (see ``group_size``) for one operator call: ``num_chunks``, when
+        given, overrides the config's (as every operator's keyword does)."""
         world = group_size(group)
+        config = (config or FlashOverlapConfig()).with_chunks(num_chunks)
         return cls(op, group, dist.get_rank(group) if world > 1 else 0, world, device, config)
 
     def renamed(self, op: str) -> Ring:
