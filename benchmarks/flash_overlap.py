@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -42,6 +41,7 @@ from lagom.cost_model import CostModel
 from lagom.flash_overlap import all_gather_matmul, matmul_reduce_scatter
 from lagom.hardware import load_hardware
 from lagom.points import Collective, ComputeSegment, Group, OverlapPoint, Phase, StepGraph
+from lagom.runtime import free_port
 from lagom.simulator import simulate
 
 
@@ -208,12 +208,6 @@ def _spawned(rank: int, world: int, port: int, args: argparse.Namespace, out: An
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _print(records: list[Record], as_json: bool) -> None:
     if as_json:
         print(json.dumps([r.as_dict() for r in records], indent=2))
@@ -257,7 +251,7 @@ def main() -> None:
     records: list[Record] = []
     for tp in args.tp:
         out = manager.list()
-        mp.spawn(_spawned, args=(tp, _free_port(), args, out), nprocs=tp, join=True)
+        mp.spawn(_spawned, args=(tp, free_port(), args, out), nprocs=tp, join=True)
         records.extend(out)
     _print(records, args.json)
 

@@ -15,7 +15,6 @@ import json
 import logging
 import os
 import platform
-import socket
 import statistics
 import tempfile
 import time
@@ -31,6 +30,7 @@ from lagom.cost_model import ring_shape
 from lagom.errors import ConfigError, LagomError
 from lagom.hardware import Hardware, load_hardware
 from lagom.points import Collective
+from lagom.runtime import free_port
 
 log = logging.getLogger("lagom.calibrate")
 
@@ -212,12 +212,6 @@ def _device(backend: str) -> torch.device:
     return device
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawned(rank: int, world: int, port: int, backend: str, sizes: list[int], iters: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
@@ -233,7 +227,7 @@ def _spawned(rank: int, world: int, port: int, backend: str, sizes: list[int], i
 def _spawn(ranks: int, backend: str, sizes: list[int], iters: int) -> Samples:
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "samples.json")
-        mp.spawn(_spawned, args=(ranks, _free_port(), backend, sizes, iters, out), nprocs=ranks, join=True)
+        mp.spawn(_spawned, args=(ranks, free_port(), backend, sizes, iters, out), nprocs=ranks, join=True)
         return json.loads(Path(out).read_text())
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
@@ -27,6 +26,8 @@ import torch.multiprocessing as mp
 from rich.console import Console
 from rich.table import Table
 from torch import nn
+
+from lagom.runtime import free_port
 
 ARCHITECTURES = ("gpt", "bert", "t5")
 WORLD = 2
@@ -456,12 +457,6 @@ def _rank_main(rank: int, framework: str, port: int, out: str, hardware: str, ar
         results[rank] = ("error", traceback.format_exc())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_real(out: Path, frameworks: tuple[str, ...] = tuple(FRAMEWORKS),
              archs: tuple[str, ...] = ARCHITECTURES) -> list[ArchResult]:
     """Train every architecture with and without Lagom on 2 gloo ranks per framework; a failing rank's
@@ -472,7 +467,7 @@ def run_real(out: Path, frameworks: tuple[str, ...] = tuple(FRAMEWORKS),
     found = []
     for framework in frameworks:
         results = mp.Manager().dict()
-        mp.spawn(_rank_main, args=(framework, _free_port(), str(out), str(hardware), archs, results), nprocs=WORLD,
+        mp.spawn(_rank_main, args=(framework, free_port(), str(out), str(hardware), archs, results), nprocs=WORLD,
                  join=True)
         per_rank = []
         for rank in range(WORLD):

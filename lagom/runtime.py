@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -274,6 +275,13 @@ def nccl_options(cfg: dict[str, Any]) -> Any:
 
 _current: Runtime | None = None
 _NEW_GROUP_OWNERS = (dist, dist.distributed_c10d)
+
+
+def free_port() -> int:
+    """A free TCP port on this host, for MASTER_PORT when Lagom spawns local ranks itself."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def current() -> Runtime | None:

@@ -7,18 +7,13 @@ re-raises in the test with that rank's traceback.
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 from typing import Any, Callable
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from lagom.runtime import free_port
 
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, results: Any) -> None:
