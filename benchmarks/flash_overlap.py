@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -41,7 +42,6 @@ from lagom.cost_model import CostModel
 from lagom.flash_overlap import all_gather_matmul, matmul_reduce_scatter
 from lagom.hardware import load_hardware
 from lagom.points import Collective, ComputeSegment, Group, OverlapPoint, Phase, StepGraph
-from lagom.runtime import free_port
 from lagom.simulator import simulate
 
 
@@ -196,10 +196,9 @@ def _run(args: argparse.Namespace) -> list[Record]:
                 for record in _measure(model, layer, args.batch, chunks, args.repeats, device)]
 
 
-def _spawned(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _spawned(rank: int, world: int, rendezvous: str, args: argparse.Namespace, out: Any) -> None:
     backend = "nccl" if torch.cuda.device_count() >= world else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world)
+    dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     try:
         records = _run(args)
         if rank == 0:
@@ -251,7 +250,8 @@ def main() -> None:
     records: list[Record] = []
     for tp in args.tp:
         out = manager.list()
-        mp.spawn(_spawned, args=(tp, free_port(), args, out), nprocs=tp, join=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            mp.spawn(_spawned, args=(tp, f"{tmp}/rendezvous", args, out), nprocs=tp, join=True)
         records.extend(out)
     _print(records, args.json)
 

@@ -119,9 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Subcommands whose code lives in their own modules: each module offers add_arguments(parser) and run(args).
 _PLUGGED: list[tuple[str, str, str]] = [
-    ("calibrate", "lagom.calibrate", "measure this machine's collectives and write a hardware profile"),
+    ("calibrate", "lagom.runtime.calibrate", "measure this machine's collectives and write a hardware profile"),
     ("patch", "lagom_megatron.patching", "patch megatron/training to accept --lagom (or --revert it)"),
-    ("reproduce", "lagom.reproduce", "reproduce the published GPT/BERT/T5 and A40 results: table, report, plots"),
+    ("reproduce", "lagom_experiments.reproduce", "reproduce the published GPT/BERT/T5 and A40 results: table, report, plots"),
 ]
 
 

@@ -13,7 +13,7 @@ from statistics import mean
 from typing import TYPE_CHECKING, Any
 
 from lagom.report import plan_markdown
-from lagom.runtime import KeyIndex
+from lagom.calls import KeyIndex
 
 if TYPE_CHECKING:
     from lagom_deepspeed.session import Session

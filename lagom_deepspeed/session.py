@@ -26,8 +26,8 @@ from lagom import runtime as lagom_runtime
 from lagom.comm_config import CommConfig
 from lagom.errors import ConfigError
 from lagom.hardware import Hardware, load_hardware
-from lagom.monitor import Monitor
-from lagom.online import OnlineTuner
+from lagom.runtime.monitor import Monitor
+from lagom.runtime.online import OnlineTuner
 from lagom.plan import Plan
 from lagom.tune import running_workload
 from lagom_deepspeed import planning

@@ -121,7 +121,7 @@ class Session:
         hw = hw or _hardware(options, file_plan)
         tuner, cached = None, None
         if options.mode == "online":
-            from lagom.online import OnlineTuner
+            from lagom.runtime.online import OnlineTuner
 
             tuner = OnlineTuner(workload, hw, strategy=options.strategy, tune_steps=options.tune_iters,
                                 cache_dir=str(CACHE_DIR), model_workload=running_workload(workload, file_plan))
@@ -194,7 +194,7 @@ class Session:
     def _monitor(self, plan: Plan) -> Any:
         """Drift watch: efficiency against the simulated bound, collective keys against the first steps'
         (megatron pads buckets, so the plan's modelled sizes are not the reference)."""
-        from lagom.monitor import Monitor
+        from lagom.runtime.monitor import Monitor
 
         return Monitor.for_plan(self.workload, self.hw, plan)
 

@@ -7,13 +7,20 @@ re-raises in the test with that rank's traceback.
 from __future__ import annotations
 
 import os
+import socket
 import traceback
 from typing import Any, Callable
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lagom.runtime import free_port
+
+
+def free_port() -> int:
+    """A free TCP port on this host, for MASTER_PORT of ranks a test spawns."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, results: Any) -> None:

@@ -9,8 +9,8 @@ import re
 import pytest
 
 from lagom.errors import ConfigError
-from lagom.monitor import Monitor
-from lagom.runtime import CallRecord
+from lagom.runtime.monitor import Monitor
+from lagom.calls import CallRecord
 
 
 def records(*keys: str) -> list[CallRecord]:

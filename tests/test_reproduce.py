@@ -8,7 +8,7 @@ import pytest
 
 from lagom import reproduce
 from lagom.errors import ConfigError
-from lagom.reproduce import (COLUMNS, Outcome, Published, Run, Setting, gap, load_published, row_cells, runs_for,
+from lagom_experiments.reproduce import (COLUMNS, Outcome, Published, Run, Setting, gap, load_published, row_cells, runs_for,
                              setting_summary, synthetic_problem, table_rows)
 
 
@@ -129,7 +129,7 @@ def test_only_rejects_a_workload_outside_the_run(tmp_path):
 
 def test_real_runs_find_the_points_of_each_framework_and_keep_the_losses(tmp_path):
     """T5 (the architecture with the most kinds of points) through DeepSpeed ZeRO-3 and megatron-core TP."""
-    from lagom.reproduce_real import real_markdown, run_real
+    from lagom_experiments.real import real_markdown, run_real
 
     results = {r.framework: r for r in run_real(tmp_path, ("deepspeed", "megatron"), ("t5",))}
     ds, meg = results["deepspeed"], results["megatron"]

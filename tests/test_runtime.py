@@ -19,7 +19,9 @@ from lagom.emit import nccl_env
 from lagom.errors import ConfigError
 from lagom.hardware import load_hardware
 from lagom.plan import Plan, PlanEntry
-from lagom.runtime import CallRecord, KeyIndex, Recorder, init, nccl_options
+from lagom.calls import CallRecord, KeyIndex
+from lagom.runtime import Recorder, init, nccl_options
+from lagom.runtime.recorder import STALE_STEPS
 from tests.distributed import run_ranks
 
 HW = "a100-8x-100g"
@@ -139,9 +141,9 @@ def test_a_call_that_never_completes_is_dropped_after_stale_steps(caplog):
     rec = Recorder(cuda=False)
     rec.begin_step(0)
     rec.track("dp", "all_gather", 100, _FutureWork())
-    rec.begin_step(runtime.STALE_STEPS)
+    rec.begin_step(STALE_STEPS)
     assert rec.end_step() == [] and rec.pending == 1
-    rec.begin_step(runtime.STALE_STEPS + 1)
+    rec.begin_step(STALE_STEPS + 1)
     with caplog.at_level(logging.WARNING, logger="lagom.runtime"):
         assert rec.end_step() == []
     assert rec.pending == 0 and "dropping 1 calls that never completed" in caplog.text

@@ -7,7 +7,7 @@ import pytest
 from lagom.errors import ConfigError
 from lagom.hardware import load_hardware
 from lagom.points import Collective
-from lagom.reproduce import load_published
+from lagom_experiments.reproduce import load_published
 from lagom.tune import problem_for
 from lagom.workload import load_workload, workload_names
 

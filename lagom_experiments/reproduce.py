@@ -596,7 +596,7 @@ def run(args: argparse.Namespace) -> int:
     }
     real = ""
     if args.real:
-        from lagom.reproduce_real import real_runs
+        from lagom_experiments.real import real_runs
 
         real = real_runs(out, console)
     wall = time.perf_counter() - start

@@ -30,7 +30,6 @@ from lagom.cost_model import ring_shape
 from lagom.errors import ConfigError, LagomError
 from lagom.hardware import Hardware, load_hardware
 from lagom.points import Collective
-from lagom.runtime import free_port
 
 log = logging.getLogger("lagom.calibrate")
 
@@ -212,10 +211,9 @@ def _device(backend: str) -> torch.device:
     return device
 
 
-def _spawned(rank: int, world: int, port: int, backend: str, sizes: list[int], iters: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    dist.init_process_group(backend, rank=rank, world_size=world)
+def _spawned(rank: int, world: int, rendezvous: str, backend: str, sizes: list[int], iters: int, out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     try:
         samples = measure(sizes, iters, _device(backend))
         if rank == 0:
@@ -227,7 +225,8 @@ def _spawned(rank: int, world: int, port: int, backend: str, sizes: list[int], i
 def _spawn(ranks: int, backend: str, sizes: list[int], iters: int) -> Samples:
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "samples.json")
-        mp.spawn(_spawned, args=(ranks, free_port(), backend, sizes, iters, out), nprocs=ranks, join=True)
+        rendezvous = str(Path(tmp) / "rendezvous")  # a file, not a port: nothing to race for on a shared host
+        mp.spawn(_spawned, args=(ranks, rendezvous, backend, sizes, iters, out), nprocs=ranks, join=True)
         return json.loads(Path(out).read_text())
 
 

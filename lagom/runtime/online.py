@@ -20,14 +20,14 @@ from typing import Any, Iterable
 
 import torch.distributed as dist
 
-from lagom import runtime
+from lagom.runtime import apply as runtime
 from lagom.comm_config import CommConfig
 from lagom.cost_model import CostModel, RunningComm
 from lagom.errors import ConfigError, LagomError
 from lagom.hardware import Hardware, load_hardware
 from lagom.plan import Plan
 from lagom.points import Collective, ComputeSegment, Group, StepGraph
-from lagom.runtime import CallRecord, KeyIndex
+from lagom.calls import CallRecord, KeyIndex
 from lagom.search import STRATEGIES, Problem, SearchResult, run_strategy
 from lagom.search.base import nccl_configs
 from lagom.simulator import Configs, StepResult, simulate

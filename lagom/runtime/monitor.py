@@ -15,7 +15,7 @@ from typing import Iterable
 from lagom.errors import ConfigError
 from lagom.hardware import Hardware
 from lagom.plan import Plan
-from lagom.runtime import CallRecord, KeyIndex
+from lagom.calls import CallRecord, KeyIndex
 from lagom.workload import Workload
 
 log = logging.getLogger("lagom.monitor")

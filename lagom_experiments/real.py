@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import tempfile
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
@@ -27,7 +28,6 @@ from rich.console import Console
 from rich.table import Table
 from torch import nn
 
-from lagom.runtime import free_port
 
 ARCHITECTURES = ("gpt", "bert", "t5")
 WORLD = 2
@@ -424,29 +424,30 @@ class ArchResult:
     seconds: float = 0.0
 
 
-def _rank_main(rank: int, framework: str, port: int, out: str, hardware: str, archs: tuple[str, ...],
+def _rank_main(rank: int, framework: str, rendezvous: str, out: str, hardware: str, archs: tuple[str, ...],
                results: Any) -> None:
     """A spawned rank: output to a log file of its own, join the gloo group, run every architecture."""
     log_file = open(Path(out) / f"{framework}-rank{rank}.log", "w")  # noqa: SIM115 - lives as long as the process
     os.dup2(log_file.fileno(), 1)
     os.dup2(log_file.fileno(), 2)
-    os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), LOCAL_SIZE=str(WORLD))
+    os.environ.update(DS_ACCELERATOR="cpu", RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
+                      LOCAL_SIZE=str(WORLD))
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("lagom").setLevel(logging.INFO)  # what Lagom tuned and applied, in the rank's log
     try:
+        import torch.distributed as dist
+
+        # a rendezvous file, not a port: nothing to race for on a shared host
+        dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD)
         if framework == "deepspeed":
             import deepspeed
 
-            deepspeed.init_distributed(dist_backend="gloo")
+            deepspeed.init_distributed(dist_backend="gloo")  # adopts the group made above
         else:
-            import torch.distributed as dist
-
             from lagom_megatron.hooks import install_launcher_hooks
 
             cpu_megatron()
             install_launcher_hooks()
-            dist.init_process_group("gloo")
         done = []
         for arch in archs:
             start = time.perf_counter()
@@ -467,8 +468,9 @@ def run_real(out: Path, frameworks: tuple[str, ...] = tuple(FRAMEWORKS),
     found = []
     for framework in frameworks:
         results = mp.Manager().dict()
-        mp.spawn(_rank_main, args=(framework, free_port(), str(out), str(hardware), archs, results), nprocs=WORLD,
-                 join=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            mp.spawn(_rank_main, args=(framework, f"{tmp}/rendezvous", str(out), str(hardware), archs, results),
+                     nprocs=WORLD, join=True)
         per_rank = []
         for rank in range(WORLD):
             status, value = results.get(rank, ("error", "no result (the process died)"))

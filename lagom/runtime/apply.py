@@ -1,10 +1,9 @@
-"""The runtime a training job runs under: a plan applied to NCCL, and a recorder of its collectives.
+"""A plan applied to NCCL for this process: ``init(plan)`` and the ``Runtime`` it returns.
 
-``init(plan)`` checks the NCCL environment against the plan, exports the plan's process-wide NCCL
+``init`` checks the NCCL environment against the plan, exports the plan's process-wide NCCL
 variables and wraps ``torch.distributed.new_group`` so that communicators created afterwards get the
-plan's per-group options (CTAs, stream priority). ``Recorder`` times every collective the adapters
-report without adding a synchronisation: wall clock and the work's completion callback on CPU,
-CUDA events on the current stream on GPU, resolved when the step ends.
+plan's per-group options (CTAs, stream priority). The runtime's ``Recorder`` times every collective
+the adapters report.
 """
 
 from __future__ import annotations
@@ -12,19 +11,16 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-import socket
-import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
-import torch
 import torch.distributed as dist
 
 from lagom.emit import check_env, communicator_configs, env_conflicts, nccl_env
 from lagom.errors import ConfigError
 from lagom.hardware import Hardware, load_hardware
 from lagom.plan import Plan
+from lagom.runtime.recorder import Recorder
 
 log = logging.getLogger("lagom.runtime")
 
@@ -40,216 +36,6 @@ GROUP_DESC_ALIASES = {
     "EXPERT_DATA_PARALLEL_GROUP": ("expt_dp",),
 }
 OPTION_KEYS = ("max_ctas", "min_ctas", "cga_cluster_size", "net_name")
-CALLBACK_GRACE_S = 0.01  # a completed future runs its callbacks right after waking its waiters
-STALE_STEPS = 100  # a call still open this many steps after its own was never completed: dropped
-
-
-# ---------------------------------------------------------------------------------------------
-# Recording
-
-
-@dataclass(slots=True)
-class CallRecord:
-    """One collective call: times in seconds from the start of the step it was issued in.
-
-    ``exact`` is False when the work had no completion callback, so ``end_s`` is when its caller
-    waited for it or the step ended: an upper bound.
-    """
-
-    group: str
-    collective: str
-    nbytes: int
-    seq: int  # issue order within the step
-    step: int
-    start_s: float
-    end_s: float
-    exact: bool = True
-
-    @property
-    def key(self) -> str:
-        return f"{self.group}/{self.collective}/{self.nbytes}"
-
-    @property
-    def duration_s(self) -> float:
-        return self.end_s - self.start_s
-
-
-class _Open:
-    """A call whose end is not known yet. ``t0``/``start``/``end``: floats on CPU, CUDA events on GPU."""
-
-    __slots__ = ("group", "collective", "nbytes", "seq", "step", "t0", "start", "end", "future", "exact")
-
-    def __init__(self, group: str, collective: str, nbytes: int, seq: int, step: int, t0: Any, start: Any) -> None:
-        self.group, self.collective, self.nbytes, self.seq, self.step = group, collective, nbytes, seq, step
-        self.t0, self.start, self.end = t0, start, None
-        self.future: Any = None
-        self.exact = True
-
-    def finish_cpu(self, _future: Any = None) -> None:
-        self.end = time.perf_counter()
-
-    def finish_cuda(self, _future: Any = None) -> None:
-        # Run by the future with current streams that wait for the work's kernels: this event
-        # completes when the collective does, and nothing on the host waits for it.
-        self.end = _event()
-
-
-def _event() -> Any:
-    ev = torch.cuda.Event(enable_timing=True)
-    ev.record()
-    return ev
-
-
-class _TimedWork:
-    """A work without a completion future: its end is taken when the caller waits for it."""
-
-    __slots__ = ("_work", "_op", "_now")
-
-    def __init__(self, work: Any, op: _Open, now: Callable[[], Any]) -> None:
-        self._work, self._op, self._now = work, op, now
-
-    def wait(self, *args: Any, **kwargs: Any) -> Any:
-        out = self._work.wait(*args, **kwargs)
-        if self._op.end is None:
-            self._op.end = self._now()
-        return out
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._work, name)
-
-
-class Recorder:
-    """Times the collectives of each step; never waits for one.
-
-    ``track`` is called by the adapters right after issuing a call. Records come out of
-    ``end_step``; a call whose completion is not visible yet (CUDA events not reached, future not
-    done) stays open and comes out of a later ``end_step`` with its own step number.
-    ``records`` keeps the last ``max_records`` records; ``summary`` covers every step.
-    """
-
-    def __init__(self, *, cuda: bool | None = None, max_records: int = 100_000) -> None:
-        self.cuda = torch.cuda.is_available() if cuda is None else cuda
-        self.max_records = max_records
-        self.step = 0
-        self.records: list[CallRecord] = []
-        self._seq = 0
-        self._t0: Any = None
-        self._open: list[_Open] = []
-        self._totals: dict[str, list[float]] = {}  # key -> [count, total seconds]
-
-    def _now(self) -> Any:
-        return _event() if self.cuda else time.perf_counter()
-
-    @property
-    def pending(self) -> int:
-        """Calls tracked but not resolved yet."""
-        return len(self._open)
-
-    def begin_step(self, step: int) -> None:
-        self.step, self._seq, self._t0 = step, 0, self._now()
-
-    def track(self, group: str, collective: str, nbytes: int, work: Any = None) -> Any:
-        """Start timing a call now; it ends when ``work`` completes (now if there is no work).
-
-        Returns what the caller should hand on instead of ``work``: the work itself, or, for a
-        work without a completion future, a proxy that takes the end time when it is waited on.
-        """
-        if self._t0 is None:
-            self._t0 = self._now()
-        op = _Open(group, collective, int(nbytes), self._seq, self.step, self._t0, self._now())
-        self._seq += 1
-        self._open.append(op)
-        if work is None:
-            op.end = op.start
-            return None
-        try:
-            op.future = work.get_future()
-        except (AttributeError, RuntimeError):  # gloo send/recv and reduce_scatter: no future
-            op.exact = False
-            return _TimedWork(work, op, self._now)
-        op.future.add_done_callback(op.finish_cuda if self.cuda else op.finish_cpu)
-        return work
-
-    def end_step(self) -> list[CallRecord]:
-        """Resolve what has completed; return those records (this step's and late earlier ones)."""
-        done: list[CallRecord] = []
-        still: list[_Open] = []
-        step_end = None
-        stale = [op for op in self._open if op.step < self.step - STALE_STEPS]
-        if stale:
-            log.warning("dropping %d calls that never completed (e.g. %s issued in step %d): their works' futures "
-                        "were never marked done", len(stale), f"{stale[0].group}/{stale[0].collective}", stale[0].step)
-            self._open = [op for op in self._open if op.step >= self.step - STALE_STEPS]
-        for op in self._open:
-            if op.end is None and op.future is None:  # no future, not waited through the proxy: the step end bounds it
-                step_end = step_end or self._now()
-                op.end = step_end
-            elif op.end is None and not self.cuda and op.future.done():
-                deadline = time.perf_counter() + CALLBACK_GRACE_S
-                while op.end is None and time.perf_counter() < deadline:
-                    time.sleep(0)
-            record = self._resolve(op)
-            if record is None:
-                still.append(op)
-            else:
-                done.append(record)
-        self._open = still
-        done.sort(key=lambda r: (r.step, r.seq))
-        self.records.extend(done)
-        if len(self.records) > self.max_records:
-            del self.records[: len(self.records) - self.max_records]
-        for r in done:
-            total = self._totals.setdefault(r.key, [0, 0.0])
-            total[0] += 1
-            total[1] += r.duration_s
-        return done
-
-    def _resolve(self, op: _Open) -> CallRecord | None:
-        if op.end is None:
-            return None
-        if self.cuda:
-            if not (op.t0.query() and op.start.query() and op.end.query()):
-                return None
-            start, end = op.t0.elapsed_time(op.start) / 1e3, op.t0.elapsed_time(op.end) / 1e3
-        else:
-            start, end = op.start - op.t0, op.end - op.t0
-        return CallRecord(op.group, op.collective, op.nbytes, op.seq, op.step, start, max(start, end), op.exact)
-
-    def summary(self) -> dict[str, dict[str, float]]:
-        """Per key over every resolved call: how many, and their total seconds."""
-        return {k: {"count": int(c), "total_s": t} for k, (c, t) in self._totals.items()}
-
-
-class KeyIndex:
-    """Matches an observed call key to a known key: same group and collective, nearest size.
-
-    Frameworks pad buffers (megatron rounds buckets up), so a size within ``tolerance`` of a known
-    one is the same tuning key.
-    """
-
-    def __init__(self, keys: Iterable[str], tolerance: float = 0.05) -> None:
-        self.tolerance = tolerance
-        self._sizes: dict[tuple[str, str], list[int]] = {}
-        for key in keys:
-            group, coll, size = split_key(key)
-            self._sizes.setdefault((group, coll), []).append(size)
-
-    def match(self, key: str) -> str | None:
-        group, coll, size = split_key(key)
-        sizes = self._sizes.get((group, coll))
-        if not sizes:
-            return None
-        best = min(sizes, key=lambda s: abs(s - size))
-        return f"{group}/{coll}/{best}" if abs(best - size) <= self.tolerance * max(best, 1) else None
-
-
-def split_key(key: str) -> tuple[str, str, int]:
-    group, coll, size = key.rsplit("/", 2)
-    return group, coll, int(size)
-
-
-# ---------------------------------------------------------------------------------------------
-# NCCL options and the runtime
 
 
 def nccl_options(cfg: dict[str, Any]) -> Any:
@@ -275,14 +61,6 @@ def nccl_options(cfg: dict[str, Any]) -> Any:
 
 _current: Runtime | None = None
 _NEW_GROUP_OWNERS = (dist, dist.distributed_c10d)
-
-
-def free_port() -> int:
-    """A free TCP port on this host, for MASTER_PORT when Lagom spawns local ranks itself."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def current() -> Runtime | None:
     """The runtime ``init`` made and ``close`` has not undone yet."""

@@ -1,0 +1,97 @@
+"""What identifies a collective (TuningKey), one measured call (CallRecord), and the one rule that
+matches a measured size to a planned one (KeyIndex).
+
+Frameworks pad buffers (megatron rounds buckets up, DeepSpeed aligns partitions), so a measured
+call is the planned key of the same communicator and collective whose size is nearest, when that
+size is within ``SIZE_TOLERANCE``. Plans, the runtime, the monitor, the online tuner, the reports
+and the NCCL tuner rules all match through this rule. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+from lagom.errors import ConfigError
+
+SIZE_TOLERANCE = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class TuningKey:
+    """(communicator, collective, message bytes): the finest grain stock NCCL can configure.
+
+    ``str(key)`` is the text form used in plans and reports: ``group/collective/bytes``.
+    """
+
+    group: str
+    collective: str
+    nbytes: int
+
+    def __str__(self) -> str:
+        return f"{self.group}/{self.collective}/{self.nbytes}"
+
+    @classmethod
+    def parse(cls, text: str) -> "TuningKey":
+        parts = str(text).rsplit("/", 2)
+        if len(parts) != 3 or not parts[2].isdigit() or not parts[0] or not parts[1]:
+            raise ConfigError("tuning key", f"'{text}' is not group/collective/bytes")
+        return cls(parts[0], parts[1], int(parts[2]))
+
+    def within(self, nbytes: int, tolerance: float = SIZE_TOLERANCE) -> bool:
+        """Whether a call of ``nbytes`` is close enough to be this key."""
+        return abs(self.nbytes - nbytes) <= tolerance * max(self.nbytes, 1)
+
+
+@dataclass(slots=True)
+class CallRecord:
+    """One collective call: times in seconds from the start of the step it was issued in.
+
+    ``exact`` is False when the work had no completion callback, so ``end_s`` is when its caller
+    waited for it or the step ended: an upper bound.
+    """
+
+    group: str
+    collective: str
+    nbytes: int
+    seq: int  # issue order within the step
+    step: int
+    start_s: float
+    end_s: float
+    exact: bool = True
+
+    @property
+    def tuning_key(self) -> TuningKey:
+        return TuningKey(self.group, self.collective, self.nbytes)
+
+    @property
+    def key(self) -> str:
+        return str(self.tuning_key)
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_s - self.start_s
+
+
+class KeyIndex:
+    """Matches a measured key to a known one: same group and collective, nearest size within tolerance."""
+
+    def __init__(self, keys: Iterable[str | TuningKey], tolerance: float = SIZE_TOLERANCE) -> None:
+        self.tolerance = tolerance
+        self._keys: dict[tuple[str, str], list[TuningKey]] = {}
+        for key in keys:
+            k = key if isinstance(key, TuningKey) else TuningKey.parse(key)
+            self._keys.setdefault((k.group, k.collective), []).append(k)
+
+    def match_key(self, key: str | TuningKey) -> TuningKey | None:
+        k = key if isinstance(key, TuningKey) else TuningKey.parse(key)
+        known = self._keys.get((k.group, k.collective))
+        if not known:
+            return None
+        best = min(known, key=lambda c: abs(c.nbytes - k.nbytes))
+        return best if best.within(k.nbytes, self.tolerance) else None
+
+    def match(self, key: str | TuningKey) -> str | None:
+        """The known key's text form, or None."""
+        found = self.match_key(key)
+        return None if found is None else str(found)

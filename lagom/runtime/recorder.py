@@ -1,0 +1,166 @@
+"""Times every collective the adapters report, without adding a synchronisation.
+
+Wall clock and the work's completion callback on CPU, CUDA events on the current stream on GPU,
+resolved when the step ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+import torch
+
+from lagom.calls import CallRecord
+
+log = logging.getLogger("lagom.runtime")
+
+CALLBACK_GRACE_S = 0.01  # a completed future runs its callbacks right after waking its waiters
+STALE_STEPS = 100  # a call still open this many steps after its own was never completed: dropped
+
+
+class _Open:
+    """A call whose end is not known yet. ``t0``/``start``/``end``: floats on CPU, CUDA events on GPU."""
+
+    __slots__ = ("group", "collective", "nbytes", "seq", "step", "t0", "start", "end", "future", "exact")
+
+    def __init__(self, group: str, collective: str, nbytes: int, seq: int, step: int, t0: Any, start: Any) -> None:
+        self.group, self.collective, self.nbytes, self.seq, self.step = group, collective, nbytes, seq, step
+        self.t0, self.start, self.end = t0, start, None
+        self.future: Any = None
+        self.exact = True
+
+    def finish_cpu(self, _future: Any = None) -> None:
+        self.end = time.perf_counter()
+
+    def finish_cuda(self, _future: Any = None) -> None:
+        # Run by the future with current streams that wait for the work's kernels: this event
+        # completes when the collective does, and nothing on the host waits for it.
+        self.end = _event()
+
+
+def _event() -> Any:
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record()
+    return ev
+
+
+class _TimedWork:
+    """A work without a completion future: its end is taken when the caller waits for it."""
+
+    __slots__ = ("_work", "_op", "_now")
+
+    def __init__(self, work: Any, op: _Open, now: Callable[[], Any]) -> None:
+        self._work, self._op, self._now = work, op, now
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        out = self._work.wait(*args, **kwargs)
+        if self._op.end is None:
+            self._op.end = self._now()
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+class Recorder:
+    """Times the collectives of each step; never waits for one.
+
+    ``track`` is called by the adapters right after issuing a call. Records come out of
+    ``end_step``; a call whose completion is not visible yet (CUDA events not reached, future not
+    done) stays open and comes out of a later ``end_step`` with its own step number.
+    ``records`` keeps the last ``max_records`` records; ``summary`` covers every step.
+    """
+
+    def __init__(self, *, cuda: bool | None = None, max_records: int = 100_000) -> None:
+        self.cuda = torch.cuda.is_available() if cuda is None else cuda
+        self.max_records = max_records
+        self.step = 0
+        self.records: list[CallRecord] = []
+        self._seq = 0
+        self._t0: Any = None
+        self._open: list[_Open] = []
+        self._totals: dict[str, list[float]] = {}  # key -> [count, total seconds]
+
+    def _now(self) -> Any:
+        return _event() if self.cuda else time.perf_counter()
+
+    @property
+    def pending(self) -> int:
+        """Calls tracked but not resolved yet."""
+        return len(self._open)
+
+    def begin_step(self, step: int) -> None:
+        self.step, self._seq, self._t0 = step, 0, self._now()
+
+    def track(self, group: str, collective: str, nbytes: int, work: Any = None) -> Any:
+        """Start timing a call now; it ends when ``work`` completes (now if there is no work).
+
+        Returns what the caller should hand on instead of ``work``: the work itself, or, for a
+        work without a completion future, a proxy that takes the end time when it is waited on.
+        """
+        if self._t0 is None:
+            self._t0 = self._now()
+        op = _Open(group, collective, int(nbytes), self._seq, self.step, self._t0, self._now())
+        self._seq += 1
+        self._open.append(op)
+        if work is None:
+            op.end = op.start
+            return None
+        try:
+            op.future = work.get_future()
+        except (AttributeError, RuntimeError):  # gloo send/recv and reduce_scatter: no future
+            op.exact = False
+            return _TimedWork(work, op, self._now)
+        op.future.add_done_callback(op.finish_cuda if self.cuda else op.finish_cpu)
+        return work
+
+    def end_step(self) -> list[CallRecord]:
+        """Resolve what has completed; return those records (this step's and late earlier ones)."""
+        done: list[CallRecord] = []
+        still: list[_Open] = []
+        step_end = None
+        stale = [op for op in self._open if op.step < self.step - STALE_STEPS]
+        if stale:
+            log.warning("dropping %d calls that never completed (e.g. %s issued in step %d): their works' futures "
+                        "were never marked done", len(stale), f"{stale[0].group}/{stale[0].collective}", stale[0].step)
+            self._open = [op for op in self._open if op.step >= self.step - STALE_STEPS]
+        for op in self._open:
+            if op.end is None and op.future is None:  # no future, not waited through the proxy: the step end bounds it
+                step_end = step_end or self._now()
+                op.end = step_end
+            elif op.end is None and not self.cuda and op.future.done():
+                deadline = time.perf_counter() + CALLBACK_GRACE_S
+                while op.end is None and time.perf_counter() < deadline:
+                    time.sleep(0)
+            record = self._resolve(op)
+            if record is None:
+                still.append(op)
+            else:
+                done.append(record)
+        self._open = still
+        done.sort(key=lambda r: (r.step, r.seq))
+        self.records.extend(done)
+        if len(self.records) > self.max_records:
+            del self.records[: len(self.records) - self.max_records]
+        for r in done:
+            total = self._totals.setdefault(r.key, [0, 0.0])
+            total[0] += 1
+            total[1] += r.duration_s
+        return done
+
+    def _resolve(self, op: _Open) -> CallRecord | None:
+        if op.end is None:
+            return None
+        if self.cuda:
+            if not (op.t0.query() and op.start.query() and op.end.query()):
+                return None
+            start, end = op.t0.elapsed_time(op.start) / 1e3, op.t0.elapsed_time(op.end) / 1e3
+        else:
+            start, end = op.start - op.t0, op.end - op.t0
+        return CallRecord(op.group, op.collective, op.nbytes, op.seq, op.step, start, max(start, end), op.exact)
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """Per key over every resolved call: how many, and their total seconds."""
+        return {k: {"count": int(c), "total_s": t} for k, (c, t) in self._totals.items()}
