@@ -2,9 +2,27 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+
+def _restore(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> BaseException:
+    """Rebuild a pickled Lagom error without calling its ``__init__`` (see ``LagomError.__reduce__``)."""
+    err = cls.__new__(cls, *args)  # BaseException.__new__ keeps args: str(err) is the message again
+    err.__dict__.update(state)
+    return err
+
 
 class LagomError(Exception):
-    """Base class for every error Lagom raises on purpose."""
+    """Base class for every error Lagom raises on purpose.
+
+    Errors cross process boundaries (a rank of a multiprocessing pool raises, the parent re-raises), so
+    every subclass must survive pickle. Python's default rebuilds an exception as ``cls(*self.args)``,
+    which breaks as soon as a subclass's ``__init__`` takes other arguments than its message; this
+    rebuilds from the message and the attributes instead, whatever the subclass's signature.
+    """
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _restore, (type(self), self.args, dict(self.__dict__))
 
 
 class ConfigError(LagomError):

@@ -7,7 +7,7 @@ from dataclasses import asdict
 
 import pytest
 
-from lagom import calibrate
+from lagom.runtime import calibrate
 from lagom.cost_model import ring_shape
 from lagom.errors import ConfigError
 from lagom.hardware import load_hardware
