@@ -9,13 +9,13 @@ from typing import Any, Mapping
 
 import yaml
 
+from lagom.calls import SIZE_TOLERANCE  # a tuner row covers the sizes the runtime matches to its key
 from lagom.errors import ConfigError
 from lagom.hardware import Hardware
 from lagom.plan import Plan, PlanEntry
 
 TUNER_COLL = {"all_reduce": "allreduce", "all_gather": "allgather", "reduce_scatter": "reducescatter"}
 TUNER_COLUMNS = "coll,min_bytes,max_bytes,algo,proto,channels,nNodes,nRanks,numPipeOps,regBuff"
-SIZE_TOLERANCE = 0.05  # frameworks pad buffers: a row covers its modelled size +-5% (as the runtime matches)
 
 
 def communicator_configs(plan: Plan) -> dict[str, dict[str, Any]]:

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lagom.calls import KeyIndex, TuningKey
 from lagom.comm_config import CommConfig
 from lagom.errors import ConfigError
 from lagom.hardware import Hardware
@@ -53,6 +54,9 @@ class Plan:
     version: int = PLAN_VERSION
     created: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S"))
 
+    def __post_init__(self) -> None:
+        self._index: KeyIndex | None = None  # built on the first lookup; entries do not change after that
+
     def entry(self, key: str) -> PlanEntry | None:
         return next((e for e in self.entries if e.key == key), None)
 
@@ -66,11 +70,11 @@ class Plan:
         return out
 
     def lookup(self, group: str, collective: str, nbytes: int) -> PlanEntry | None:
-        """The entry for a call seen at run time: exact size, else the nearest size on that group."""
-        same = [e for e in self.entries if e.group == group and e.collective == collective]
-        if not same:
-            return None
-        return min(same, key=lambda e: abs(e.bytes - nbytes))
+        """The entry for a call seen at run time, by the one matching rule of ``lagom.calls.KeyIndex``."""
+        if self._index is None:
+            self._index = KeyIndex(e.key for e in self.entries)
+        key = self._index.match(TuningKey(group, collective, int(nbytes)))
+        return None if key is None else self.entry(key)
 
     # -- persistence
     def to_json(self) -> str:

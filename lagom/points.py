@@ -15,6 +15,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from lagom.calls import TuningKey
 from lagom.hardware import Hardware
 from lagom.workload import DTYPE_BYTES, Workload
 
@@ -70,7 +71,7 @@ class OverlapPoint:
     @property
     def key(self) -> str:
         """Tuning key: the finest unit stock NCCL can configure (communicator, collective, size)."""
-        return f"{self.group.name}/{self.collective.value}/{self.bytes}"
+        return str(TuningKey(self.group.name, self.collective.value, self.bytes))
 
 
 @dataclass

@@ -19,57 +19,31 @@ from typing import Any
 import torch
 
 from lagom import flash_overlap
-from lagom.plan import Plan
+from lagom.runtime.session import FlashRouter
 from lagom_deepspeed.comm import SPECS, argument
-from lagom_deepspeed.config import FlashOverlapSection
 
 log = logging.getLogger("lagom.deepspeed")
 
 ROUTED = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}
 
 
-class FlashRouter:
-    """Decides per (group, collective, size) from the current plan; ``plan`` may be swapped at run time."""
+class ZeroFlash:
+    """The backend wrapper's decomposer: the core session's router decides, this reads DeepSpeed's arguments."""
 
     methods = frozenset(ROUTED)
 
-    def __init__(self, section: FlashOverlapSection, plan: Plan) -> None:
-        self.section = section
-        self.calls: dict[str, int] = {}  # plan key -> decomposed calls, for the report
-        self._decisions: dict[tuple[str, str, int], flash_overlap.FlashOverlapConfig | None] = {}
+    def __init__(self, router: FlashRouter) -> None:
+        self.router = router
         self._refused: set[str] = set()
-        self.plan = plan
-
-    @property
-    def plan(self) -> Plan:
-        return self._plan
-
-    @plan.setter
-    def plan(self, plan: Plan) -> None:
-        self._plan = plan
-        self._decisions.clear()
-
-    def decision(self, group: str, collective: str, size: int) -> flash_overlap.FlashOverlapConfig | None:
-        key = (group, collective, size)
-        if key not in self._decisions:
-            entry = self._plan.lookup(group, collective, size)
-            cfg = None
-            if entry is not None and entry.config.decomposition == "p2p":
-                cfg = flash_overlap.FlashOverlapConfig(
-                    num_chunks=self.section.num_chunks or entry.config.num_chunks,
-                    comm_stream_priority=self.section.comm_stream_priority)
-            self._decisions[key] = cfg
-        return self._decisions[key]
 
     def __call__(self, method: str, name: str, group: Any, size: int, args: tuple,
                  kwargs: dict) -> Callable[[], None] | None:
         """The decomposed call to run instead of the collective, or None to keep the collective."""
         collective = ROUTED.get(method)
-        if collective is None or not self.section.enabled:
+        decided = self.router.decision(name, collective, size) if collective is not None else None
+        if decided is None:
             return None
-        cfg = self.decision(name, collective, size)
-        if cfg is None:
-            return None
+        key, cfg = decided
         spec = SPECS[method]
         out = argument(spec, "output_tensor", args, kwargs)
         inp = argument(spec, "input_tensor", args, kwargs)
@@ -79,8 +53,7 @@ class FlashRouter:
         rows = flat_in.numel() if collective == "all_gather" else flat_out.numel()
         if rows < cfg.num_chunks:
             return self._refuse(method, f"{rows} elements per shard cannot be cut into {cfg.num_chunks} chunks")
-        entry = self._plan.lookup(name, collective, size)
-        self.calls[entry.key] = self.calls.get(entry.key, 0) + 1  # type: ignore[union-attr]
+        self.router.count(key)
 
         def place(rank: int, shard: torch.Tensor) -> None:
             flat_out[rank * rows:(rank + 1) * rows].copy_(shard)

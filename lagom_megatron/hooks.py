@@ -36,7 +36,7 @@ def setup(args: argparse.Namespace) -> Session | None:
         _session = None
     if options is None:
         return None
-    _session = Session.start(args, options)
+    _session = Session.start_for(args, options)
     _wrap_train_step(_session)
     atexit.register(_session.write_report)
     return _session

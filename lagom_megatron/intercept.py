@@ -29,8 +29,8 @@ from typing import Any, Callable
 
 import torch
 
-from lagom.flash_overlap import FlashOverlapConfig, all_gather_matmul, matmul_reduce_scatter
-from lagom.plan import Plan
+from lagom.flash_overlap import all_gather_matmul, matmul_reduce_scatter
+from lagom.runtime.session import FlashRouter
 from lagom_megatron.groups import GroupNames
 
 log = logging.getLogger("lagom.megatron")
@@ -89,42 +89,12 @@ class _WaitSignals:
         return getattr(self._work, name)
 
 
-class Router:
-    """Which tensor-parallel points run decomposed (Flash-Overlap), from the plan in force."""
-
-    def __init__(self, plan: Plan | None = None, flash_overlap: bool = False) -> None:
-        self.flash_overlap = flash_overlap
-        self.decomposed: dict[str, int] = {}  # key -> calls run decomposed
-        self.plan = plan
-
-    @property
-    def plan(self) -> Plan | None:
-        return self._plan
-
-    @plan.setter
-    def plan(self, plan: Plan | None) -> None:
-        self._plan = plan
-        self.active = self.flash_overlap and plan is not None and any(
-            e.config.decomposition == "p2p" for e in plan.entries)  # else the linears pass straight through
-
-    def decomposition(self, group: str, collective: str, size: int) -> FlashOverlapConfig | None:
-        if not self.active:
-            return None
-        entry = self._plan.lookup(group, collective, size)  # type: ignore[union-attr]
-        if entry is None or entry.config.decomposition != "p2p":
-            return None
-        return FlashOverlapConfig(num_chunks=entry.config.num_chunks, comm_stream_priority=-1 if entry.config.priority else 0)
-
-    def count(self, key: str) -> None:
-        self.decomposed[key] = self.decomposed.get(key, 0) + 1
-
-
 class Interceptor:
     """Installs the wrappers on megatron-core; ``uninstall`` puts every original back."""
 
-    def __init__(self, recorder: Any, router: Router | None = None) -> None:
+    def __init__(self, recorder: Any, router: FlashRouter | None = None) -> None:
         self.recorder = recorder
-        self.router = router or Router()
+        self.router = router or FlashRouter(enabled=False)
         self.names = GroupNames()
         self._saved: list[tuple[Any, str, Any]] = []
         self._skipped: set[str] = set()
@@ -261,14 +231,15 @@ class Interceptor:
             if not a.get("sequence_parallel") or tp_group is None or tp_group.size() == 1:
                 return original(*args, **kwargs)
             name, size = self.names.name(tp_group), nbytes(a["input"]) * tp_group.size()
-            cfg = self.router.decomposition(name, "all_gather", size)
-            if cfg is None:
+            decided = self.router.decision(name, "all_gather", size)
+            if decided is None:
                 return original(*args, **kwargs)
+            key, cfg = decided
             if a.get("gradient_accumulation_fusion") or a.get("grad_output_buffer") is not None \
                     or a.get("gtp_remat_size", 1) > 1:
                 self._flash_blocked("gradient-accumulation fusion, deferred wgrad or GTP is on")
                 return original(*args, **kwargs)
-            self.router.count(f"{name}/all_gather/{size}")
+            self.router.count(key)
             out = self._sync(tp_group, "all_gather", size,
                              lambda: all_gather_matmul(a["input"], a["weight"], tp_group, config=cfg))
             return out if a.get("bias") is None else out + a["bias"]
@@ -284,14 +255,15 @@ class Interceptor:
                 return original(layer, input_)
             size = input_.shape[:-1].numel() * layer.weight.shape[0] * input_.element_size()
             name = interceptor.names.name(layer.tp_group)
-            cfg = interceptor.router.decomposition(name, "reduce_scatter", size)
-            if cfg is None:
+            decided = interceptor.router.decision(name, "reduce_scatter", size)
+            if decided is None:
                 return original(layer, input_)
+            key, cfg = decided
             if (layer.gradient_accumulation_fusion or getattr(layer, "gtp_remat_size", 1) > 1
                     or not layer.weight.requires_grad or getattr(layer.config, "_cpu_offloading_context", None)):
                 interceptor._flash_blocked("gradient-accumulation fusion, GTP, a frozen weight or CPU offloading is on")
                 return original(layer, input_)
-            interceptor.router.count(f"{name}/reduce_scatter/{size}")
+            interceptor.router.count(key)
             out = interceptor._sync(layer.tp_group, "reduce_scatter", size,
                                     lambda: matmul_reduce_scatter(input_, layer.weight, layer.tp_group, config=cfg))
             if layer.skip_bias_add:

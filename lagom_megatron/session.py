@@ -1,17 +1,11 @@
-"""One Lagom-tuned Megatron run: the plan in force, what it changed, the per-step loop, the report.
+"""A Lagom-tuned Megatron run: the core session plus what Megatron fixes at start-up.
 
-Start-up (``Session.start``, from the parsed arguments, before any process group exists):
-- offline: the plan file (checked against this job's world size, workload and hardware), or a plan
-  made now by the cost model and saved there;
-- online: the plan cached by an earlier run of the same job, else the plan file, else Megatron's
-  defaults while ``--lagom-tune-iters`` steps (after one warm-up step) are measured.
-A plan in force at start-up sets the DDP bucket size, the NCCL options of each process group
-(through megatron's ``get_nccl_options``), the process-wide NCCL variables and, with Transformer
-Engine, the userbuffers config. Each step then records every intercepted collective. In online
-mode the tuner searches on rank 0 after the measured steps and every rank gets its plan: the
-Flash-Overlap routing applies at once, everything fixed at start-up applies on the next start (the
-plan is cached), and both are logged. A monitor watches the overlap efficiency and re-tunes
-(online) or warns (offline) on drift.
+``Session.start_for(args, options)`` runs from the parsed arguments, before any process group exists.
+A plan in force at start-up sets the DDP bucket size, the NCCL options of each process group (through
+megatron's ``get_nccl_options``), the process-wide NCCL variables and, with Transformer Engine, the
+userbuffers config. Explicit user flags win over the plan: the plan is made around them, and Lagom
+says once, at WARNING, what it would have changed and what not changing it is predicted to cost.
+Everything else (start plan, online tuning, drift, report) is ``lagom.runtime.session``.
 """
 
 from __future__ import annotations
@@ -19,189 +13,143 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import logging
-import os
-import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from lagom import emit
 from lagom.errors import ConfigError
 from lagom.hardware import Hardware, load_hardware
 from lagom.plan import Plan
-from lagom.tune import make_plan, running_workload
+from lagom.runtime import report
+from lagom.runtime.session import KnobChange, SessionOptions, TuningSession
+from lagom.tune import make_plan, problem_for
+from lagom.simulator import simulate
 from lagom.workload import Workload
-from lagom_megatron import report
 from lagom_megatron.arguments import LagomOptions
 from lagom_megatron.groups import megatron_pg_names
-from lagom_megatron.intercept import Interceptor, Router
+from lagom_megatron.intercept import Interceptor
 from lagom_megatron.workload import workload_from_args
 
 log = logging.getLogger("lagom.megatron")
-CACHE_DIR = Path(".lagom-cache")
-DRIFT_CHECK_STEPS = 20  # online: ranks agree on a drift re-tune this often (one tiny all-reduce)
+USER_COMM_FLAGS = "--nccl-communicator-config-path / --high-priority-stream-groups"
 
 
-def _rank(args: argparse.Namespace) -> int:
-    return torch.distributed.get_rank() if torch.distributed.is_initialized() else getattr(args, "rank", 0)
+def session_options(options: LagomOptions, args: argparse.Namespace) -> SessionOptions:
+    return SessionOptions(
+        mode=options.mode, strategy=options.strategy, tune_steps=options.tune_iters, plan_in=options.plan,
+        plan_out=options.plan_out, cache_dir=options.cache_dir, report_files=options.report_files,
+        flash_overlap=options.flash_overlap, warmup_steps=1,
+        search_buckets=getattr(args, "ddp_bucket_size", None) is None)
 
 
-def _hardware(options: LagomOptions, plan: Plan | None) -> Hardware:
-    name = options.hardware or (plan.hardware if plan else None)
+def _hardware(options: LagomOptions, workload: Workload) -> tuple[Hardware, str]:
+    """The hardware the plan is made for: the flag, else the plan file's, else detected."""
+    from lagom.runtime.probe import resolve_hardware
+
+    explicit = options.hardware
+    if explicit is None and options.plan is not None and options.plan.exists():
+        explicit = Plan.load(options.plan).hardware
     try:
-        return load_hardware(name)  # type: ignore[arg-type]
+        choice = resolve_hardware(explicit, workload.world_size, cache_dir=options.cache_dir)
     except ConfigError as err:
-        raise ConfigError("--lagom-hardware", str(err), "pass a preset name from configs/hardware or a YAML file") from None
+        raise ConfigError("--lagom-hardware", f"{err.key}: {err.problem}", err.fix or
+                          "pass a preset name from configs/hardware or a hardware YAML file") from None
+    return choice.hardware, choice.reason
 
 
-def _load_plan(path: Path, world_size: int, wl: Workload, hw: Hardware | None) -> Plan:
-    """A saved plan, refused (naming the plan's key) when it was made for another job or machine."""
-    try:
-        plan = Plan.load(path)
-        plan.check_for(world_size, wl, hw)
-    except ConfigError as err:
-        raise ConfigError(f"--lagom-plan {path}: {err.key}", err.problem, err.fix) from None
-    return plan
+class Session(TuningSession):
+    """The core session with Megatron's start-up knobs and hooks; see the module docstring."""
 
-
-def _plan_offline(workload: Workload, hw: Hardware, options: LagomOptions, args: argparse.Namespace) -> Plan:
-    t0 = time.perf_counter()
-    plan = make_plan(workload, hw, options.strategy)
-    log.info("offline: planned %d points with strategy %s in %.1f s", len(plan.entries), plan.strategy,
-             time.perf_counter() - t0)
-    if options.plan is not None and _rank(args) == 0:
-        plan.save(options.plan)
-        log.info("offline: plan written to %s (used as is on the next start)", options.plan)
-    return plan
-
-
-class Session:
-    """The state of one tuned run; hooks call ``step_begin``/``step_end`` around each training step."""
+    framework = "megatron"
 
     def __init__(self, args: argparse.Namespace, options: LagomOptions, workload: Workload, hw: Hardware,
-                 plan: Plan | None) -> None:
-        from lagom.runtime import init as init_runtime
-
-        self.args, self.options, self.workload, self.hw = args, options, workload, hw
+                 hardware_reason: str = "") -> None:
+        super().__init__(workload, hw, session_options(options, args), world_size=workload.world_size,
+                         hardware_reason=hardware_reason)
+        self.args, self.lagom_options = args, options
         self.cp = workload.parallel.cp
-        self.plan: Plan | None = None
-        self.tuner: Any = None  # online mode: the OnlineTuner
-        self.tuning = False  # online: the steps now are measured for the tuner
-        self.monitor: Any = None
-        self.applied_now: list[str] = []
-        self.next_start: list[str] = []
-        self.env_conflicts: list[str] = []
         self.group_options: dict[str, Any] = {}  # megatron pg_name -> options this adapter gave its group
-        self.baseline: report.Measured | None = None  # steps measured before an online plan
-        self.measured = report.Measured()  # steps under the plan in force
-        self.iteration = 0
-        self.steps_seen = 0
-        self._t0 = 0.0
-        self._drift = False  # some step since the last agreement check saw drift
         self._restore: list[tuple[Any, str, Any]] = []
-        # NCCL env checks and export, per-group options by group_desc, the recorder
-        self.runtime = init_runtime(plan, strict_env=False, hw=hw)
-        self.router = Router(flash_overlap=options.flash_overlap)
-        self.interceptor = Interceptor(self.runtime.recorder, self.router)
-        if plan is not None:
-            self._apply_at_startup(plan)
+        self._user_comm_warned: set[str] = set()
+        self.interceptor: Interceptor | None = None
 
-    # -- start-up
     @classmethod
-    def start(cls, args: argparse.Namespace, options: LagomOptions) -> "Session":
+    def start_for(cls, args: argparse.Namespace, options: LagomOptions) -> "Session":
         workload = workload_from_args(args)
-        hw = _hardware(options, None) if options.hardware else None
-        file_plan = None
-        if options.plan is not None and options.plan.exists():
-            file_plan = _load_plan(options.plan, workload.world_size, workload, hw)
-        if hw is None and file_plan is None:
-            raise ConfigError("--lagom-hardware", f"is needed: the plan {options.plan} does not exist yet, so one is made",
-                              "pass a preset name from configs/hardware or a hardware YAML file")
-        hw = hw or _hardware(options, file_plan)
-        tuner, cached = None, None
-        if options.mode == "online":
-            from lagom.runtime.online import OnlineTuner
-
-            tuner = OnlineTuner(workload, hw, strategy=options.strategy, tune_steps=options.tune_iters,
-                                cache_dir=str(CACHE_DIR), model_workload=running_workload(workload, file_plan))
-            cached = tuner.cached_plan()
-            if cached is not None:
-                log.info("online: reusing the plan cached for this job and machine; no tuning steps needed")
-            else:
-                log.info("online: measuring the first %d steps with %s, then tuning", options.tune_iters,
-                         f"the plan {options.plan}" if file_plan else "Megatron's defaults")
-            startup = cached or file_plan
-            tuner.running_plan = startup  # what the measured steps run with
-        else:
-            startup = file_plan or _plan_offline(workload, hw, options, args)
-        session = cls(args, options, workload, hw, startup)
-        session.tuner, session.tuning = tuner, tuner is not None and cached is None
+        hw, reason = _hardware(options, workload)
+        session = cls(args, options, workload, hw, reason)
+        session.start()
+        session.interceptor = Interceptor(session.runtime.recorder, session.router)
         session._install()
         return session
 
-    def _apply_at_startup(self, plan: Plan) -> None:
-        """Everything Megatron fixes at start-up: buckets, communicator options, NCCL env, TE userbuffers."""
-        self.plan = plan
-        self.router.plan = plan
-        self.env_conflicts = emit.env_conflicts(plan, self.hw, os.environ)  # the runtime has logged them
+    # -- start-up knobs
+    def apply_at_startup(self, plan: Plan) -> None:
+        """Everything Megatron fixes at start-up: buckets, communicator options, TE userbuffers."""
         if self.runtime.env_set:
-            self.applied_now.append(f"NCCL variables exported: {self.runtime.env_set}")
+            self.applied_at_start.append(KnobChange("NCCL environment", None, self.runtime.env_set, "plan"))
         self._apply_buckets(plan)
         self._apply_te(plan)
-        comm = emit.communicator_configs(plan)
-        self.applied_now.append("communicator options per group: " +
-                                ", ".join(f"{g} {c}" for g, c in sorted(comm.items())))
+        for group, cfg in sorted(emit.communicator_configs(plan).items()):
+            self.applied_at_start.append(KnobChange(f"nccl_comm_cfgs.{group}", None, cfg, f"plan ({plan.strategy})"))
         decomposed = [e.key for e in plan.entries if e.config.decomposition == "p2p"]
         if decomposed and not self.options.flash_overlap:
-            log.warning("the plan decomposes %d TP points (%s); pass --lagom-flash-overlap to run them with "
-                        "Flash-Overlap, they run as collectives now", len(decomposed), ", ".join(decomposed[:3]))
-        elif decomposed:
-            self.applied_now.append(f"Flash-Overlap for {len(decomposed)} TP points: {', '.join(decomposed)}")
-        self.monitor = self._monitor(plan)
+            self.event(f"the plan decomposes {len(decomposed)} TP points ({', '.join(decomposed[:3])}); pass "
+                       "--lagom-flash-overlap to run them with Flash-Overlap, they run as collectives now",
+                       level=logging.WARNING)
 
     def _apply_buckets(self, plan: Plan) -> None:
         bucket = plan.framework.get("megatron", {}).get("bucket_size")
         if not bucket or not getattr(self.args, "overlap_grad_reduce", False):
             return
         if getattr(self.args, "ddp_num_buckets", None) is not None:
-            log.warning("--ddp-num-buckets is set, so megatron ignores the plan's bucket size %d", bucket)
+            self.event(f"--ddp-num-buckets is set, so megatron ignores the plan's bucket size {bucket}",
+                       level=logging.WARNING)
             return
-        current = self.workload.ddp_bucket_elems  # the job's own, or megatron's default
-        if current != bucket:
-            log.info("DDP bucket size: %d -> %d elements (plan)", current, bucket)
-            self.args.ddp_bucket_size = bucket
-        self.applied_now.append(f"DDP bucket size {bucket} elements")
+        user = getattr(self.args, "ddp_bucket_size", None)
+        if user is not None:
+            if user != bucket:
+                self.event(f"--ddp-bucket-size {user} is kept (explicit flags win); the plan was made around it",
+                           level=logging.WARNING)
+            self._cost_of_pinned_buckets(user)
+            return
+        self.args.ddp_bucket_size = bucket
+        self.applied_at_start.append(KnobChange("ddp_bucket_size", self.workload.ddp_bucket_elems, bucket,  # type: ignore[union-attr]
+                                                f"plan ({plan.strategy})"))
+
+    def _cost_of_pinned_buckets(self, user: int) -> None:
+        """Say once what the user's bucket size costs against the bucket size Lagom would pick."""
+        if self.options.mode != "offline" or self.plan is None or self.options.plan_in is not None:
+            return
+        free = make_plan(self.workload, self.hw, self.options.strategy)  # type: ignore[arg-type]
+        mine, theirs = free.predicted_step_s[free.strategy], self.plan.predicted_step_s[self.plan.strategy]
+        wanted = free.framework["megatron"]["bucket_size"]
+        if wanted != user:
+            self.event(f"Lagom would set --ddp-bucket-size {wanted} (kept: {user}); predicted cost of keeping it: "
+                       f"{(theirs - mine) * 1e3:+.3f} ms per step", level=logging.WARNING)
 
     def _apply_te(self, plan: Plan) -> None:
         if not getattr(self.args, "tp_comm_overlap", False):
             return
         cfgs = emit.te_ub_cfgs(plan)
         if importlib.util.find_spec("transformer_engine") is None:
-            log.info("Transformer Engine is not importable: the plan's userbuffers config is not used")
+            self.event("Transformer Engine is not importable: the plan's userbuffers config is not used")
             return
         if not cfgs:
             return
         path = self.out_dir / "te_ub_cfgs.yaml"
+        report.write_atomic(path, emit.te_ub_yaml(plan))
         if self.args.tp_comm_overlap_cfg:
-            log.warning("--tp-comm-overlap-cfg %s is kept; the plan's userbuffers config is in %s",
-                        self.args.tp_comm_overlap_cfg, path)
+            self.event(f"--tp-comm-overlap-cfg {self.args.tp_comm_overlap_cfg} is kept (explicit flags win); the "
+                       f"plan's userbuffers config is in {path}", level=logging.WARNING)
         else:
             self.args.tp_comm_overlap_cfg = str(path)
-            self.applied_now.append(f"Transformer Engine userbuffers config {path}")
-        report.write_atomic(path, emit.te_ub_yaml(plan))
-
-    def _monitor(self, plan: Plan) -> Any:
-        """Drift watch: efficiency against the simulated bound, collective keys against the first steps'
-        (megatron pads buckets, so the plan's modelled sizes are not the reference)."""
-        from lagom.runtime.monitor import Monitor
-
-        return Monitor.for_plan(self.workload, self.hw, plan)
+            self.applied_at_start.append(KnobChange("tp_comm_overlap_cfg", None, str(path), f"plan ({plan.strategy})"))
 
     @property
     def out_dir(self) -> Path:
-        files = self.options.report_files
-        return files[0].parent if files else CACHE_DIR
+        return self.lagom_options.out_dir
 
     # -- hooks into megatron
     def _swap(self, owner: Any, attr: str, value: Any) -> None:
@@ -211,22 +159,54 @@ class Session:
     def nccl_options(self, original: Any) -> Any:
         """megatron's get_nccl_options, with the plan's settings for every group the plan covers.
 
-        Megatron then creates each group with these options; the runtime's new_group wrapper sees
-        they are the plan's and records them.
+        Values the user gave for a group (``--nccl-communicator-config-path``, ``--high-priority-stream-groups``)
+        win; Lagom says once per group what it would have set and the predicted cost.
         """
         def get_nccl_options(pg_name: str, nccl_comm_cfgs: dict) -> Any:
             planned = self.communicator_configs().get(pg_name)
             if planned is None:
                 return original(pg_name, nccl_comm_cfgs)
             user = dict(nccl_comm_cfgs.get(pg_name) or {})
-            for key, value in planned.items():
-                if key in user and user[key] != value:
-                    log.warning("process group %s: %s=%s from the megatron config is replaced by the plan's %s",
-                                pg_name, key, user[key], value)
-            options = original(pg_name, {pg_name: {**user, **planned}})
+            overridden = {k: (user[k], v) for k, v in planned.items() if k in user and user[k] != v}
+            if overridden:
+                self._warn_user_comm(pg_name, overridden)
+            merged = {**planned, **user}
+            if merged.get("min_ctas", 1) > merged.get("max_ctas", merged.get("min_ctas", 1)):
+                # the user's bound wins; the plan's other bound moves to meet it
+                bound = "max_ctas" if "max_ctas" in user else "min_ctas"
+                merged["min_ctas" if bound == "max_ctas" else "max_ctas"] = merged[bound]
+            options = original(pg_name, {pg_name: merged})
             self.group_options[pg_name] = options
             return options
         return get_nccl_options
+
+    def _warn_user_comm(self, pg_name: str, overridden: dict[str, tuple[Any, Any]]) -> None:
+        if pg_name in self._user_comm_warned:
+            return
+        self._user_comm_warned.add(pg_name)
+        kept = ", ".join(f"{k}={user} (plan: {plan})" for k, (user, plan) in overridden.items())
+        self.event(f"process group {pg_name}: {kept} from {USER_COMM_FLAGS} kept (explicit flags win); predicted "
+                   f"cost of not applying the plan's: {self._comm_cost(pg_name, overridden) * 1e3:+.3f} ms per step",
+                   level=logging.WARNING)
+
+    def _comm_cost(self, pg_name: str, overridden: dict[str, tuple[Any, Any]]) -> float:
+        """Simulated step with the user's CTA range and stream priority on this group, minus the plan's."""
+        plan, workload, hw = self.plan, self.workload, self.hw
+        if plan is None or workload is None or hw is None:
+            return 0.0
+        problem = problem_for(workload, hw)
+        configs = plan.configs()
+        user = {k: u for k, (u, _) in overridden.items()}
+        groups = {e.group for e in plan.entries if pg_name in megatron_pg_names(e.group, self.cp)}
+        mine = dict(configs)
+        for e in plan.entries:
+            if e.group not in groups or e.key not in configs:
+                continue
+            cfg = configs[e.key]
+            low, high = int(user.get("min_ctas", 1)), int(user.get("max_ctas", cfg.channels))
+            mine[e.key] = replace(cfg, channels=min(max(cfg.channels, low), high),
+                                  priority=bool(user.get("is_high_priority_stream", cfg.priority)))
+        return simulate(problem.graph, mine, problem.model).step_s - simulate(problem.graph, configs, problem.model).step_s
 
     def communicator_configs(self) -> dict[str, dict[str, Any]]:
         """The plan's communicator settings under every megatron pg_name they apply to."""
@@ -238,106 +218,52 @@ class Session:
     def _install(self) -> None:
         from megatron.core import parallel_state
 
-        self.interceptor.install()
+        if self.interceptor is not None:
+            self.interceptor.install()
         self._swap(parallel_state, "get_nccl_options", self.nccl_options(parallel_state.get_nccl_options))
 
     def close(self) -> None:
-        self.interceptor.uninstall()
+        if self.interceptor is not None:
+            self.interceptor.uninstall()
         for owner, attr, original in reversed(self._restore):
             setattr(owner, attr, original)
         self._restore.clear()
-        self.runtime.close()
+        super().close()
 
-    # -- per step
+    # -- per step (megatron's train_step, wrapped by hooks)
     def step_begin(self, iteration: int | None = None) -> None:
-        self.iteration = self.iteration + 1 if iteration is None else iteration
-        self.runtime.recorder.begin_step(self.iteration)
-        self._t0 = time.perf_counter()
+        self.begin_step(iteration)
 
     def step_end(self) -> None:
-        step_s = time.perf_counter() - self._t0
-        records = self.runtime.recorder.end_step()
-        self.steps_seen += 1
-        if self.steps_seen == 1:  # warm-up: allocations and megatron's first-batch path; not representative
-            return
-        if self.tuning:
-            self._observe_tuning(step_s, records)
-        else:
-            self.measured.add(step_s, records, self.plan)
-            if self.measured.steps == self.options.tune_iters:
-                self.write_report()
-            self._watch(step_s, records)
-
-    def _observe_tuning(self, step_s: float, records: list[Any]) -> None:
-        if self.baseline is None:
-            self.baseline = report.Measured()
-        self.baseline.add(step_s, records, self.plan)
-        plan = self.tuner.observe(step_s, records)
-        if plan is None:
-            return
-        self.tuning = False
-        self._adopt_online(plan)
-
-    def _adopt_online(self, plan: Plan) -> None:
-        """A plan found while running: the routing applies now; what Megatron fixes at start-up (CTAs,
-        NCCL variables, buffers) applies on the next start, which finds the plan in the cache."""
-        self.plan = plan
-        self.router.plan = plan
-        self.measured = report.Measured()
-        self.applied_now = list(self.tuner.applies_now)
-        self.next_start = list(self.tuner.next_start)
-        if self.options.plan is not None and _rank(self.args) == 0:
-            plan.save(self.options.plan)
-            log.info("online plan also written to %s", self.options.plan)
-        decomposed = [e.key for e in plan.entries if e.config.decomposition == "p2p"]
-        if decomposed and not self.options.flash_overlap:
-            log.warning("the online plan decomposes %d TP points; pass --lagom-flash-overlap to run them with "
-                        "Flash-Overlap", len(decomposed))
-        self.monitor = self._monitor(plan)
-
-    def _watch(self, step_s: float, records: list[Any]) -> None:
-        if self.monitor is None:
-            return
-        reason = self.monitor.observe(step_s, records)
-        if self.options.mode == "offline":
-            if reason:
-                log.warning("offline plan may be stale (%s); re-run `lagom tune` or use --lagom-mode online", reason)
-            return
-        self._drift = self._drift or bool(reason)
-        if self.measured.steps % DRIFT_CHECK_STEPS == 0 and self._agree(self._drift):
-            log.info("online: the plan went stale on some rank; re-tuning over the next %d steps", self.options.tune_iters)
-            self.tuner.reset()
-            self.tuning, self.baseline, self._drift = True, None, False
-
-    @staticmethod
-    def _agree(flag: bool) -> bool:
-        """True when any rank says so: every rank must start a re-tune at the same step."""
-        if not torch.distributed.is_initialized():
-            return flag
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        t = torch.tensor([int(flag)], device=device)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-        return bool(t.item())
+        plan = self.end_step()
+        if plan is not None and not self.options.flash_overlap and any(
+                e.config.decomposition == "p2p" for e in plan.entries):
+            self.event("the online plan decomposes TP points; pass --lagom-flash-overlap to run them with "
+                       "Flash-Overlap", level=logging.WARNING)
 
     # -- report
-    def report(self) -> dict[str, Any]:
-        return report.build(self.plan, mode=self.options.mode, workload=self.workload.name, hardware=self.hw.name,
-                            baseline=self.baseline, tuned=self.measured, applied_now=self.applied_now,
-                            next_start=self.next_start, env_conflicts=self.env_conflicts,
-                            decomposed=self.router.decomposed)
-
     def write_report(self) -> None:
-        """JSON + Markdown on rank 0 (when asked for) and Megatron's TensorBoard / W&B writers."""
-        if _rank(self.args) != 0 or self.plan is None:
+        """JSON + Markdown on rank 0, and Megatron's TensorBoard / W&B writers when the run has them."""
+        super().write_report()
+        if self.plan is None or self.options.report_files is None:
             return
-        data = self.report()
-        files = self.options.report_files
-        if files:
-            report.write(data, files)
-            log.info("Lagom report written to %s and %s", *files)
         try:
             from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
         except ImportError:
             return
-        report.to_writers(data, self.iteration, get_tensorboard_writer(), get_wandb_writer())
+        to_writers(self.report(), self.iteration, get_tensorboard_writer(), get_wandb_writer())
 
+
+def to_writers(data: dict[str, Any], iteration: int, tensorboard: Any = None, wandb: Any = None) -> None:
+    """Scalars and the Markdown report through Megatron's writers (each may be None)."""
+    scalars = {"lagom/measured_step_ms": data["measured"]["tuned_step_ms"]}
+    for name, value in (("lagom/measured_gain", data["measured"].get("gain")),
+                        ("lagom/predicted_gain", data["predicted"].get("gain") if data["predicted"] else None)):
+        if value is not None:
+            scalars[name] = value
+    if tensorboard is not None:
+        for name, value in scalars.items():
+            tensorboard.add_scalar(name, value, iteration)
+        tensorboard.add_text("lagom/report", report.markdown(data), iteration)
+    if wandb is not None:
+        wandb.log(scalars, iteration)

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from lagom_megatron import hooks, report
+from lagom.runtime import report
+from lagom_megatron import hooks
+from lagom_megatron.session import to_writers
 
 HARDWARE = Path(__file__).resolve().parent.parent / "examples" / "megatron" / "cpu-2ranks.yaml"
 
@@ -79,8 +81,9 @@ def test_startup_applies_the_plan_to_megatron(session, caplog: pytest.LogCapture
     assert s.runtime.plan_group("DATA_PARALLEL_GROUP") == s.runtime.plan_group("DATA_PARALLEL_GROUP_WITH_CP") == "dp"
     assert parallel_state.get_nccl_options("tp", {}) is None  # no tensor parallelism, nothing planned
     user = parallel_state.get_nccl_options("dp_cp", {"dp_cp": {"max_ctas": 1, "net_name": "IB"}})
-    assert (user.config.max_ctas, user.config.net_name) == (dp["max_ctas"], "IB")
-    assert "dp_cp: max_ctas=1 from the megatron config is replaced by the plan's" in caplog.text
+    assert (user.config.max_ctas, user.config.min_ctas, user.config.net_name) == (1, 1, "IB")
+    assert (f"process group dp_cp: max_ctas=1 (plan: {dp['max_ctas']}) from --nccl-communicator-config-path / "
+            "--high-priority-stream-groups kept (explicit flags win); predicted cost") in caplog.text
 
     startup_log = "\n".join(r.getMessage() for r in caplog.get_records("setup"))
     assert any(c.startswith("NCCL_MAX_CTAS=3 overrides the plan") for c in s.env_conflicts)
@@ -107,7 +110,7 @@ def test_report_and_megatron_writers(session, tmp_path: Path) -> None:
     md = files[1].read_text()
     assert md.startswith("# Lagom report: megatron-gpt-2x64-dp2-tp1-pp1") and "| dp | reduce_scatter |" in md
     tb, wb = Writer(), Writer()
-    report.to_writers(data, 7, tb, wb)
+    to_writers(data, 7, tb, wb)
     assert ("scalar", "lagom/predicted_gain", data["predicted"]["gain"], 7) in tb.calls
     assert any(c[0] == "text" and c[1] == "lagom/report" and c[2] == md for c in tb.calls)
     assert wb.calls == [("log", {"lagom/measured_step_ms": data["measured"]["tuned_step_ms"],

@@ -51,7 +51,8 @@ def tp_pp_rank(rank: int, world: int) -> dict:
     from megatron.core.transformer import TransformerConfig
 
     from lagom.runtime import Recorder
-    from lagom_megatron.intercept import Interceptor, Router
+    from lagom.runtime.session import FlashRouter
+    from lagom_megatron.intercept import Interceptor
 
     out: dict = {}
     parallel_state.initialize_model_parallel(2, 1)
@@ -61,7 +62,7 @@ def tp_pp_rank(rank: int, world: int) -> dict:
     reference = mlp_step(config, x_full, rank)
     for mode in ("recorded", "flash"):
         recorder = Recorder(cuda=False)
-        router = Router(plan=tp_plan(decompose=mode == "flash"), flash_overlap=True)
+        router = FlashRouter(enabled=True, plan=tp_plan(decompose=mode == "flash"))
         interceptor = Interceptor(recorder, router).install()
         recorder.begin_step(0)
         got = mlp_step(config, x_full, rank)
@@ -70,7 +71,7 @@ def tp_pp_rank(rank: int, world: int) -> dict:
         out[mode] = {"calls": [(r.group, r.collective, r.nbytes) for r in records],
                      "exact": all(torch.equal(a, b) for a, b in zip(got, reference)),
                      "close": all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(got, reference)),
-                     "decomposed": dict(router.decomposed)}
+                     "decomposed": dict(router.calls)}
     parallel_state.destroy_model_parallel()
 
     parallel_state.initialize_model_parallel(1, 2)

@@ -15,7 +15,7 @@ from typing import Iterable
 from lagom.errors import ConfigError
 from lagom.hardware import Hardware
 from lagom.plan import Plan
-from lagom.calls import CallRecord, KeyIndex
+from lagom.calls import SIZE_TOLERANCE, CallRecord, KeyIndex
 from lagom.workload import Workload
 
 log = logging.getLogger("lagom.monitor")
@@ -33,7 +33,7 @@ class Monitor:
     """
 
     def __init__(self, expected_step_s: float, bound_s: float, threshold: float = 0.1, warmup: int = 3,
-                 window: int = 20, *, keys: Iterable[str] | None = None, size_tolerance: float = 0.05) -> None:
+                 window: int = 20, *, keys: Iterable[str] | None = None, size_tolerance: float = SIZE_TOLERANCE) -> None:
         for name, value in (("expected_step_s", expected_step_s), ("bound_s", bound_s)):
             if not value > 0:
                 raise ConfigError(f"Monitor.{name}", f"must be positive, got {value}")

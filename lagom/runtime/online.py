@@ -27,7 +27,7 @@ from lagom.errors import ConfigError, LagomError
 from lagom.hardware import Hardware, load_hardware
 from lagom.plan import Plan
 from lagom.points import Collective, ComputeSegment, Group, StepGraph
-from lagom.calls import CallRecord, KeyIndex
+from lagom.calls import SIZE_TOLERANCE, CallRecord, KeyIndex, TuningKey
 from lagom.search import STRATEGIES, Problem, SearchResult, run_strategy
 from lagom.search.base import nccl_configs
 from lagom.simulator import Configs, StepResult, simulate
@@ -68,11 +68,11 @@ class CalibratedModel(CostModel):
         self.comm_scale = dict(scales)
         by_group: dict[str, list[float]] = {}
         for key, s in scales.items():
-            by_group.setdefault(key.rsplit("/", 2)[0], []).append(s)
+            by_group.setdefault(TuningKey.parse(key).group, []).append(s)
         self._group_scale = {g: sum(v) / len(v) for g, v in by_group.items()}
 
     def comm_time(self, coll: Collective, group: Group, nbytes: int, cfg: CommConfig, compute_hbm_util: float = 0.0) -> float:
-        scale = self.comm_scale.get(f"{group.name}/{coll.value}/{int(nbytes)}", 1.0)
+        scale = self.comm_scale.get(str(TuningKey(group.name, coll.value, int(nbytes))), 1.0)
         return super().comm_time(coll, group, nbytes, cfg, compute_hbm_util) * scale
 
     def p2p_step_time(self, group: Group, nbytes: float, cfg: CommConfig, compute_hbm_util: float = 0.0) -> float:
@@ -154,7 +154,7 @@ def _fit_compute(graph: StepGraph, configs: Configs, model: CalibratedModel, tar
 
 
 def calibrate(problem: Problem, configs: Configs, records: list[CallRecord], step_s: float,
-              size_tolerance: float = 0.05) -> Calibration:
+              size_tolerance: float = SIZE_TOLERANCE) -> Calibration:
     """Scale the model so that, with ``configs`` (the settings in force), it reproduces the measurements."""
     index = KeyIndex(problem.keys, size_tolerance)
     total: dict[str, float] = {}
@@ -224,7 +224,7 @@ class OnlineTuner:
 
     def __init__(self, workload: Workload | str | Path, hw: Hardware | str, *, strategy: str = "lagom",
                  tune_steps: int = 5, cache_dir: str | Path = ".lagom-cache", group: Any = None,
-                 running_plan: Plan | None = None, size_tolerance: float = 0.05,
+                 running_plan: Plan | None = None, size_tolerance: float = SIZE_TOLERANCE,
                  model_workload: Workload | None = None) -> None:
         self.workload, self.hw = _as_workload(workload), _as_hardware(hw)
         # what is modelled: the job as it runs (e.g. with a plan's bucket sizes); ``workload`` keys caches and plans

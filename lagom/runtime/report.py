@@ -1,0 +1,134 @@
+"""The report of a tuned run, one schema for every adapter: what was tuned, why, predicted and measured.
+
+Rank 0 writes it as JSON (for tools) and Markdown (for people), atomically, at start-up, after the
+first measured steps, whenever a plan is adopted, and at exit. Framework-specific facts (DeepSpeed's
+inferred model, Megatron's writers) go under ``framework``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lagom.calls import KeyIndex
+
+if TYPE_CHECKING:
+    from lagom.runtime.session import Measured, TuningSession
+
+
+def _per_step(measured: "Measured") -> dict[str, Any]:
+    return {"steps": measured.steps, "step_ms": measured.mean_step_s * 1e3}
+
+
+def build(session: "TuningSession") -> dict[str, Any]:
+    """The report as plain data (the JSON file's content)."""
+    plan, tuned, baseline = session.plan, session.measured, session.baseline
+    predicted: dict[str, Any] = {}
+    if plan is not None:
+        base, mine = plan.predicted_step_s.get("nccl"), plan.predicted_step_s.get(plan.strategy)
+        predicted = {"strategy": plan.strategy, "nccl_step_ms": (base or 0) * 1e3, "tuned_step_ms": (mine or 0) * 1e3,
+                     "gain": base / mine if base and mine else None}
+    measured: dict[str, Any] = {"tuned_steps": tuned.steps, "tuned_step_ms": tuned.mean_step_s * 1e3}
+    if baseline is not None and baseline.steps:
+        measured |= {"baseline_steps": baseline.steps, "baseline_step_ms": baseline.mean_step_s * 1e3,
+                     "gain": baseline.mean_step_s / tuned.mean_step_s if tuned.steps else None}
+    index = KeyIndex(e.key for e in plan.entries) if plan is not None else KeyIndex(())
+    per_entry: dict[str, list[float]] = {}
+    unplanned: dict[str, int] = {}
+    for key, (calls, seconds) in tuned.per_key.items():
+        planned = index.match(key)
+        if planned is None:
+            unplanned[key] = int(calls)
+            continue
+        row = per_entry.setdefault(planned, [0, 0.0])
+        row[0] += calls
+        row[1] += seconds
+    steps = max(1, tuned.steps)
+    points = []
+    for e in plan.entries if plan is not None else []:
+        calls, seconds = per_entry.get(e.key, [0, 0.0])
+        points.append({
+            "key": e.key, "group": e.group, "collective": e.collective, "bytes": e.bytes,
+            "config": e.config.describe(), "settings": e.config.to_dict(), "why": e.note,
+            "planned_calls_per_step": e.count, "measured_calls_per_step": calls / steps,
+            "predicted_comm_ms": e.predicted_comm_s * 1e3, "measured_comm_ms": seconds / steps * 1e3,
+            "flash_overlap_calls": session.router.calls.get(e.key, 0),
+        })
+    workload = session.workload
+    return {
+        "workload": asdict(workload) if workload is not None else None,
+        "hardware": session.hw.name if session.hw is not None else None,
+        "hardware_reason": session.hardware_reason,
+        "framework": session.framework, "mode": session.options.mode, "world_size": session.world_size,
+        "plan_source": session.plan_source, "why_untuned": session.why_untuned,
+        "predicted": predicted, "measured": measured, "points": points, "unplanned_calls": unplanned,
+        "applied_at_start": [asdict(c) for c in session.applied_at_start],
+        "applied_now": session.applied_now, "applies_on_next_start": session.next_start,
+        "env_conflicts": session.env_conflicts, "events": session.events,
+        "steps": [asdict(s) for s in session.steps],
+        "plan": json.loads(plan.to_json()) if plan is not None else None,
+        "details": session.framework_report(),
+    }
+
+
+def _name(report: dict[str, Any]) -> str:
+    return report["workload"]["name"] if report["workload"] else "(not described)"
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = [f"# Lagom report: {_name(report)} on {report['hardware']} ({report['framework']}, {report['mode']}, "
+             f"{report['world_size']} ranks)", ""]
+    if report["hardware_reason"]:
+        lines.append(f"- hardware: {report['hardware_reason']}")
+    lines.append(f"- plan: {report['plan_source']}")
+    if report["why_untuned"]:
+        lines.append(f"- not tuned: {report['why_untuned']}")
+    predicted, measured = report["predicted"], report["measured"]
+    if predicted:
+        gain = f" ({predicted['gain']:.3f}x)" if predicted.get("gain") else ""
+        lines.append(f"- predicted step: nccl {predicted['nccl_step_ms']:.2f} ms, {predicted['strategy']} "
+                     f"{predicted['tuned_step_ms']:.2f} ms{gain}")
+    line = f"- measured step under the plan: {measured['tuned_step_ms']:.2f} ms over {measured['tuned_steps']} steps"
+    if measured.get("baseline_steps"):
+        line += f"; before tuning {measured['baseline_step_ms']:.2f} ms over {measured['baseline_steps']} steps"
+        line += f" ({measured['gain']:.3f}x)" if measured.get("gain") else ""
+    lines.append(line)
+    sections = (
+        ("Applied at start-up", [f"`{c['key']}`: {c['before']} -> {c['after']} ({c['why']})"
+                                 for c in report["applied_at_start"]]),
+        ("Applied now", report["applied_now"]), ("Applies on next start", report["applies_on_next_start"]),
+        ("NCCL environment overriding the plan", report["env_conflicts"]), ("Events", report["events"]),
+    )
+    for title, items in sections:
+        if items:
+            lines += ["", f"## {title}", *[f"- {item}" for item in items]]
+    if report["points"]:
+        lines += ["", "## Points", "", "| group | collective | MiB | config | calls/step plan / measured | "
+                  "comm ms predicted / measured | Flash-Overlap calls | why |", "|---|---|---:|---|---:|---:|---:|---|"]
+        for pt in report["points"]:
+            lines.append(f"| {pt['group']} | {pt['collective']} | {pt['bytes'] / 2**20:.2f} | {pt['config']} | "
+                         f"{pt['planned_calls_per_step']} / {pt['measured_calls_per_step']:.1f} | "
+                         f"{pt['predicted_comm_ms']:.3f} / {pt['measured_comm_ms']:.3f} | {pt['flash_overlap_calls']} | "
+                         f"{pt['why']} |")
+    if report["unplanned_calls"]:
+        lines += ["", "## Calls with no plan entry", *[f"- `{k}`: {n}" for k, n in sorted(report["unplanned_calls"].items())]]
+    return "\n".join(lines) + "\n"
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Atomic, so a reader (or a crash) never leaves half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write(report: dict[str, Any], files: tuple[Path, Path]) -> None:
+    write_atomic(files[0], json.dumps(report, indent=2, default=str) + "\n")
+    write_atomic(files[1], markdown(report))
+
+
+__all__ = ["build", "markdown", "write", "write_atomic"]

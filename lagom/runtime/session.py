@@ -1,0 +1,403 @@
+"""One tuned training job, whatever the framework: the plan in force, the per-step loop, the report.
+
+Both adapters run the same session; each subclasses it only for what its framework fixes at start-up
+(``apply_at_startup``) and what its report adds (``framework_report``). Data flows one way:
+
+  start plan   online: the plan an earlier run cached; else the plan file (read only); else a search
+               with the cost model (on rank 0, every rank receives it when process groups exist).
+  every step   the recorder's calls of the step go to the online tuner while it measures, then to
+               the measured totals and the drift monitor. A tuned plan is adopted on every rank at
+               the same step: the Flash-Overlap routing switches now, what is fixed when
+               communicators and buffers are made waits for the next start (the plan is cached).
+  drift        offline: a warning that the plan may be stale; online: every ``drift_check_steps``
+               the ranks agree (one tiny all-reduce) and re-tune together.
+  report       one schema for both adapters, written atomically as JSON and Markdown on rank 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lagom import emit
+from lagom.calls import CallRecord
+from lagom.errors import ConfigError
+from lagom.flash_overlap import FlashOverlapConfig
+from lagom.hardware import Hardware
+from lagom.plan import Plan, PlanEntry
+from lagom.runtime import report
+from lagom.runtime.apply import init as init_runtime
+from lagom.runtime.monitor import Monitor
+from lagom.runtime.online import OnlineTuner, describe_changes
+from lagom.tune import make_plan, running_workload
+from lagom.workload import Workload
+
+log = logging.getLogger("lagom.session")
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def any_rank(flag: bool) -> bool:
+    """True when any rank says so, on every rank: ranks must start a re-tune at the same step, or the
+    tuner's broadcast waits forever. One one-element all-reduce on the default group's device."""
+    if not dist.is_initialized():
+        return flag
+    nccl = "nccl" in str(dist.get_backend()).lower()
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    flag_tensor = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(flag_tensor, op=dist.ReduceOp.MAX)
+    return bool(flag_tensor.item())
+
+
+def same_on_all_ranks(plan: Plan) -> Plan:
+    """Rank 0's plan on every rank, so no rank runs other buckets or options than its peers."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return plan
+    box: list[Any] = [plan if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+@dataclass(frozen=True)
+class SessionOptions:
+    """What a user chose, in framework-neutral terms (Megatron's flags and DeepSpeed's section map here)."""
+
+    mode: str = "offline"  # offline | online
+    strategy: str = "lagom"
+    tune_steps: int = 5
+    plan_in: Path | None = None  # a plan to start from; never written
+    plan_out: Path | None = None  # where plans Lagom makes are written (rank 0)
+    cache_dir: Path = Path(".lagom-cache")
+    report_files: tuple[Path, Path] | None = None  # (JSON, Markdown)
+    flash_overlap: bool = False
+    flash_num_chunks: int | None = None  # overrides the plan's pieces per peer shard
+    flash_stream_priority: int | None = None  # overrides the plan's priority for the transfer stream
+    strict_env: bool = False  # NCCL variables contradicting the plan: error (True) or warning
+    retune_threshold: float = 0.1
+    drift_check_steps: int = 20
+    warmup_steps: int = 0  # first steps left out of every measurement (allocations, first-batch paths)
+    search_buckets: bool = True  # False when the user pinned bucket sizes
+
+
+@dataclass
+class StartPlan:
+    plan: Plan | None
+    source: str  # where it came from, for the log and the report
+
+
+@dataclass
+class KnobChange:
+    """A framework knob Lagom set at start-up (or would have set, when the user's flag won)."""
+
+    key: str
+    before: Any
+    after: Any
+    why: str
+
+
+@dataclass
+class StepStats:
+    step: int
+    step_s: float
+    comm_s: float
+    calls: int
+    plan: str  # which plan ran it: "start", "tuned 1", ...
+
+
+class FlashRouter:
+    """Which calls run as Flash-Overlap P2P decompositions: those whose plan entry says ``p2p``.
+
+    Decisions are cached per (group, collective, bytes) until the plan changes; ``calls`` counts the
+    decomposed calls per plan key, for the report.
+    """
+
+    def __init__(self, enabled: bool, plan: Plan | None = None, num_chunks: int | None = None,
+                 stream_priority: int | None = None) -> None:
+        self.enabled, self.num_chunks, self.stream_priority = enabled, num_chunks, stream_priority
+        self.calls: dict[str, int] = {}
+        self._decisions: dict[tuple[str, str, int], tuple[str, FlashOverlapConfig] | None] = {}
+        self.plan = plan
+
+    @property
+    def plan(self) -> Plan | None:
+        return self._plan
+
+    @plan.setter
+    def plan(self, plan: Plan | None) -> None:
+        self._plan = plan
+        self._decisions.clear()
+        self.active = self.enabled and plan is not None and any(e.config.decomposition == "p2p" for e in plan.entries)
+
+    def decision(self, group: str, collective: str, nbytes: int) -> tuple[str, FlashOverlapConfig] | None:
+        """(plan key, operator config) when this call is decomposed, else None."""
+        if not self.active:
+            return None
+        cache_key = (group, collective, nbytes)
+        if cache_key not in self._decisions:
+            entry = self._plan.lookup(group, collective, nbytes) if self._plan is not None else None
+            self._decisions[cache_key] = None if entry is None or entry.config.decomposition != "p2p" else (
+                entry.key, self._config(entry))
+        return self._decisions[cache_key]
+
+    def _config(self, entry: PlanEntry) -> FlashOverlapConfig:
+        priority = -1 if entry.config.priority else 0  # CUDA: lower is higher priority
+        return FlashOverlapConfig(num_chunks=self.num_chunks or entry.config.num_chunks,
+                                  comm_stream_priority=priority if self.stream_priority is None else self.stream_priority)
+
+    def count(self, key: str) -> None:
+        self.calls[key] = self.calls.get(key, 0) + 1
+
+
+class Measured:
+    """Steps measured under one plan: wall time, and per observed key its calls and seconds."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.step_s = 0.0
+        self.per_key: dict[str, list[float]] = {}  # observed key -> [calls, seconds]
+
+    @property
+    def mean_step_s(self) -> float:
+        return self.step_s / self.steps if self.steps else 0.0
+
+    def add(self, step_s: float, records: list[CallRecord]) -> None:
+        self.steps += 1
+        self.step_s += step_s
+        for r in records:
+            row = self.per_key.setdefault(r.key, [0, 0.0])
+            row[0] += 1
+            row[1] += max(0.0, r.duration_s)
+
+
+class TuningSession:
+    """The state of one tuned job; the adapter calls ``begin_step``/``end_step`` around each step."""
+
+    framework = "torch"
+
+    def __init__(self, workload: Workload | None, hw: Hardware | None, options: SessionOptions, *,
+                 world_size: int, hardware_reason: str = "", why_untuned: str = "") -> None:
+        self.workload, self.hw, self.options, self.world_size = workload, hw, options, world_size
+        self.hardware_reason = hardware_reason
+        self.why_untuned = why_untuned  # set when Lagom cannot describe the job: it then only records
+        self.plan: Plan | None = None
+        self.plan_source = "none"
+        self.tuner: OnlineTuner | None = None
+        self.tuning = False
+        self.monitor: Monitor | None = None
+        self.router = FlashRouter(options.flash_overlap, None, options.flash_num_chunks, options.flash_stream_priority)
+        self.runtime: Any = None
+        self.applied_at_start: list[KnobChange] = []
+        self.applied_now: list[str] = []
+        self.next_start: list[str] = []
+        self.env_conflicts: list[str] = []
+        self.events: list[str] = []
+        self.tuned: list[Plan] = []
+        self.steps: list[StepStats] = []
+        self.baseline: Measured | None = None  # online: steps measured before the tuned plan
+        self.measured = Measured()  # steps under the plan in force
+        self.steps_seen = 0
+        self.iteration = 0
+        self._t0 = 0.0
+        self._drift: str | None = None
+
+    # -- start-up ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Choose the start plan and put it in force (NCCL env, group options, routing, monitor)."""
+        if self.workload is None or self.hw is None:
+            self.runtime = init_runtime(None)
+            self.event(f"Lagom only records this job: {self.why_untuned}", level=logging.WARNING)
+            return
+        start = self.start_plan()
+        self.plan_source = start.source
+        self.runtime = init_runtime(start.plan, strict_env=self.options.strict_env, hw=self.hw)
+        if start.plan is not None:
+            self.env_conflicts = emit.env_conflicts(start.plan, self.hw, os.environ)
+            self._put_in_force(start.plan)
+            self.apply_at_startup(start.plan)
+        self.event(f"{self.options.mode} mode: plan {self.plan_source}" + (
+            f" ({start.plan.strategy}, {len(start.plan.entries)} keys)" if start.plan else ""))
+
+    def start_plan(self) -> StartPlan:
+        """Online: the cached plan, else the plan file, else a search; offline: the file, else a search."""
+        workload, hw, options = self.workload, self.hw, self.options
+        if workload is None or hw is None:
+            raise ConfigError("workload", "a start plan needs a workload and hardware")
+        file_plan = self._load(options.plan_in) if options.plan_in and options.plan_in.exists() else None
+        if options.mode == "online":
+            self.tuner = OnlineTuner(workload, hw, strategy=options.strategy, tune_steps=options.tune_steps,
+                                     cache_dir=options.cache_dir)
+            cached = self.tuner.cached_plan()
+            if cached is not None:
+                self.check_plan(cached, f"cache {options.cache_dir}")
+                self._measuring(cached)
+                self.tuning = False
+                return StartPlan(cached, f"tuned by an earlier online run, cached in {options.cache_dir}")
+        if file_plan is not None:
+            self._measuring(file_plan)
+            return StartPlan(file_plan, f"loaded from {options.plan_in}")
+        started = time.perf_counter()
+        plan = same_on_all_ranks(make_plan(workload, hw, options.strategy, search_buckets=options.search_buckets))
+        source = f"searched with the cost model at start-up ({time.perf_counter() - started:.1f} s)"
+        if options.plan_out is not None:
+            self._save(plan)
+            source += f", saved to {options.plan_out}"
+        self._measuring(plan)
+        return StartPlan(plan, source)
+
+    def _measuring(self, plan: Plan) -> None:
+        """Online: the tuner measures the job as it runs under ``plan`` (its bucket sizes included)."""
+        if self.tuner is None:
+            return
+        self.tuner.running_plan = plan
+        self.tuner.model_workload = running_workload(self.tuner.workload, plan)
+        self.tuning = True
+
+    def _load(self, path: Path) -> Plan:
+        try:
+            plan = Plan.load(path)
+        except ConfigError as err:
+            raise ConfigError(f"plan {path}: {err.key}", err.problem, err.fix) from None
+        self.check_plan(plan, str(path))
+        return plan
+
+    def check_plan(self, plan: Plan, where: str) -> None:
+        """Refuse a plan made for another layout, workload or machine, naming where it came from."""
+        try:
+            plan.check_for(self.world_size, self.workload, self.hw)
+        except ConfigError as err:
+            raise ConfigError(f"plan ({where}): {err.key}", err.problem, err.fix) from None
+
+    def _save(self, plan: Plan) -> None:
+        """Rank 0 writes plans Lagom made to ``plan_out``; the input plan is never overwritten."""
+        out = self.options.plan_out
+        if out is None or rank() != 0:
+            return
+        if self.options.plan_in is not None and out.resolve() == self.options.plan_in.resolve():
+            log.warning("not writing the new plan over the input plan %s", out)
+            return
+        report.write_atomic(out, plan.to_json() + "\n")
+
+    def _put_in_force(self, plan: Plan) -> None:
+        self.plan = plan
+        self.router.plan = plan
+        self.monitor = Monitor.for_plan(self.workload, self.hw, plan,  # type: ignore[arg-type]
+                                        threshold=self.options.retune_threshold)
+
+    def apply_at_startup(self, plan: Plan) -> None:
+        """What the framework fixes at start-up (buckets, communicator options): the adapters' job."""
+
+    # -- per step ---------------------------------------------------------------------------------
+    def begin_step(self, step: int | None = None) -> None:
+        self.iteration = self.iteration + 1 if step is None else step
+        self.runtime.recorder.begin_step(self.iteration)
+        self._t0 = time.perf_counter()
+
+    def end_step(self) -> Plan | None:
+        """Close the step; returns a plan the online tuner adopted at this step, else None."""
+        step_s = time.perf_counter() - self._t0
+        records = self.runtime.recorder.end_step()
+        self.steps_seen += 1
+        self.steps.append(StepStats(self.iteration, step_s, sum(r.duration_s for r in records), len(records),
+                                    f"tuned {len(self.tuned)}" if self.tuned else "start"))
+        if self.steps_seen <= self.options.warmup_steps or self.workload is None:
+            if self.workload is None:
+                self.measured.add(step_s, records)
+            return None
+        if self.tuning and self.tuner is not None:
+            self.baseline = self.baseline or Measured()
+            self.baseline.add(step_s, records)
+            plan = self.tuner.observe(step_s, records)
+            if plan is not None:
+                self.tuning = False
+                self.adopt(plan, self.iteration, (self.tuner.applies_now, self.tuner.next_start))
+            return plan
+        self.measured.add(step_s, records)
+        if self.measured.steps == self.options.tune_steps:
+            self.write_report()
+        self._watch(step_s, records)
+        return None
+
+    def adopt(self, plan: Plan, step: int, changes: tuple[list[str], list[str]] | None = None) -> None:
+        """Take a plan found while running: the routing applies now, the rest on the next start.
+
+        ``changes``: (applies now, applies on the next start) as the tuner described them; by default
+        they are worked out from the plan in force.
+        """
+        old = self.plan.configs() if self.plan is not None else {}
+        now, later = changes if changes is not None else describe_changes(old, plan.configs())
+        later = list(later)
+        if self.plan is not None:
+            later += self.framework_changes(self.plan, plan)
+        self._put_in_force(plan)
+        self.tuned.append(plan)
+        self.measured = Measured()
+        self.applied_now, self.next_start = now, later
+        self._save(plan)
+        self.event(f"step {step}: online plan taken ({plan.strategy}, {plan.evaluations} evaluations, cached in "
+                   f"{self.options.cache_dir}). Applied now: {'; '.join(now) or 'nothing'}. On the next start "
+                   f"(fixed when communicators and buffers are made): {'; '.join(later) or 'nothing'}")
+        self.write_report()
+
+    def framework_changes(self, old: Plan, new: Plan) -> list[str]:
+        """Framework knobs (bucket sizes) that differ between two plans; they apply on the next start."""
+        out = []
+        for name, knobs in new.framework.items():
+            was = old.framework.get(name, {})
+            out += [f"{name}.{k} {was.get(k)} -> {v}" for k, v in knobs.items() if was.get(k) != v]
+        return out
+
+    def _watch(self, step_s: float, records: list[CallRecord]) -> None:
+        if self.monitor is None:
+            return
+        reason = self.monitor.observe(step_s, records)
+        if self.tuner is None:
+            if reason:
+                self.event(f"step {self.iteration}: {reason}; the offline plan may be stale (re-run `lagom tune`, "
+                           "or use online mode)", level=logging.WARNING)
+            return
+        self._drift = reason or self._drift
+        if self.measured.steps % self.options.drift_check_steps:
+            return
+        if any_rank(self._drift is not None):
+            self.tuner.reset()
+            self._measuring(self.plan)  # type: ignore[arg-type]
+            self.baseline = None
+            self.event(f"step {self.iteration}: {self._drift or 'drift seen on another rank'}; re-tuning from "
+                       f"the next {self.options.tune_steps} steps")
+        self._drift = None
+
+    def event(self, text: str, level: int = logging.INFO) -> None:
+        """Something the user should know: logged once (rank 0) and kept for the report."""
+        self.events.append(text)
+        if rank() == 0:
+            log.log(level, "%s", text)
+
+    # -- report -----------------------------------------------------------------------------------
+    def framework_report(self) -> dict[str, Any]:
+        """What only this framework's report has (the adapters add it)."""
+        return {}
+
+    def report(self) -> dict[str, Any]:
+        return report.build(self)
+
+    def write_report(self) -> None:
+        """JSON + Markdown on rank 0, where the options ask for them."""
+        if self.options.report_files is None or rank() != 0:
+            return
+        report.write(self.report(), self.options.report_files)
+
+    def close(self) -> None:
+        if self.runtime is not None:
+            self.runtime.close()
+
+
+
