@@ -25,11 +25,13 @@ def main(argv: list[str] | None = None) -> int:
     if not script.is_file():
         print(f"lagom: error: SCRIPT: {script} is not a file\n{USAGE}", file=sys.stderr)
         return 2
+    # The script's directory first, as `python SCRIPT.py` has it, and before the hooks import
+    # megatron.training: a Megatron-LM checkout's own megatron/ must win over an installed wheel's.
+    sys.path.insert(0, str(script.resolve().parent))
+    sys.argv = [str(script), *argv[1:]]
     from lagom_megatron.hooks import install_launcher_hooks
 
     install_launcher_hooks()
-    sys.argv = [str(script), *argv[1:]]
-    sys.path.insert(0, str(script.resolve().parent))
     try:
         runpy.run_path(str(script), run_name="__main__")
     except LagomError as err:
