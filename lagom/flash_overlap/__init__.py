@@ -5,21 +5,17 @@ last compute step never waits on communication. Works on NCCL (transfers on thei
 stream, ordered by events) and on gloo (async work handles).
 """
 
-from lagom.flash_overlap.collectives import all_gather, all_to_all, reduce_scatter
+from lagom.flash_overlap.collectives import all_gather, reduce_scatter
 from lagom.flash_overlap.config import FlashOverlapConfig
 from lagom.flash_overlap.linear import all_gather_matmul, matmul_reduce_scatter
 from lagom.flash_overlap.schedule import Step, record_schedule
-from lagom.flash_overlap.ulysses import heads_to_seq, seq_to_heads
 
 __all__ = [
     "FlashOverlapConfig",
     "Step",
     "all_gather",
     "all_gather_matmul",
-    "all_to_all",
-    "heads_to_seq",
     "matmul_reduce_scatter",
     "record_schedule",
     "reduce_scatter",
-    "seq_to_heads",
 ]

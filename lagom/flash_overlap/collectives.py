@@ -1,10 +1,10 @@
-"""Decomposed collectives for buckets (data parallel, ZeRO) and all-to-all (Ulysses, experts).
+"""Decomposed collectives for buckets (data parallel, ZeRO).
 
 Each equals its torch.distributed counterpart but moves one shard at a time over P2P transfers and
 hands each shard to a callback as soon as it is complete (or asks a callback for it just before it
 is sent), so a framework can put shard-level compute beside the transfers instead of after a
-monolithic collective. all_gather and reduce_scatter act on buffers and, like the collectives they
-replace, are not recorded by autograd; all_to_all is, because it sits inside the model.
+monolithic collective. Both act on buffers and, like the collectives they replace, are not recorded
+by autograd.
 """
 
 from __future__ import annotations
@@ -87,36 +87,3 @@ def reduce_scatter(tensor: torch.Tensor, group: ProcessGroup | None = None,
 
     result = scatter_reduce(ring, rows, produce, "tensor", tensor.shape)
     return result if ring.world > 1 else result.clone()
-
-
-class _AllToAll(torch.autograd.Function):
-    """all_to_all whose backward is the same exchange of the gradient (it is its own transpose)."""
-
-    @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, tensor: torch.Tensor, ring: Ring,
-                on_block: OnShard | None) -> torch.Tensor:
-        ctx.ring = ring
-        return _exchange(ring, tensor, on_block)
-
-    @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _exchange(ctx.ring.renamed(ctx.ring.op + ".backward"), grad, None), None, None
-
-
-def _exchange(ring: Ring, tensor: torch.Tensor, on_block: OnShard | None) -> torch.Tensor:
-    rows = ring.block_rows(tensor, "tensor")
-    tensor = tensor.contiguous()
-
-    def block(rank: int) -> torch.Tensor:
-        return tensor[rank * rows:(rank + 1) * rows]
-
-    return _gather_into(ring, torch.empty_like(tensor), block(ring.rank), on_block,
-                        outgoing=lambda t: block(t.send_to)[t.rows])
-
-
-def all_to_all(tensor: torch.Tensor, group: ProcessGroup | None = None, on_block: OnShard | None = None,
-               *, num_chunks: int | None = None, config: FlashOverlapConfig | None = None) -> torch.Tensor:
-    """``all_to_all_single`` with equal splits: block j of dim 0 goes to rank j, block i of the result
-    came from rank i. ``on_block(rank, block)`` runs as each rank's block lands, own first.
-    Differentiable."""
-    return _AllToAll.apply(tensor, Ring.of("all_to_all", group, tensor.device, config, num_chunks), on_block)
