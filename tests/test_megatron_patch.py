@@ -16,7 +16,7 @@ import pytest
 
 from lagom.errors import ConfigError
 from lagom_megatron import patching
-from lagom_megatron.patching import PATCH_FILE, megatron_root, patch_megatron
+from lagom_megatron.patching import PATCH_FILE, megatron_root, parse_patch, patch_megatron
 
 INSTALLED = megatron_root(None)
 
@@ -73,8 +73,8 @@ def test_refuses_a_file_it_does_not_fit_and_leaves_it_alone(copy: Path) -> None:
 def test_refuses_a_partly_patched_file(copy: Path) -> None:
     patch_megatron(copy)
     target = copy / "megatron/training/arguments.py"
-    second = ("    # Lagom (`lagom patch megatron`): plan communication before any process group exists.\n"
-              "    from lagom_megatron.hooks import setup as lagom_setup\n    lagom_setup(args)\n\n")
+    second = "".join(f"{line}\n" for line in parse_patch(PATCH_FILE.read_text())[0].hunks[1].new[2:-2])
+    assert "lagom_setup(args)" in second
     assert second in target.read_text()
     target.write_text(target.read_text().replace(second, ""))  # first hunk applied, second not
     with pytest.raises(ConfigError, match="partly patched"):
@@ -150,3 +150,47 @@ def test_patched_megatron_parses_the_flags_and_starts_lagom(copy: Path) -> None:
     assert code1 == 2 and "argument --lagom-mode: invalid choice: 'fast'" in msg1
     assert code2 == 2 and "argument --lagom-tune-iters: must be at least 1, got 0" in msg2
     assert data["started"]["session"] and data["started"]["plan_keys"] > 0 and data["started"]["bucket"]
+
+
+WITHOUT_LAGOM = textwrap.dedent("""
+    import contextlib, io, json, sys
+    sys.modules["lagom"] = sys.modules["lagom_megatron"] = None  # every import of Lagom fails
+    copy = sys.argv[1]
+    sys.path.insert(0, copy)
+    import megatron.training.arguments as A
+    from megatron.training.global_vars import unset_global_variables
+    assert A.__file__.startswith(copy), A.__file__
+    base = ["prog", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
+            "--train-iters", "4", "--lr", "0.1", "--vocab-size", "128", "--tokenizer-type", "NullTokenizer"]
+    sys.argv = base
+    args = A.parse_and_validate_args()
+    out = {"plain": [args.num_layers, args.lagom]}
+    unset_global_variables()
+    sys.argv = base + ["--lagom"]
+    try:
+        A.parse_and_validate_args()
+    except ImportError as err:
+        out["lagom"] = str(err)
+    unset_global_variables()
+    sys.argv = base + ["--lagom-hardware", "a100-8x-100g"]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            A.parse_args()
+        except SystemExit as exc:
+            out["stray"] = [exc.code, err.getvalue().strip().splitlines()[-1]]
+    print(json.dumps(out))
+""")
+
+
+def test_patched_megatron_runs_where_lagom_does_not_import(copy: Path) -> None:
+    patch_megatron(copy)
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "PYTHONWARNINGS": "ignore"}
+    run = subprocess.run([sys.executable, "-c", WITHOUT_LAGOM, str(copy)], capture_output=True, text=True,
+                         env=env, timeout=300, cwd=copy)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["plain"] == [2, False]  # Megatron parses and validates as unpatched
+    assert out["lagom"].startswith("--lagom: Lagom does not import here (") and "drop --lagom" in out["lagom"]
+    assert out["stray"][0] == 2 and "unrecognized arguments: --lagom-hardware a100-8x-100g" in out["stray"][1]
