@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
+from enum import StrEnum
 from itertools import product
 from typing import Any
 
@@ -10,10 +11,35 @@ from lagom.errors import ConfigError
 from lagom.hardware import Hardware
 from lagom.points import Collective, OverlapPoint
 
-ALGORITHMS = ("ring", "tree")
-PROTOCOLS = ("LL", "LL128", "Simple")
-TRANSPORTS = ("p2p", "shm", "net")
-DECOMPOSITIONS = ("collective", "p2p")
+class Algorithm(StrEnum):
+    RING = "ring"
+    TREE = "tree"
+
+
+class Protocol(StrEnum):
+    """NCCL's protocols, spelled as NCCL_PROTO spells them."""
+
+    LL = "LL"
+    LL128 = "LL128"
+    SIMPLE = "Simple"
+
+
+class Transport(StrEnum):
+    P2P = "p2p"  # NVLink / PCIe peer-to-peer
+    SHM = "shm"  # through host shared memory (NCCL_P2P_DISABLE=1)
+    NET = "net"
+
+
+class Decomposition(StrEnum):
+    COLLECTIVE = "collective"
+    P2P = "p2p"  # Flash-Overlap P2P steps fused with compute
+
+
+ALGORITHMS = tuple(Algorithm)
+PROTOCOLS = tuple(Protocol)
+TRANSPORTS = tuple(Transport)
+DECOMPOSITIONS = tuple(Decomposition)
+_ENUM_FIELDS = {"algorithm": Algorithm, "protocol": Protocol, "transport": Transport, "decomposition": Decomposition}
 
 
 @dataclass(frozen=True)
@@ -36,18 +62,25 @@ class CommConfig:
     beside it, each peer step split into ``num_chunks`` transfers.
     """
 
-    algorithm: str = "ring"
-    protocol: str = "Simple"
-    transport: str = "p2p"
+    algorithm: Algorithm = Algorithm.RING
+    protocol: Protocol = Protocol.SIMPLE
+    transport: Transport = Transport.P2P
     channels: int = 8
     threads: int = 512
     chunk_bytes: int = 2 * 1024 * 1024
     priority: int = 0  # 1: high-priority stream
-    decomposition: str = "collective"
+    decomposition: Decomposition = Decomposition.COLLECTIVE
     num_chunks: int = 1
 
+    def __post_init__(self) -> None:
+        """Plain strings (plans read from JSON, tests) become the typed values; unknown ones stay for ``check``."""
+        for name, kind in _ENUM_FIELDS.items():
+            value = getattr(self, name)
+            if not isinstance(value, kind) and value in kind._value2member_map_:
+                object.__setattr__(self, name, kind(value))
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {k: (str(v) if isinstance(v, StrEnum) else v) for k, v in asdict(self).items()}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "config") -> "CommConfig":
@@ -59,11 +92,9 @@ class CommConfig:
         return cfg
 
     def check(self, where: str = "config") -> None:
-        choices = {"algorithm": ALGORITHMS, "protocol": PROTOCOLS, "transport": TRANSPORTS,
-                   "decomposition": DECOMPOSITIONS}
-        for key, allowed in choices.items():
-            if getattr(self, key) not in allowed:
-                raise ConfigError(f"{where}.{key}", f"'{getattr(self, key)}' is not one of {', '.join(allowed)}")
+        for key, kind in _ENUM_FIELDS.items():
+            if not isinstance(getattr(self, key), kind):
+                raise ConfigError(f"{where}.{key}", f"'{getattr(self, key)}' is not one of {', '.join(kind)}")
         for key in ("channels", "threads", "chunk_bytes", "num_chunks"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"{where}.{key}", f"must be positive, got {getattr(self, key)}")

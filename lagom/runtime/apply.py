@@ -103,7 +103,8 @@ class Runtime:
 
     # -- environment
     def _export_env(self, strict: bool) -> None:
-        assert self.plan is not None and self.hw is not None
+        if self.plan is None or self.hw is None:
+            raise ValueError("Runtime._export_env needs a plan and its hardware")
         if strict:
             check_env(self.plan, self.hw, os.environ)
         for conflict in env_conflicts(self.plan, self.hw, os.environ):
