@@ -4,19 +4,29 @@ Both ways of getting the flags (the patch under ``patches/`` and the ``lagom_meg
 launcher) call :func:`add_lagom_arguments`, so the flags and their errors are the same. argparse
 rejects a bad value with a message that names the flag; what argparse cannot check (a plan file
 that does not exist, a flag given without ``--lagom``) is a ``ConfigError`` naming the flag.
+
+Files: ``--lagom-plan`` is only ever read. Plans Lagom makes (the start-up search, the online tuned
+plan) and the Transformer Engine userbuffers config go to ``--lagom-out``; the online cache to
+``--lagom-cache-dir``.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 from lagom.errors import ConfigError
 from lagom.search import STRATEGIES
 
+log = logging.getLogger("lagom.megatron")
+
 MODES = ("offline", "online")
 FLAG = "--lagom"
+DEFAULT_OUT = Path("lagom-out")
+DEFAULT_CACHE = Path(".lagom-cache")
+PLAN_FILE = "lagom-plan.json"  # the name of the plan Lagom writes into --lagom-out
 
 
 def _positive_int(text: str) -> int:
@@ -35,22 +45,34 @@ def add_lagom_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         return parser
     group = parser.add_argument_group(title="lagom", description="communication tuning (Lagom)")
     group.add_argument("--lagom", action="store_true",
-                       help="tune the communication of this job with Lagom")
-    group.add_argument("--lagom-plan", metavar="PATH",
-                       help="plan JSON: used when it exists (offline), written after planning otherwise")
+                       help="tune the communication of this job with Lagom (alone: the hardware is detected "
+                            "and a plan is searched at start-up)")
+    group.add_argument("--lagom-plan", metavar="FILE",
+                       help="plan JSON to start from; only read, never written (refused, naming the key, "
+                            "when it was made for another job or machine)")
     group.add_argument("--lagom-mode", choices=MODES, default="offline",
                        help="offline: the plan decides at start-up; online: measure the first steps, "
                             "search, broadcast rank 0's plan, cache it for the next start")
     group.add_argument("--lagom-hardware", metavar="NAME|FILE",
-                       help="hardware preset (configs/hardware) or YAML file the plan is made for")
+                       help="hardware preset (configs/hardware) or YAML file the plan is made for "
+                            "(default: the --lagom-plan's, else detected)")
     group.add_argument("--lagom-strategy", choices=list(STRATEGIES), default="lagom",
                        help="search strategy (default: lagom)")
     group.add_argument("--lagom-tune-iters", type=_positive_int, default=5, metavar="N",
                        help="online mode: steps measured (after one warm-up step) before the search runs (default 5)")
     group.add_argument("--lagom-report", metavar="PATH",
                        help="where the tuning report goes: a .json file (Markdown beside it) or a directory")
+    group.add_argument("--lagom-out", metavar="DIR",
+                       help=f"where the plans Lagom makes ({PLAN_FILE}: the start-up search, the online tuned "
+                            f"plan) and the userbuffers config are written (default: the --lagom-report "
+                            f"directory, else {DEFAULT_OUT}/)")
+    group.add_argument("--lagom-cache-dir", metavar="DIR",
+                       help=f"online mode: plans cached per job and machine, reused on the next start "
+                            f"(default {DEFAULT_CACHE}/)")
     group.add_argument("--lagom-flash-overlap", action="store_true",
-                       help="run the TP+SP points the plan decomposes with the Flash-Overlap operators")
+                       help="run the TP+SP points the plan decomposes with the Flash-Overlap operators; acts "
+                            "only with --sequence-parallel, --transformer-impl local and "
+                            "--no-gradient-accumulation-fusion")
     return parser
 
 
@@ -59,12 +81,19 @@ class LagomOptions:
     """The flags after the checks argparse cannot make."""
 
     mode: str
-    plan: Path | None
-    hardware: str | None
+    plan: Path | None  # plan to start from: read only
+    hardware: str | None  # None: the plan's, else detected by the session
     strategy: str
     tune_iters: int
     report: Path | None
-    flash_overlap: bool
+    out_dir: Path  # plans Lagom makes and the userbuffers config
+    cache_dir: Path  # online plan cache
+    flash_overlap: bool  # False when the job's flags keep Flash-Overlap from acting (warned at start-up)
+
+    @property
+    def plan_out(self) -> Path:
+        """Where a plan Lagom makes is written (never the input ``plan``: the session checks)."""
+        return self.out_dir / PLAN_FILE
 
     @property
     def report_files(self) -> tuple[Path, Path] | None:
@@ -77,7 +106,25 @@ class LagomOptions:
 
 
 _DEFAULTS = {"lagom_plan": None, "lagom_mode": "offline", "lagom_hardware": None, "lagom_strategy": "lagom",
-             "lagom_tune_iters": 5, "lagom_report": None, "lagom_flash_overlap": False}
+             "lagom_tune_iters": 5, "lagom_report": None, "lagom_out": None, "lagom_cache_dir": None,
+             "lagom_flash_overlap": False}
+
+
+def flash_overlap_blockers(args: argparse.Namespace) -> list[str]:
+    """The Megatron flags missing for Flash-Overlap to act, each with why (empty: it can act).
+
+    Flash-Overlap replaces megatron-core's own TP+SP linears; Transformer Engine's layers call
+    torch.distributed directly, and gradient-accumulation fusion computes the weight gradient inside a
+    fused kernel the decomposition cannot split (lagom_megatron/intercept.py).
+    """
+    missing = []
+    if not getattr(args, "sequence_parallel", False) or getattr(args, "tensor_model_parallel_size", 1) < 2:
+        missing.append("--sequence-parallel with --tensor-model-parallel-size > 1 (only TP+SP points are decomposed)")
+    if getattr(args, "transformer_impl", "transformer_engine") != "local":
+        missing.append("--transformer-impl local (Transformer Engine's layers call torch.distributed directly)")
+    if getattr(args, "gradient_accumulation_fusion", True):
+        missing.append("--no-gradient-accumulation-fusion (the fused weight-gradient kernel cannot be decomposed)")
+    return missing
 
 
 def options_from_args(args: argparse.Namespace) -> LagomOptions | None:
@@ -88,15 +135,34 @@ def options_from_args(args: argparse.Namespace) -> LagomOptions | None:
         if stray:
             raise ConfigError(stray[0], "is set but --lagom is not", "add --lagom, or drop the lagom flags")
         return None
-    plan = Path(args.lagom_plan) if args.lagom_plan else None
+    plan = Path(args.lagom_plan) if getattr(args, "lagom_plan", None) else None
     if plan is not None and plan.is_dir():
         raise ConfigError("--lagom-plan", f"{plan} is a directory", "pass the path of a plan JSON file")
-    if plan is None and args.lagom_hardware is None:
-        raise ConfigError("--lagom-hardware", "is needed to make a plan when no --lagom-plan is given",
-                          "pass a preset name from configs/hardware or a hardware YAML file")
-    report = Path(args.lagom_report) if args.lagom_report else None
+    if plan is not None and not plan.exists():
+        raise ConfigError("--lagom-plan", f"{plan} does not exist (the flag names a plan to start from)",
+                          "pass an existing plan, or drop --lagom-plan: Lagom then plans and writes the plan "
+                          "to --lagom-out")
+    report = Path(args.lagom_report) if getattr(args, "lagom_report", None) else None
     if report is not None and report.suffix not in ("", ".json"):
         raise ConfigError("--lagom-report", f"'{report}' is neither a .json file nor a directory",
                           "pass report.json or a directory name")
-    return LagomOptions(mode=args.lagom_mode, plan=plan, hardware=args.lagom_hardware, strategy=args.lagom_strategy,
-                        tune_iters=args.lagom_tune_iters, report=report, flash_overlap=args.lagom_flash_overlap)
+    out = getattr(args, "lagom_out", None)
+    if out is not None:
+        out_dir = Path(out)
+    elif report is not None:
+        out_dir = report.parent if report.suffix == ".json" else report
+    else:
+        out_dir = DEFAULT_OUT
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError("--lagom-out", f"{out_dir} is a file", "pass a directory")
+    cache = getattr(args, "lagom_cache_dir", None)
+    flash = bool(getattr(args, "lagom_flash_overlap", False))
+    blockers = flash_overlap_blockers(args) if flash else []
+    if blockers:
+        log.warning("--lagom-flash-overlap is on but Flash-Overlap will not act in this job, which runs as if the "
+                    "flag were off; to let it act, add: %s", "; ".join(blockers))
+    return LagomOptions(mode=getattr(args, "lagom_mode", "offline"), plan=plan,
+                        hardware=getattr(args, "lagom_hardware", None),
+                        strategy=getattr(args, "lagom_strategy", "lagom"),
+                        tune_iters=getattr(args, "lagom_tune_iters", 5), report=report, out_dir=out_dir,
+                        cache_dir=Path(cache) if cache else DEFAULT_CACHE, flash_overlap=flash and not blockers)

@@ -4,6 +4,7 @@ workload read off Megatron's arguments."""
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
@@ -41,16 +42,18 @@ def parse(monkeypatch: pytest.MonkeyPatch):
     assert not hasattr(arguments.add_megatron_arguments, "__lagom_original__")
 
 
-def test_launcher_hooks_register_the_flags_beside_a_scripts_own(parse) -> None:
+def test_launcher_hooks_register_the_flags_beside_a_scripts_own(parse, tmp_path: Path) -> None:
     def extra(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         parser.add_argument("--my-flag", type=int, default=0)
         return parser
 
-    args = parse([*MODEL, "--lagom", "--lagom-plan", "plan.json", "--lagom-strategy", "autoccl", "--my-flag", "3"], extra)
+    plan = tmp_path / "plan.json"
+    plan.write_text("{}")
+    args = parse([*MODEL, "--lagom", "--lagom-plan", str(plan), "--lagom-strategy", "autoccl", "--my-flag", "3"], extra)
     assert (args.lagom, args.lagom_plan, args.lagom_strategy, args.lagom_mode, args.my_flag) == \
-        (True, "plan.json", "autoccl", "offline", 3)
+        (True, str(plan), "autoccl", "offline", 3)
     opts = options_from_args(args)
-    assert opts is not None and opts.plan == Path("plan.json") and opts.tune_iters == 5
+    assert opts is not None and opts.plan == plan and opts.tune_iters == 5
     assert parse(MODEL).lagom is False and options_from_args(parse(MODEL)) is None
     install_launcher_hooks()  # a second install (patched megatron + launcher) adds nothing twice
     assert parse([*MODEL, "--lagom-report", "r.json", "--lagom"]).lagom_report == "r.json"
@@ -69,13 +72,61 @@ def test_bad_flag_values_name_the_flag(parse, capsys: pytest.CaptureFixture[str]
 
 @pytest.mark.parametrize("argv,key", [
     (["--lagom-plan", "p.json"], "--lagom-plan: is set but --lagom is not"),
-    (["--lagom"], "--lagom-hardware: is needed to make a plan when no --lagom-plan is given"),
+    (["--lagom-out", "out"], "--lagom-out: is set but --lagom is not"),
+    (["--lagom-cache-dir", "cache"], "--lagom-cache-dir: is set but --lagom is not"),
+    (["--lagom", "--lagom-plan", "missing.json"], "--lagom-plan: missing.json does not exist"),
     (["--lagom", "--lagom-hardware", "a100-8x-100g", "--lagom-report", "r.yaml"], "--lagom-report: 'r.yaml'"),
 ])
 def test_flag_combinations_argparse_cannot_check(parse, argv: list[str], key: str) -> None:
     with pytest.raises(ConfigError) as err:
         options_from_args(parse([*MODEL, *argv]))
     assert str(err.value).startswith(key)
+
+
+def test_plan_in_is_read_only_and_plans_made_go_to_the_out_dir(parse, tmp_path: Path) -> None:
+    alone = options_from_args(parse([*MODEL, "--lagom"]))  # hardware: detected by the session
+    assert alone is not None and (alone.plan, alone.hardware, alone.report_files) == (None, None, None)
+    assert (alone.out_dir, alone.plan_out, alone.cache_dir) == \
+        (Path("lagom-out"), Path("lagom-out/lagom-plan.json"), Path(".lagom-cache"))
+    plan = tmp_path / "start.json"
+    plan.write_text("{}")
+    report_dir = options_from_args(parse([*MODEL, "--lagom", "--lagom-plan", str(plan), "--lagom-report",
+                                          str(tmp_path / "rep"), "--lagom-cache-dir", str(tmp_path / "c")]))
+    assert report_dir is not None and report_dir.plan == plan
+    assert (report_dir.plan_out, report_dir.cache_dir) == (tmp_path / "rep" / "lagom-plan.json", tmp_path / "c")
+    report_file = options_from_args(parse([*MODEL, "--lagom", "--lagom-report", str(tmp_path / "r" / "x.json")]))
+    assert report_file is not None and report_file.out_dir == tmp_path / "r"
+    assert report_file.report_files == (tmp_path / "r" / "x.json", tmp_path / "r" / "x.md")
+    explicit = options_from_args(parse([*MODEL, "--lagom", "--lagom-report", str(tmp_path / "rep"),
+                                        "--lagom-out", str(tmp_path / "o")]))
+    assert explicit is not None and explicit.plan_out == tmp_path / "o" / "lagom-plan.json"
+    with pytest.raises(ConfigError, match=r"^--lagom-out: .* is a file"):
+        options_from_args(parse([*MODEL, "--lagom", "--lagom-out", str(plan)]))
+
+
+LOCAL = ["--transformer-impl", "local", "--no-gradient-accumulation-fusion"]
+
+
+@pytest.mark.parametrize("argv,missing", [
+    ([], ["--transformer-impl local", "--no-gradient-accumulation-fusion"]),  # megatron's defaults: TE, fused wgrad
+    (["--transformer-impl", "local"], ["--no-gradient-accumulation-fusion"]),
+    (["--no-gradient-accumulation-fusion"], ["--transformer-impl local"]),
+    ([*LOCAL, "--tensor-model-parallel-size", "1"], ["--sequence-parallel with --tensor-model-parallel-size > 1"]),
+    (LOCAL, []),
+])
+def test_flash_overlap_needs_megatrons_own_unfused_tp_sp_linears(parse, caplog: pytest.LogCaptureFixture,
+                                                                 argv: list[str], missing: list[str]) -> None:
+    caplog.set_level(logging.WARNING, logger="lagom.megatron")
+    opts = options_from_args(parse([*MODEL, *argv, "--lagom", "--lagom-flash-overlap"]))
+    assert opts is not None and opts.flash_overlap == (not missing)  # a blocked Flash-Overlap is off, not an error
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    if not missing:
+        assert warnings == []
+        return
+    assert len(warnings) == 1 and "Flash-Overlap will not act" in warnings[0]
+    named = [flag for flag in ("--sequence-parallel", "--transformer-impl local", "--no-gradient-accumulation-fusion")
+             if flag in warnings[0]]
+    assert named == [flag.split(" with ")[0] for flag in missing]
 
 
 def test_workload_from_megatron_args(parse) -> None:
@@ -104,21 +155,17 @@ def test_workload_errors_name_the_key(parse, monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_plan_for_another_topology_is_refused_naming_the_key(parse, tmp_path: Path) -> None:
-    args = parse([*MODEL, "--lagom", "--lagom-plan", str(tmp_path / "plan.json"), "--lagom-hardware", "a100-8x-100g"])
+    plan_file = tmp_path / "plan.json"
     hw = load_hardware("a100-8x-100g")
-    wl = workload_from_args(args)
-    plan = make_plan(wl, hw, "nccl")
+    plan = make_plan(workload_from_args(parse(MODEL)), hw, "nccl")
     plan.world_size = 16  # as if made for two nodes
-    plan.save(tmp_path / "plan.json")
-    with pytest.raises(ConfigError, match=r"^--lagom-plan .*plan.json: plan.world_size: plan was made for 16 ranks, this job has 8"):
-        Session.start(args, options_from_args(args))
-    other = parse([*MODEL, "--num-layers", "8"])
-    make_plan(workload_from_args(other), hw, "nccl").save(tmp_path / "plan.json")
-    with pytest.raises(ConfigError, match=r"^--lagom-plan .*: plan.workload_fingerprint: plan was made for workload"):
-        Session.start(args, options_from_args(args))
-    missing = parse([*MODEL, "--lagom", "--lagom-plan", str(tmp_path / "missing.json")])
-    with pytest.raises(ConfigError, match=r"^--lagom-hardware: is needed: the plan .*missing.json does not exist yet"):
-        Session.start(missing, options_from_args(missing))
+    plan.save(plan_file)
+    args = parse([*MODEL, "--lagom", "--lagom-plan", str(plan_file), "--lagom-hardware", "a100-8x-100g"])
+    with pytest.raises(ConfigError, match=r"plan.json\)?: plan.world_size: plan was made for 16 ranks, this job has 8"):
+        Session.start_for(args, options_from_args(args))
+    make_plan(workload_from_args(parse([*MODEL, "--num-layers", "8"])), hw, "nccl").save(plan_file)
+    with pytest.raises(ConfigError, match=r"plan.json\)?: plan.workload_fingerprint: plan was made for workload"):
+        Session.start_for(args, options_from_args(args))
     args.lagom_hardware = "no-such-gpu"
-    with pytest.raises(ConfigError, match=r"^--lagom-hardware: hardware: unknown hardware 'no-such-gpu'"):
-        Session.start(args, options_from_args(args))
+    with pytest.raises(ConfigError, match=r"^--lagom-hardware: .*no-such-gpu"):
+        Session.start_for(args, options_from_args(args))
