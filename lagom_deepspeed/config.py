@@ -7,7 +7,7 @@ becomes a ``ConfigError`` whose key is the dotted path in the DeepSpeed config (
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from pydantic import Field, ValidationError, field_validator
@@ -22,7 +22,7 @@ class FlashOverlapSection(DeepSpeedConfigModel):
     """Whether ZeRO-3 bucket collectives may run as Flash-Overlap P2P steps where the plan says so."""
 
     enabled: bool = True
-    num_chunks: Optional[int] = Field(None, ge=1)
+    num_chunks: int | None = Field(None, ge=1)
     """Pieces per peer shard; None: the plan's ``num_chunks`` for that collective."""
     comm_stream_priority: int = 0
     """CUDA priority of the stream that issues the transfers (negative is higher); ignored on CPU."""
@@ -31,14 +31,16 @@ class FlashOverlapSection(DeepSpeedConfigModel):
 class BucketPins(DeepSpeedConfigModel):
     """ZeRO bucket knobs the user fixes; None (or "auto") lets the plan choose.
 
-    A pinned value is what the plan is searched and evaluated with, and what the engine gets.
+    A pinned value is what the plan is searched and evaluated with, and what the engine gets. Each
+    knob takes what ``zero_optimization`` takes for it (DeepSpeedZeroConfig's bounds: 0 turns the
+    stage-3 prefetch off; 5e8 and "auto" are accepted as there).
     """
 
-    reduce_bucket_size: Optional[int] = Field(None, gt=0)
-    allgather_bucket_size: Optional[int] = Field(None, gt=0)
-    stage3_prefetch_bucket_size: Optional[int] = Field(None, gt=0)
-    stage3_max_live_parameters: Optional[int] = Field(None, gt=0)
-    overlap_comm: Optional[bool] = None
+    reduce_bucket_size: int | None = Field(None, gt=0)
+    allgather_bucket_size: int | None = Field(None, ge=0)
+    stage3_prefetch_bucket_size: int | None = Field(None, ge=0)
+    stage3_max_live_parameters: int | None = Field(None, ge=0)
+    overlap_comm: bool | None = None
 
 
 class LagomConfig(DeepSpeedConfigModel):
@@ -46,16 +48,17 @@ class LagomConfig(DeepSpeedConfigModel):
 
     enabled: bool = False
     mode: Literal["offline", "online"] = "offline"
-    plan: Optional[str] = None
+    plan: str | None = None
     """Plan file to start from; when it does not exist, the plan searched at start-up is saved there.
     online: used until tuned; the tuned plan is cached in ``cache_dir`` and preferred on the next start."""
-    hardware: Optional[str] = None
-    """Preset name (configs/hardware/) or YAML file; its cluster must have as many GPUs as ranks."""
+    hardware: str | None = None
+    """Preset name (configs/hardware/) or YAML file whose cluster has as many GPUs as ranks;
+    None: the session detects the machine."""
     strategy: str = "lagom"
     tune_steps: int = Field(5, gt=0)
-    report: Optional[str] = None
+    report: str | None = None
     """Path prefix: writes <report>.json and <report>.md on rank 0; None writes no report."""
-    workload: Optional[Union[str, dict[str, Any]]] = None
+    workload: str | dict[str, Any] | None = None
     """A workload YAML used instead of the one derived from the model, or overrides of derived fields."""
     buckets: BucketPins = Field(default_factory=BucketPins)
     cache_dir: str = ".lagom-cache"
@@ -101,7 +104,4 @@ def parse_section(ds_config: dict[str, Any]) -> LagomConfig | None:
         section = LagomConfig(**raw)
     except ValidationError as err:
         raise _first_error(err) from None
-    if section.enabled and not section.hardware:
-        raise ConfigError(f"{SECTION}.hardware", "is required when enabled",
-                          "name a preset from configs/hardware/ or a YAML file whose cluster matches the job")
     return section

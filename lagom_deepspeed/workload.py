@@ -1,6 +1,8 @@
 """The lagom Workload of a DeepSpeed job, read off the torch model and the DeepSpeed config.
 
-What is inferred, and from where (each choice is also written to ``Derived.notes`` and the report):
+``describe`` is the one entry point. Fields the user sets under ``"lagom": {"workload": {...}}`` are
+taken as given and never inferred; the rest is inferred as follows (each choice is also written to
+``Derived.notes`` and the report):
 - model.layers: the largest set of sibling modules of one class that hold Linear layers (the
   transformer blocks), summed over pipeline stages; or ``config.num_hidden_layers``/``n_layer``.
 - model.vocab, model.hidden: the largest ``nn.Embedding`` (``vocab_size``/``hidden_size`` of a
@@ -12,16 +14,19 @@ What is inferred, and from where (each choice is also written to ``Derived.notes
   else one head per 64 channels (logged).
 - model.ffn / gated_mlp: in one block, a Linear back to ``hidden`` gives the FFN width; two
   Linears from ``hidden`` to it (or one to twice it) mean a gated MLP; else 4 x hidden (logged).
-- training: micro/global batch by DeepSpeed's own rules; dtype from ``bf16``/``fp16``; gradient
-  dtype from ``communication_data_type`` (else the training dtype).
-- parallel: pp from a ``PipelineModule``, tp from the ``mpu``, dp = world / (pp x tp), ZeRO stage.
-- framework: the ZeRO bucket knobs as DeepSpeed would read them (its defaults where absent).
-The parameter count the workload implies is compared with the count on the model and both go to
-the report, so a poor inference is visible. Mixture-of-experts models need a workload file.
+- training, parallel.zero_stage, framework: parsed by DeepSpeed's own ``DeepSpeedConfig`` (batch
+  rules, "auto" values, aliases, defaults), so Lagom reads exactly what the engine will read.
+- parallel: pp from a ``PipelineModule``, tp from the ``mpu``, dp = world / (pp x tp).
+A model Lagom cannot describe (no embedding, no repeated blocks, a mixture of experts, a shape the
+workload checks refuse) is not an error: ``Derived.workload`` is None and ``missing``/``why`` say
+which workload fields would let Lagom plan for it, so the session can fall back and warn once.
+The parameter count the workload implies (lagom.points' per-layer count) is compared with the
+count on the model and both go to the report, so a poor inference is visible.
 """
 
 from __future__ import annotations
 
+import copy
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,8 +36,18 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from lagom import points
 from lagom.errors import ConfigError
-from lagom.workload import Framework, Model, Parallel, Training, Workload, load_workload, validate
+from lagom.hardware import Hardware
+from lagom.workload import (
+    Framework,
+    Model,
+    Parallel,
+    Training,
+    Workload,
+    load_workload,
+    validate,
+)
 
 HEAD_ATTRS = ("num_heads", "n_head", "num_attention_heads", "n_heads", "nhead")
 KV_ATTRS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads")
@@ -45,10 +60,8 @@ HF_FIELDS = {  # workload field -> Hugging Face config attributes, first found w
     "vocab": ("vocab_size",),
     "seq_len": ("max_position_embeddings", "n_positions", "seq_length"),
 }
-DS_DEFAULTS = {"reduce_bucket_size": 500_000_000, "allgather_bucket_size": 500_000_000,
-               "stage3_prefetch_bucket_size": 50_000_000, "stage3_max_live_parameters": 1_000_000_000}
-DTYPE_NAMES = {"fp32": "fp32", "float32": "fp32", "fp16": "fp16", "float16": "fp16", "half": "fp16",
-               "bf16": "bf16", "bfloat16": "bf16"}
+REQUIRED = ("layers", "vocab", "hidden", "seq_len")  # model fields with no sensible fallback
+DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 def numel(p: torch.Tensor) -> int:
@@ -80,13 +93,16 @@ def _linears(module: torch.nn.Module) -> list[torch.nn.Linear]:
     return [m for m in module.modules() if isinstance(m, torch.nn.Linear)]
 
 
+CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict)  # hold layers, have no forward: never a layer
+
+
 def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The largest set of same-class siblings that contain Linear layers: the repeated layers."""
     best: list[torch.nn.Module] = []
     for parent in model.modules():
         by_class: dict[type, list[torch.nn.Module]] = defaultdict(list)
         for child in parent.children():
-            if any(True for _ in child.children()) and _linears(child):
+            if not isinstance(child, CONTAINERS) and any(True for _ in child.children()) and _linears(child):
                 by_class[type(child)].append(child)
         for group in by_class.values():
             if len(group) > len(best):
@@ -152,7 +168,7 @@ def model_facts(model: torch.nn.Module) -> ModelFacts:
 
 
 def _gather(facts: ModelFacts) -> list[ModelFacts]:
-    """Every rank's facts, so that pipeline stages agree on the whole model."""
+    """Every rank's facts, so that pipeline stages agree on the whole model (collective: all ranks call it)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [facts]
     out: list[Any] = [None] * dist.get_world_size()
@@ -162,61 +178,110 @@ def _gather(facts: ModelFacts) -> list[ModelFacts]:
 
 @dataclass
 class Derived:
-    workload: Workload
-    model_params: int  # trainable parameters counted on the model (all stages)
-    implied_params: int  # what the workload's shape implies
+    """The workload Lagom could describe, or (``workload`` None) what it would need to.
+
+    ``missing``: dotted workload fields to set under ``"lagom": {"workload": {...}}``; ``why``: the
+    reason in words. The model's own counts are filled in either way.
+    """
+
+    workload: Workload | None
+    model_params: int  # trainable parameters counted on the model (one tp rank, all stages)
+    implied_params: int  # what the workload's shape implies (0 without a workload)
     largest_layer: int  # most parameters ZeRO-3 holds gathered for one module
     notes: list[str]
+    missing: list[str] = field(default_factory=list)
+    why: str = ""
+
+    def fix(self) -> str:
+        """What the user can add to the DeepSpeed config so that Lagom can plan for this job."""
+        nested: dict[str, dict[str, str]] = {}
+        for key in self.missing:
+            section, _, name = key.partition(".")
+            if key == "model.architecture":
+                nested.setdefault(section, {}).update(architecture='"moe"', experts="N", top_k="N", moe_ffn="N")
+            elif name:
+                nested.setdefault(section, {})[name] = "N"
+        body = ", ".join(f'"{section}": {{' + ", ".join(f'"{k}": {v}' for k, v in names.items()) + "}"
+                         for section, names in nested.items())
+        fields_part = f'set "lagom": {{"workload": {{{body}}}}} in the DeepSpeed config, or ' if body else "set "
+        return fields_part + '"lagom": {"workload": "<file.yaml>"} (a workload file as in configs/workloads/)'
+
+    def warning(self) -> str:
+        """The one warning a session logs when it runs with DeepSpeed's own settings instead of a plan."""
+        return (f"Lagom cannot describe this job: {self.why}. DeepSpeed keeps its own bucket settings and "
+                f"Lagom only records the collectives it sees. To let Lagom plan and tune: {self.fix()}")
 
 
-def _batch(cfg: dict[str, Any], dp: int) -> tuple[int, int]:
-    """(micro_batch, global_batch) by DeepSpeed's rules for the three batch keys."""
-    def get(key: str) -> int | None:
-        v = cfg.get(key)
-        return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+@dataclass(frozen=True)
+class EngineSettings:
+    """What the engine will read from the DeepSpeed config, as DeepSpeed itself parses it."""
 
-    tb, mb, gas = get("train_batch_size"), get("train_micro_batch_size_per_gpu"), get("gradient_accumulation_steps")
-    if mb is None and tb is not None:
-        mb = tb // ((gas or 1) * dp)
-    if mb is None:
-        raise ConfigError("train_micro_batch_size_per_gpu", "missing (and train_batch_size too)",
-                          "set the batch keys DeepSpeed needs")
-    return mb, tb if tb is not None else mb * (gas or 1) * dp
+    micro_batch: int
+    global_batch: int
+    dtype: str
+    grad_dtype: str
+    zero_stage: int
+    reduce_bucket_size: int
+    allgather_bucket_size: int
+    prefetch_bucket_size: int
+    max_live_parameters: int
+    overlap_comm: bool
 
 
-def _dtypes(cfg: dict[str, Any]) -> tuple[str, str]:
-    def on(key: str) -> bool:
-        sec = cfg.get(key)
-        return isinstance(sec, dict) and bool(sec.get("enabled"))
+class _DataParallelSize:
+    """The one thing ``DeepSpeedConfig`` asks an mpu: the data-parallel size its batch rules divide by."""
 
-    dtype = "bf16" if on("bf16") or on("bfloat16") else "fp16" if on("fp16") else "fp32"
-    comm = cfg.get("communication_data_type")
-    if comm is not None and str(comm).lower() not in DTYPE_NAMES:
-        raise ConfigError("communication_data_type", f"unknown '{comm}'", "use fp32, fp16 or bf16")
-    return dtype, DTYPE_NAMES[str(comm).lower()] if comm is not None else dtype
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.size
+
+
+def engine_settings(cfg: dict[str, Any], dp: int) -> EngineSettings:
+    """Parse ``cfg`` with DeepSpeed's ``DeepSpeedConfig`` for ``dp`` data-parallel ranks.
+
+    Raises what DeepSpeed raises for a config it refuses. With ``dp`` > 1 DeepSpeed's comm must be
+    initialised (DeepSpeedConfig reads the world only then).
+    """
+    import deepspeed.comm as ds_comm
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    if dp > 1 and not ds_comm.is_initialized():
+        raise RuntimeError("engine_settings for more than one data-parallel rank needs deepspeed.comm initialised")
+    ds = DeepSpeedConfig(copy.deepcopy(cfg), mpu=_DataParallelSize(dp))
+    half = "bf16" if ds.bfloat16_config.enabled else "fp16" if ds.float16_config.enabled else None
+    autocast = DTYPE_NAMES.get(ds.torch_autocast_dtype) if ds.torch_autocast_enabled else None
+    comm = ds.communication_data_type
+    # gradients travel in the engine's communication_data_type: the configured one, else the half type
+    grad_dtype = DTYPE_NAMES[comm] if comm is not None else half or "fp32"
+    zero = ds.zero_config
+    return EngineSettings(
+        micro_batch=ds.train_micro_batch_size_per_gpu, global_batch=ds.train_batch_size,
+        dtype=half or autocast or "fp32",
+        grad_dtype=grad_dtype, zero_stage=int(zero.stage), reduce_bucket_size=int(zero.reduce_bucket_size),
+        allgather_bucket_size=int(zero.allgather_bucket_size), prefetch_bucket_size=int(zero.prefetch_bucket_size),
+        max_live_parameters=int(zero.max_live_parameters), overlap_comm=bool(zero.overlap_comm))
 
 
 def zero_knobs(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The ZeRO knobs as the engine will read them: the user's values, DeepSpeed's defaults elsewhere."""
-    zero = cfg.get("zero_optimization") or {}
-    stage = int(zero.get("stage", 0))
-    out: dict[str, Any] = {"stage": stage}
-    for key, default in DS_DEFAULTS.items():
-        alias = key.removeprefix("stage3_")
-        v = zero.get(key, zero.get(alias, default))
-        out[key] = int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else default
-    overlap = zero.get("overlap_comm")
-    out["overlap_comm"] = bool(overlap) if isinstance(overlap, bool) else stage == 3  # DeepSpeed's default
-    return out
+    """The ZeRO knobs as the engine will read them, parsed by DeepSpeed (its defaults where absent)."""
+    from deepspeed.runtime.zero.config import get_zero_config
+
+    zero = get_zero_config(copy.deepcopy(cfg))
+    return {"stage": int(zero.stage), "reduce_bucket_size": int(zero.reduce_bucket_size),
+            "allgather_bucket_size": int(zero.allgather_bucket_size),
+            "stage3_prefetch_bucket_size": int(zero.prefetch_bucket_size),
+            "stage3_max_live_parameters": int(zero.max_live_parameters), "overlap_comm": bool(zero.overlap_comm)}
 
 
 def implied_params(wl: Workload) -> int:
-    """Parameters a dense workload of this shape holds (embedding once, norms included)."""
-    m = wl.model
-    head_dim = m.hidden // m.heads
-    attn = m.hidden * (m.hidden + 2 * (m.kv_heads or m.heads) * head_dim) + m.hidden * m.hidden
-    mlp = m.hidden * m.ffn * (3 if m.gated_mlp else 2)
-    return m.layers * (attn + mlp + 4 * m.hidden) + m.vocab * m.hidden
+    """Parameters one tensor-parallel rank holds over all pipeline stages, by the step graph's own
+    per-layer count (lagom.points), plus the embedding: the quantity ``model_params`` counts."""
+    builder = points._StepBuilder(wl, Hardware())  # the per-layer count reads the layout, not the machine
+    layers = sum(sum(builder.layer_params(kind, idx))
+                 for stage in range(wl.parallel.pp) for idx, kind in points._stage_layers(wl, stage))
+    return round(layers + wl.model.vocab * wl.model.hidden / wl.parallel.tp)
 
 
 def _pick(name: str, hf: int, seen: int, source: str, notes: list[str]) -> int:
@@ -228,73 +293,147 @@ def _pick(name: str, hf: int, seen: int, source: str, notes: list[str]) -> int:
     return seen
 
 
-def derive(model: torch.nn.Module, cfg: dict[str, Any], world_size: int, pp: int = 1, tp: int = 1) -> Derived:
-    """Infer the workload; raise ConfigError naming the workload field that cannot be inferred."""
-    every = _gather(model_facts(model))
-    f = every[dist.get_rank() if len(every) > 1 else 0]
-    notes: list[str] = []
-    if any(x.moe for x in every):
-        raise ConfigError("lagom.workload", "mixture-of-experts models are not derived from the model",
-                          "pass a workload YAML with model.architecture: moe as \"workload\": PATH")
-    hf = f.hf
-    layers_seen = sum(x.blocks for x in every) * pp // world_size
+def _model_fields(every: list[ModelFacts], world_size: int, pp: int, given: dict[str, Any],
+                  notes: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """The model fields inferred from every rank's facts, skipping those the user gave (``given``:
+    the overrides' "model" part); and the dotted names of required fields neither given nor inferred."""
+    hf = every[dist.get_rank() if len(every) > 1 else 0].hf
     block = next((x.block_class for x in every if x.block_class), "")
-    layers = _pick("layers", hf.get("layers", 0), layers_seen, f"{layers_seen} x {block}", notes)
-    vocab = _pick("vocab", hf.get("vocab", 0), max(x.vocab for x in every), "the largest nn.Embedding", notes)
-    hidden = _pick("hidden", hf.get("hidden", 0), max(x.hidden for x in every), "the largest nn.Embedding", notes)
-    seq = _pick("seq_len", hf.get("seq_len", 0), max(x.seq_len for x in every), "the position table", notes)
-    for key, value in (("layers", layers), ("vocab", vocab), ("hidden", hidden), ("seq_len", seq)):
-        if not value:
-            raise ConfigError(f"lagom.workload.model.{key}", "cannot be inferred from the model",
-                              f"add \"workload\": {{\"model\": {{\"{key}\": N}}}} to the lagom section")
-    heads = _pick("heads", hf.get("heads", 0), max(x.heads for x in every), "the attention modules", notes)
-    if not heads:
-        heads = max(1, hidden // 64) if hidden % max(1, hidden // 64) == 0 else 1
-        notes.append(f"model.heads={heads} assumed (one per 64 channels): no attention module names its heads")
-    kv = hf.get("kv_heads", 0) or max(x.kv_heads for x in every)
-    ffn = _pick("ffn", hf.get("ffn", 0), max(x.ffn for x in every), f"the Linear back to hidden in {block}", notes)
-    if not ffn:
-        ffn = 4 * hidden
-        notes.append(f"model.ffn={ffn} assumed (4 x hidden): no Linear maps back to hidden in a block")
-    dp = world_size // (pp * tp)
-    micro, global_batch = _batch(cfg, dp)
-    dtype, grad_dtype = _dtypes(cfg)
-    knobs = zero_knobs(cfg)
+    layers = sum(x.blocks for x in every) * pp // world_size
+    seen = {
+        "layers": (layers, f"{layers} x {block}"),
+        "vocab": (max(x.vocab for x in every), "the largest nn.Embedding"),
+        "hidden": (max(x.hidden for x in every), "the largest nn.Embedding"),
+        "seq_len": (max(x.seq_len for x in every), "the position table"),
+        "heads": (max(x.heads for x in every), "the attention modules"),
+        "ffn": (max(x.ffn for x in every), f"the Linear back to hidden in {block}"),
+    }
+    out: dict[str, Any] = {name: _pick(name, hf.get(name, 0), value, source, notes)
+                           for name, (value, source) in seen.items() if name not in given}
+    missing = [f"model.{name}" for name in REQUIRED if name not in given and not out[name]]
+    hidden = given.get("hidden") or out.get("hidden", 0)
+    if "heads" not in given and not out["heads"] and hidden:
+        per = max(1, hidden // 64)
+        out["heads"] = per if hidden % per == 0 else 1
+        notes.append(f"model.heads={out['heads']} assumed (one per 64 channels): no attention module names its heads")
+    if "ffn" not in given and not out["ffn"] and hidden:
+        out["ffn"] = 4 * hidden
+        notes.append(f"model.ffn={out['ffn']} assumed (4 x hidden): no Linear maps back to hidden in a block")
+    if "kv_heads" not in given:
+        out["kv_heads"] = hf.get("kv_heads", 0) or max(x.kv_heads for x in every)
+    if "gated_mlp" not in given:
+        out["gated_mlp"] = any(x.gated for x in every)
+    if any(x.moe for x in every) and "architecture" not in given:
+        missing.append("model.architecture")
+    return out, missing
+
+
+def _why_missing(missing: list[str]) -> str:
+    if "model.architecture" in missing:
+        return "the model has DeepSpeed mixture-of-experts layers, whose experts are not read off the model"
+    return (f"{', '.join(missing)} cannot be inferred from the model (it has no nn.Embedding, repeated "
+            "blocks or model.config that give them)")
+
+
+def _flat_keys(tree: dict[str, Any], prefix: str = "") -> set[str]:
+    keys: set[str] = set()
+    for key, value in tree.items():
+        keys |= _flat_keys(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}"}
+    return keys
+
+
+def _merge(wl: Workload, overrides: dict[str, Any]) -> Workload:
+    """``overrides`` merged into a workload strictly: unknown keys and wrong types name the key."""
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(wl), overrides)
+        return OmegaConf.to_object(merged)  # type: ignore[return-value]
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", None) or ""
+        raise ConfigError(f"lagom.workload.{key}".rstrip("."), str(err).splitlines()[0],
+                          "override fields of lagom/workload.py's Workload") from None
+
+
+def describe(model: torch.nn.Module, ds_config: dict[str, Any], world_size: int, pp: int = 1, tp: int = 1,
+             overrides: str | dict[str, Any] | None = None) -> Derived:
+    """The job's workload, or why Lagom cannot describe it; every rank must call it (facts are gathered).
+
+    ``overrides``: the section's ``"workload"``: a workload file used as is, or fields taken as
+    given before anything is inferred. A mistake in what the user wrote there (unknown key, wrong
+    type, a file that does not load, a given value the workload checks refuse) is a ConfigError;
+    what Lagom cannot infer, and a config DeepSpeed itself refuses, come back in ``Derived``.
+    """
+    every = _gather(model_facts(model))
+    counted = sum(x.params for x in every) * pp // world_size
+    largest = max(x.largest_layer for x in every)
+    notes: list[str] = []
+
+    def checked(wl: Workload, users: set[str], from_file: bool = False) -> Derived:
+        """``wl`` validated; a refused key the user wrote (``users``, or any from a file) is their error."""
+        try:
+            validate(wl, world_size)
+        except ConfigError as err:
+            if from_file or err.key in users:
+                raise ConfigError(f"lagom.workload.{err.key}", err.problem, err.fix) from None
+            if err.key.startswith("model."):  # inferred wrongly: the user can give the field
+                return Derived(None, counted, 0, largest, notes, [err.key],
+                               f"the model's shape as inferred fails Lagom's check of {err.key}: {err.problem}")
+            return Derived(None, counted, 0, largest, notes, [],
+                           f"Lagom's workload check refuses {err.key} ({err.problem}) for this job")
+        return Derived(wl, counted, implied_params(wl), largest, notes)
+
+    if isinstance(overrides, str):
+        try:
+            wl = load_workload(overrides)
+        except ConfigError as err:
+            raise ConfigError(f"lagom.workload: {err.key}", err.problem, err.fix) from None
+        notes.append(f"workload from {overrides} (not derived from the model)")
+        return checked(wl, set(), from_file=True)
+    given = _flat_keys(overrides or {})
+    if overrides:
+        _merge(Workload(name=""), overrides)  # the user's keys and types, checked before anything is inferred
+        notes.append(f"given in the lagom section: {', '.join(sorted(given))}")
+    dp = max(1, world_size // (pp * tp))
+    try:
+        ds = engine_settings(ds_config, dp)
+    except (AssertionError, ValueError, TypeError, KeyError) as err:
+        return Derived(None, counted, 0, largest, notes, [],
+                       f"DeepSpeed refuses its config ({str(err).splitlines()[0]}) and says so itself")
+    inferred, missing = _model_fields(every, world_size, pp, (overrides or {}).get("model", {}), notes)
+    if missing:
+        return Derived(None, counted, 0, largest, notes, missing, _why_missing(missing))
     wl = Workload(
         name=f"deepspeed-{type(model).__name__}",
         description="derived by lagom_deepspeed from the model and the DeepSpeed config",
-        model=Model(architecture="gpt", layers=layers, hidden=hidden, ffn=ffn, heads=heads, kv_heads=kv,
-                    seq_len=seq, vocab=vocab, gated_mlp=any(x.gated for x in every)),
-        training=Training(micro_batch=micro, global_batch=global_batch, dtype=dtype, grad_dtype=grad_dtype),
-        parallel=Parallel(dp=dp, tp=tp, pp=pp, zero_stage=knobs["stage"], fsdp=knobs["stage"] == 3),
-        framework=Framework(name="deepspeed", reduce_bucket_size=knobs["reduce_bucket_size"],
-                            allgather_bucket_size=knobs["allgather_bucket_size"],
-                            prefetch_bucket_size=knobs["stage3_prefetch_bucket_size"],
-                            overlap_comm=knobs["overlap_comm"]))
-    counted = sum(x.params for x in every) * pp // world_size
-    return Derived(wl, counted, implied_params(wl), max(x.largest_layer for x in every), notes)
+        model=Model(architecture="gpt", **inferred),
+        training=Training(micro_batch=ds.micro_batch, global_batch=ds.global_batch, dtype=ds.dtype,
+                          grad_dtype=ds.grad_dtype),
+        parallel=Parallel(dp=dp, tp=tp, pp=pp, zero_stage=ds.zero_stage, fsdp=ds.zero_stage == 3),
+        framework=Framework(name="deepspeed", reduce_bucket_size=ds.reduce_bucket_size,
+                            allgather_bucket_size=ds.allgather_bucket_size,
+                            prefetch_bucket_size=ds.prefetch_bucket_size, overlap_comm=ds.overlap_comm))
+    return checked(_merge(wl, overrides) if overrides else wl, given)
+
+
+def derive(model: torch.nn.Module, cfg: dict[str, Any], world_size: int, pp: int = 1, tp: int = 1) -> Derived:
+    """Transitional, for the session's current call: ``describe`` without overrides.
+    Remove once the session calls ``describe(..., overrides=section.workload)``."""
+    return describe(model, cfg, world_size, pp, tp)
 
 
 def apply_overrides(derived: Derived, source: str | dict[str, Any] | None, world_size: int) -> Derived:
-    """Replace the derived workload by a YAML file, or merge a dict of overrides into it (strictly)."""
+    """Transitional, for the session's current call: raises when ``derived`` has no workload (the
+    session cannot fall back yet); overrides here come after inference, as they used to."""
+    if derived.workload is None:
+        raise ConfigError("lagom.workload", derived.why, derived.fix())
     if source is None:
-        wl = derived.workload
-    elif isinstance(source, str):
+        return derived
+    if isinstance(source, str):
         wl = load_workload(source)
-        derived.notes.append(f"workload from {source} (not derived from the model)")
     else:
-        try:
-            merged = OmegaConf.merge(OmegaConf.structured(derived.workload), source)
-            wl = OmegaConf.to_object(merged)  # type: ignore[assignment]
-        except OmegaConfBaseException as err:
-            key = getattr(err, "full_key", None) or ""
-            raise ConfigError(f"lagom.workload.{key}".rstrip("."), str(err).splitlines()[0],
-                              "override fields of lagom/workload.py's Workload") from None
-        derived.notes.append(f"overrides from the lagom section: {source}")
+        wl = _merge(derived.workload, source)
     try:
         validate(wl, world_size)
     except ConfigError as err:
         raise ConfigError(f"lagom.workload: {err.key}", err.problem, err.fix) from None
-    derived.workload = wl
-    derived.implied_params = implied_params(wl)
+    derived.workload, derived.implied_params = wl, implied_params(wl)
     return derived

@@ -14,23 +14,20 @@ from torch import nn
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from lagom.comm_config import CommConfig  # noqa: E402
-from lagom.errors import ConfigError  # noqa: E402
-from lagom.plan import Plan, PlanEntry  # noqa: E402
-from lagom_deepspeed import initialize  # noqa: E402
-from lagom_deepspeed.config import BucketPins, parse_section  # noqa: E402
-from lagom_deepspeed.groups import GroupNames  # noqa: E402
-from lagom_deepspeed.planning import engine_config  # noqa: E402
-from lagom_deepspeed.session import plan_changes  # noqa: E402
-from lagom_deepspeed.workload import apply_overrides, derive  # noqa: E402
+from lagom.errors import ConfigError
+from lagom.plan import Plan, PlanEntry
+from lagom_deepspeed import initialize
+from lagom_deepspeed.config import BucketPins, parse_section
+from lagom_deepspeed.groups import GroupNames
+from lagom_deepspeed.planning import engine_config
+from lagom_deepspeed.workload import describe, implied_params, zero_knobs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "deepspeed"))
-from tiny_gpt import TinyGPT  # noqa: E402
+from tiny_gpt import TinyGPT
 
 
 @pytest.mark.parametrize("section,message", [
     ({"enabled": True, "hardware": "x", "bogus": 1}, "lagom.bogus: unknown key (known keys here: enabled, mode"),
-    ({"enabled": True}, "lagom.hardware: is required when enabled"),
     ({"enabled": True, "hardware": "x", "tune_steps": 0}, "lagom.tune_steps: Input should be greater than 0, got 0"),
     ({"enabled": True, "hardware": "x", "mode": "fast"}, "lagom.mode: Input should be 'offline' or 'online', got 'fast'"),
     ({"enabled": True, "hardware": "x", "strategy": "best"}, "lagom.strategy: unknown strategy 'best'; use one of"),
@@ -52,6 +49,43 @@ def test_section_defaults_and_auto() -> None:
                                  "buckets": {"reduce_bucket_size": "auto", "allgather_bucket_size": 1000}}})
     assert s is not None and s.mode == "offline" and s.tune_steps == 5 and s.flash_overlap.enabled
     assert s.buckets == BucketPins(allgather_bucket_size=1000)  # "auto": DeepSpeed's convention for "decide for me"
+
+
+def test_minimal_section_parses_without_hardware() -> None:
+    s = parse_section({"lagom": {"enabled": True}})
+    assert s is not None and s.enabled and s.hardware is None and s.cache_dir == ".lagom-cache"
+
+
+PIN_VALUES = [0, 1, -1, 5e8, 5.5, "auto", "500", True, None]
+
+
+@pytest.mark.parametrize("key", ["reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
+                                 "stage3_max_live_parameters", "overlap_comm"])
+def test_bucket_pins_accept_what_deepspeed_accepts(key: str) -> None:
+    """Every value is judged by DeepSpeed's own zero_optimization model and by the pins alike; an
+    accepted value is read as the same number (None is the pins' "unset" and not a DeepSpeed value)."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from pydantic import ValidationError
+
+    field = DeepSpeedZeroConfig.model_fields[key.removeprefix("stage3_")].alias or key
+    for value in PIN_VALUES:
+        if value is None:
+            assert getattr(BucketPins(**{key: None}), key) is None
+            continue
+        try:
+            theirs = getattr(DeepSpeedZeroConfig(**{field: value}), key.removeprefix("stage3_"))
+        except ValidationError:
+            theirs = "refused"
+        try:
+            ours = getattr(BucketPins(**{key: value}), key)
+        except ValidationError:
+            ours = "refused"
+        if value == "auto":  # DeepSpeed falls back to its default, the pins to "the plan decides"
+            assert ours is None and theirs != "refused"
+        else:
+            assert ours == theirs, f"{key}={value!r}: DeepSpeed {theirs!r}, lagom {ours!r}"
+    zero_prefetch = parse_section({"lagom": {"enabled": True, "buckets": {"stage3_prefetch_bucket_size": 0}}})
+    assert zero_prefetch is not None and zero_prefetch.buckets.stage3_prefetch_bucket_size == 0
 
 
 def test_initialize_has_deepspeeds_signature() -> None:
@@ -97,7 +131,8 @@ def test_initialize_rejects_a_bad_section_before_distributed_starts() -> None:
 def test_workload_from_tiny_gpt() -> None:
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4, "bf16": {"enabled": True},
            "communication_data_type": "fp32", "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 7e6}}
-    d = derive(TinyGPT(), cfg, world_size=1)
+    d = describe(TinyGPT(), cfg, world_size=1)
+    assert d.workload is not None and not d.missing
     m, t, p, f = d.workload.model, d.workload.training, d.workload.parallel, d.workload.framework
     assert (m.layers, m.hidden, m.heads, m.ffn, m.seq_len, m.vocab, m.gated_mlp) == (2, 32, 2, 128, 16, 64, False)
     assert (t.micro_batch, t.global_batch, t.dtype, t.grad_dtype) == (2, 8, "bf16", "fp32")
@@ -106,6 +141,38 @@ def test_workload_from_tiny_gpt() -> None:
     assert d.model_params == sum(q.numel() for q in TinyGPT().parameters())
     assert d.largest_layer == sum(q.numel() for q in TinyGPT().blocks[0].parameters())
     assert any("seq_len=16 from the position table" in n for n in d.notes)
+
+
+def test_implied_params_is_the_step_graphs_count() -> None:
+    """2 layers x (attention 4 x 32^2 with 2 heads of 16, MLP 2 x 32 x 128, 4 x 32 norm weights) plus
+    a 64 x 32 embedding; with tp = 2 a rank holds half of every matrix and all the norm weights."""
+    d = describe(TinyGPT(), {"train_micro_batch_size_per_gpu": 2}, world_size=1)
+    assert d.workload is not None
+    per_layer = 32 * (32 + 2 * 2 * 16) + 32 * 32 + 32 * 128 * 2 + 4 * 32
+    assert d.implied_params == implied_params(d.workload) == 2 * per_layer + 64 * 32
+    sharded = replace(d.workload, parallel=replace(d.workload.parallel, tp=2, dp=1))
+    assert implied_params(sharded) == 2 * ((per_layer - 4 * 32) // 2 + 4 * 32) + 64 * 32 // 2
+
+
+def test_zero_knobs_are_deepspeeds_reading_and_lagoms_defaults_agree() -> None:
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    from lagom.workload import Framework
+
+    defaults = zero_knobs({})
+    ds = DeepSpeedZeroConfig()
+    assert defaults == {"stage": 0, "reduce_bucket_size": ds.reduce_bucket_size,
+                        "allgather_bucket_size": ds.allgather_bucket_size,
+                        "stage3_prefetch_bucket_size": ds.prefetch_bucket_size,
+                        "stage3_max_live_parameters": ds.max_live_parameters, "overlap_comm": False}
+    lagom = Framework()  # what a workload file leaves out: must be what DeepSpeed does when the config does
+    assert (lagom.reduce_bucket_size, lagom.allgather_bucket_size, lagom.prefetch_bucket_size) == \
+        (ds.reduce_bucket_size, ds.allgather_bucket_size, ds.prefetch_bucket_size)
+    knobs = zero_knobs({"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "prefetch_bucket_size": 5e6,
+                                              "stage3_max_live_parameters": 0}})
+    assert knobs == {"stage": 3, "reduce_bucket_size": ds.reduce_bucket_size, "allgather_bucket_size":
+                     ds.allgather_bucket_size, "stage3_prefetch_bucket_size": 5_000_000,
+                     "stage3_max_live_parameters": 0, "overlap_comm": True}
 
 
 class _Config:
@@ -130,24 +197,141 @@ class _Llama(nn.Module):
 
 
 def test_workload_prefers_model_config_and_sees_gated_mlp() -> None:
-    d = derive(_Llama(), {"train_batch_size": 4}, world_size=2)
+    d = describe(_Llama(), {"train_batch_size": 4, "gradient_accumulation_steps": 2}, world_size=1)
+    assert d.workload is not None
     m = d.workload.model
     assert (m.layers, m.hidden, m.heads, m.kv_heads, m.ffn, m.seq_len, m.gated_mlp) == (3, 64, 8, 2, 96, 128, True)
-    assert d.workload.training.micro_batch == 2 and d.workload.parallel.dp == 2
+    assert (d.workload.training.micro_batch, d.workload.training.global_batch) == (2, 4)  # DeepSpeed's batch rule
 
 
-def test_workload_asks_for_what_it_cannot_infer() -> None:
-    with pytest.raises(ConfigError, match=r"lagom.workload.model.seq_len: cannot be inferred.*\"seq_len\": N"):
-        derive(_Llama(config=False), {"train_batch_size": 4}, world_size=1)
+def test_what_cannot_be_inferred_falls_back_with_the_fields_to_set() -> None:
+    d = describe(_Llama(config=False), {"train_batch_size": 4}, world_size=1)
+    assert d.workload is None and d.missing == ["model.seq_len"]
+    assert d.model_params == sum(q.numel() for q in _Llama(config=False).parameters())
+    assert '"lagom": {"workload": {"model": {"seq_len": N}}}' in d.warning()
 
 
-def test_workload_overrides_are_strict() -> None:
-    d = derive(TinyGPT(), {"train_batch_size": 2}, world_size=1)
-    assert apply_overrides(d, {"model": {"seq_len": 8}}, 1).workload.model.seq_len == 8
+class _Small(nn.Module):
+    """DeepSpeed's unit tests' kind of model: Linear layers, no embedding, no repeated blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linears = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+
+
+class _Embedded(nn.Module):
+    """A token model too small to have repeated blocks: its layer count cannot be inferred."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(50, 16)
+        self.out = nn.Linear(16, 50)
+
+
+@pytest.mark.parametrize("model,missing", [
+    (_Small, ["model.layers", "model.vocab", "model.hidden", "model.seq_len"]),
+    (_Embedded, ["model.layers", "model.seq_len"]),
+])
+def test_small_models_fall_back(model: type, missing: list[str]) -> None:
+    d = describe(model(), {"train_micro_batch_size_per_gpu": 1}, world_size=1)
+    assert d.workload is None and d.missing == missing and d.implied_params == 0
+    names = ", ".join(f'"{k.removeprefix("model.")}": N' for k in missing)
+    assert f'"lagom": {{"workload": {{"model": {{{names}}}}}}}' in d.warning()
+
+
+def test_overrides_are_applied_before_inference() -> None:
+    given = {"model": {"layers": 2, "vocab": 50, "hidden": 16, "seq_len": 32, "heads": 2}}
+    d = describe(_Embedded(), {"train_micro_batch_size_per_gpu": 1}, world_size=1, overrides=given)
+    assert d.workload is not None
+    m = d.workload.model
+    assert (m.layers, m.vocab, m.hidden, m.seq_len, m.heads, m.ffn) == (2, 50, 16, 32, 2, 64)
+    assert any("model.ffn=64 assumed" in n for n in d.notes)  # not given: inferred around the given hidden
+    d = describe(_Llama(config=False), {"train_batch_size": 4}, world_size=1, overrides={"model": {"seq_len": 64}})
+    assert d.workload is not None and d.workload.model.seq_len == 64 and d.workload.model.layers == 3
+    small = describe(_Small(), {"train_micro_batch_size_per_gpu": 1}, world_size=1,
+                     overrides={"model": {"layers": 2, "vocab": 8, "hidden": 8, "seq_len": 4, "heads": 1}})
+    assert small.workload is not None and small.workload.model.layers == 2
+
+
+def test_overrides_are_strict() -> None:
+    cfg = {"train_batch_size": 2}
     with pytest.raises(ConfigError, match="lagom.workload.model.seq_length"):
-        apply_overrides(d, {"model": {"seq_length": 8}}, 1)
-    with pytest.raises(ConfigError, match="lagom.workload: parallel"):
-        apply_overrides(d, None, 4)  # the model was derived for 1 rank
+        describe(TinyGPT(), cfg, 1, overrides={"model": {"seq_length": 8}})
+    with pytest.raises(ConfigError, match="lagom.workload.model.layers"):
+        describe(TinyGPT(), cfg, 1, overrides={"model": {"layers": "many"}})
+    with pytest.raises(ConfigError, match="lagom.workload.model.heads: heads=5 does not divide hidden=32"):
+        describe(TinyGPT(), cfg, 1, overrides={"model": {"heads": 5}})  # the user's own value: their error
+    with pytest.raises(ConfigError, match="lagom.workload: workload: file nowhere.yaml does not exist"):
+        describe(TinyGPT(), cfg, 1, overrides="nowhere.yaml")
+    assert describe(TinyGPT(), cfg, 1, overrides={"model": {"seq_len": 8}}).workload.model.seq_len == 8
+
+
+def test_a_shape_inferred_wrongly_falls_back() -> None:
+    class Odd(nn.Module):
+        """3 heads do not divide 32 channels: the attention attribute is read, the check refuses it."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = TinyGPT().embed
+            self.blocks = TinyGPT().blocks
+            self.num_heads = 3
+
+    cfg = {"train_batch_size": 2}
+    d = describe(Odd(), cfg, 1)
+    assert d.workload is None and d.missing == ["model.heads"] and "heads=3 does not divide hidden=32" in d.why
+    assert describe(Odd(), cfg, 1, overrides={"model": {"heads": 2}}).workload is not None
+
+
+@pytest.mark.parametrize("zero", [
+    {"stage": 3, "stage3_prefetch_bucket_size": "auto", "reduce_bucket_size": 5e8},
+    {"stage": 2, "allgather_bucket_size": 5e8, "reduce_bucket_size": "auto"},
+    {"stage": 3, "stage3_max_live_parameters": 0, "stage3_prefetch_bucket_size": 1e6},
+])
+def test_values_deepspeed_accepts_are_read_as_deepspeed_reads_them(zero: dict) -> None:
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    d = describe(TinyGPT(), {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero}, 1)
+    ds = DeepSpeedZeroConfig(**zero)
+    assert d.workload is not None
+    f = d.workload.framework
+    assert (f.reduce_bucket_size, f.allgather_bucket_size, f.prefetch_bucket_size, f.overlap_comm) == \
+        (ds.reduce_bucket_size, ds.allgather_bucket_size, ds.prefetch_bucket_size, ds.overlap_comm)
+
+
+def test_zero_prefetch_does_not_fail_the_job() -> None:
+    """stage3_prefetch_bucket_size 0 (prefetching off) is valid DeepSpeed: describing never raises."""
+    d = describe(TinyGPT(), {"train_micro_batch_size_per_gpu": 1,
+                             "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 0}}, 1)
+    assert d.workload is not None or "prefetch_bucket_size" in d.why
+
+
+@pytest.mark.xfail(strict=True, reason="lagom/workload.py's validate still requires a positive "
+                   "framework.prefetch_bucket_size (and allgather_bucket_size), which DeepSpeed allows to be 0")
+def test_zero_prefetch_is_planned_for() -> None:
+    d = describe(TinyGPT(), {"train_micro_batch_size_per_gpu": 1,
+                             "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 0}}, 1)
+    assert d.workload is not None and d.workload.framework.prefetch_bucket_size == 0
+
+
+def test_a_config_deepspeed_refuses_is_left_to_deepspeed() -> None:
+    d = describe(TinyGPT(), {"gradient_accumulation_steps": 2}, 1)  # no batch size: DeepSpeed asserts
+    assert d.workload is None and d.missing == []
+    assert "DeepSpeed refuses its config (Either train_batch_size or train_micro_batch_size_per_gpu" in d.why
+
+
+def test_mixture_of_experts_asks_for_its_experts() -> None:
+    from deepspeed.moe.layer import MoE
+
+    class Moe(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = TinyGPT().embed
+            self.blocks = TinyGPT().blocks
+            self.moe = MoE(32, nn.Linear(32, 32), num_experts=2, k=1)
+
+    d = describe(Moe(), {"train_batch_size": 2}, 1)
+    assert d.workload is None and d.missing == ["model.architecture"]
+    assert '"model": {"architecture": "moe", "experts": N, "top_k": N, "moe_ffn": N}' in d.warning()
 
 
 def _plan(framework: dict, entries: list[PlanEntry] | None = None) -> Plan:
@@ -186,21 +370,6 @@ def test_engine_config_pins_and_raises_max_live() -> None:
     assert why["reduce_bucket_size"] == "pinned in lagom.buckets"
     high = {"zero_optimization": {"stage": 3, "stage3_max_live_parameters": 10**9}}
     assert engine_config(high, _plan(KNOBS), BucketPins(), 100)[0]["zero_optimization"]["stage3_max_live_parameters"] == 10**9
-
-
-def test_plan_changes_split_now_and_next_start() -> None:
-    def entry(coll: str, cfg: CommConfig) -> PlanEntry:
-        return PlanEntry(f"dp/{coll}/64", "dp", 2, 1, coll, 64, 1, [], cfg)
-
-    base = CommConfig()
-    old = _plan(KNOBS, [entry("all_gather", base), entry("all_reduce", base)])
-    new = _plan({**KNOBS, "reduce_bucket_size": 4000},
-                [entry("all_gather", replace(base, decomposition="p2p", num_chunks=2, channels=4)),
-                 entry("all_reduce", replace(base, channels=2))])
-    now, later = plan_changes(old, new)
-    assert now == ["dp/all_gather/64 decomposition collective -> p2p", "dp/all_gather/64 num_chunks 1 -> 2"]
-    assert later == ["dp/all_gather/64 channels 8 -> 4", "dp/all_reduce/64 channels 8 -> 2",
-                     "zero_optimization.reduce_bucket_size 2000 -> 4000"]
 
 
 def test_group_names_from_pipeline_topology() -> None:
