@@ -1,0 +1,49 @@
+"""Group names on real megatron-core parallel_state (gloo): groups are named by identity, so the size-1
+groups of a rank (which all hold the same rank list) get their own names and are marked trivial."""
+
+from __future__ import annotations
+
+from tests.distributed import run_ranks
+from tests.test_megatron_ddp import cpu_megatron
+
+
+def names_rank(rank: int, world: int, tp: int) -> dict:
+    cpu_megatron()
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from lagom_megatron.groups import GroupNames
+
+    ps.initialize_model_parallel(tp, 1)
+    names = GroupNames()
+    groups = {"tp": ps.get_tensor_model_parallel_group(), "dp": ps.get_data_parallel_group(),
+              "dp_cp": ps.get_data_parallel_group(with_context_parallel=True), "pp": ps.get_pipeline_model_parallel_group(),
+              "cp": ps.get_context_parallel_group(), "expt_dp": ps.get_expert_data_parallel_group(),
+              "other_world": dist.new_group(list(range(world))), "other_self": dist.new_group([rank])}
+    out = {label: [names.name(g), names.trivial(g)] for label, g in groups.items()}
+    out["cached"] = names.name(groups["dp"]) == out["dp"][0]
+    ps.destroy_model_parallel()
+    return out
+
+
+def test_one_rank_names_every_size_one_group_by_identity(tmp_path) -> None:
+    (out,) = run_ranks(names_rank, 1, 1)
+    assert out["dp"] == ["dp", True]  # matched by ranks it was tp/... (every group here is [0])
+    assert out["dp_cp"] == ["dp", True]  # cp = 1: the plan's dp
+    assert (out["tp"], out["pp"], out["cp"], out["expt_dp"]) == (["tp", True], ["pp", True], ["cp", True],
+                                                                 ["expt_dp", True])
+    assert out["other_self"] == ["ranks0", True] and out["cached"]
+
+
+def test_two_ranks_tensor_parallel_names_and_trivial_data_parallel(tmp_path) -> None:
+    for rank, out in enumerate(run_ranks(names_rank, 2, 2)):
+        assert out["tp"] == ["tp", False]
+        assert out["dp"] == ["dp", True] and out["dp_cp"] == ["dp", True] and out["pp"] == ["pp", True]
+        assert out["other_world"] == ["tp", False]  # not megatron's: named by its ranks, first match
+        assert out["other_self"] == [f"ranks{rank}", True]
+
+
+def test_two_ranks_data_parallel_is_not_trivial(tmp_path) -> None:
+    for out in run_ranks(names_rank, 2, 1):
+        assert out["dp"] == ["dp", False] and out["dp_cp"] == ["dp", False]
+        assert out["tp"] == ["tp", True] and out["other_world"] == ["dp", False]
