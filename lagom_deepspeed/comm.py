@@ -1,12 +1,22 @@
 """Every collective DeepSpeed issues, seen and timed at ``deepspeed.comm.comm.cdb``, with no added sync.
 
 All of ZeRO's and the pipeline engine's traffic goes through the backend object ``cdb`` (a
-``TorchBackend``). Its methods are replaced on the instance: each call is named (lagom group,
-collective, bytes) and handed to the runtime Recorder together with its async work handle, which
-ends the record when the work completes. A synchronous call is issued as the asynchronous one
-followed by ``wait()``, which is what torch.distributed does inside a synchronous call anyway, so
-the stream and host semantics are unchanged. DeepSpeed's own comms logger is not used: it
-synchronises after every operation, which removes the very overlap being measured.
+``TorchBackend``). One ``BackendTap`` per process replaces its methods on the instance, however
+many engines (sessions) run: each session ``subscribe``s with its group names, and later its
+Recorder and decomposer, and ``close``s its subscription; the last one out puts the backend back
+exactly as it was found. Several wrappers stacked by several engines would instead drop every
+other engine's recording when one engine restored what it had captured.
+
+A call is named (lagom group, collective, bytes) and handed to each receiving session's Recorder
+together with its async work handle, which ends the record when the work completes. The receivers
+are the session whose ``active()`` block is running (its engine's forward, backward or step), else
+every subscribed session that records: a shared data-parallel group does not say which engine
+called. A synchronous call is issued as the asynchronous one followed by ``wait()``, which is what
+torch.distributed does inside a synchronous call anyway, so the stream and host semantics are
+unchanged. DeepSpeed's own comms logger is not used: it synchronises after every operation, which
+removes the very overlap being measured. ``new_group`` is replaced too: groups DeepSpeed creates
+get ``group_desc`` = their lagom name (the newest subscription's names, which belong to the engine
+being built), so the plan's per-group NCCL options reach them.
 
 Byte counts follow lagom's point convention: the gathered output of an all-gather, the unreduced
 input of a reduce-scatter, the buffer of an all-reduce / reduce / broadcast, what one rank sends
@@ -15,13 +25,19 @@ for all-to-all and send. A receive is recorded as ``recv`` (the other side of a 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 
 from lagom_deepspeed.groups import GroupNames
+
+log = logging.getLogger("lagom.deepspeed")
+
 
 def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
@@ -114,54 +130,169 @@ class Decomposer(Protocol):
                  kwargs: dict) -> Callable[[], Any] | None: ...
 
 
-class WrappedBackend:
-    """Installs the timing wrappers on one backend object; ``close()`` puts the originals back."""
+class Subscription:
+    """One session on the process's tap: its group names, and (from ``attach``) its Recorder and decomposer."""
 
-    def __init__(self, backend: Any, recorder: Any, names: GroupNames, decompose: Decomposer | None = None) -> None:
-        self.backend = backend
-        self.recorder = recorder
+    def __init__(self, tap: BackendTap, names: GroupNames) -> None:
+        self.tap = tap
         self.names = names
-        self.decompose = decompose
-        self.originals: dict[str, Callable[..., Any]] = {
-            m: getattr(backend, m) for m in SPECS if getattr(backend, m, None) is not None}
-        for method, original in self.originals.items():
-            spec = SPECS[method]
-            wrapper = self._collective(method, spec, original) if spec.async_param else self._p2p(method, spec, original)
+        self.recorder: Any = None
+        self.decompose: Decomposer | None = None
+        self.closed = False
+
+    def attach(self, recorder: Any, decompose: Decomposer | None = None) -> None:
+        """Start recording (and decomposing) for this session: call once its engine exists."""
+        self.recorder, self.decompose = recorder, decompose
+        self.tap.follow(_current_backend())
+        self.tap.refresh()
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        """Calls made inside go to this session only (wrap the engine's forward, backward and step)."""
+        self.tap.active.append(self)
+        try:
+            yield
+        finally:
+            self.tap.active.remove(self)
+
+    def close(self) -> None:
+        """Leave the tap (idempotent); the last subscription out restores the backend."""
+        if not self.closed:
+            self.closed = True
+            self.tap.remove(self)
+
+
+class BackendTap:
+    """The one set of wrappers on DeepSpeed's comm backend in this process, shared by every session."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+        self.subscriptions: list[Subscription] = []
+        self.active: list[Subscription] = []  # innermost last
+        self._recording: tuple[Subscription, ...] = ()  # subscriptions with a recorder, newest first
+        self._found: dict[str, tuple[bool, Any]] = {}  # method -> (was in the instance's __dict__, value there)
+        self._originals: dict[str, Callable[..., Any]] = {}  # what the wrappers call
+        self._wrappers: dict[str, Callable[..., Any]] = {}
+        self._install()
+
+    # -- subscriptions ----------------------------------------------------------------------------
+    def add(self, subscription: Subscription) -> None:
+        self.subscriptions.append(subscription)
+        self.refresh()
+
+    def remove(self, subscription: Subscription) -> None:
+        global _tap
+        if subscription in self.subscriptions:
+            self.subscriptions.remove(subscription)
+        self.refresh()
+        if not self.subscriptions:
+            self._uninstall()
+            if _tap is self:
+                _tap = None
+
+    def refresh(self) -> None:
+        self._recording = tuple(s for s in reversed(self.subscriptions) if s.recorder is not None)
+
+    def follow(self, backend: Any) -> None:
+        """Move the wrappers when DeepSpeed replaced its backend object (a new ``init_distributed``)."""
+        if backend is not self.backend:
+            self._uninstall()
+            self.backend = backend
+            self._install()
+
+    def receivers(self) -> tuple[Subscription, ...]:
+        """Who records the call being made now: the active session, else every recording one."""
+        if self.active:
+            top = self.active[-1]
+            return (top,) if top.recorder is not None else ()
+        return self._recording
+
+    # -- installing -------------------------------------------------------------------------------
+    def _install(self) -> None:
+        backend, own = self.backend, vars(self.backend)
+        methods = [m for m in (*SPECS, "batch_isend_irecv", "new_group") if getattr(backend, m, None) is not None]
+        for method in methods:
+            self._found[method] = (method in own, own.get(method))
+            self._originals[method] = getattr(backend, method)
+        for method in methods:
+            original = self._originals[method]
+            if method == "new_group":
+                wrapper = self._new_group(original)
+            elif method == "batch_isend_irecv":
+                wrapper = self._batch(original)
+            elif SPECS[method].async_param:
+                wrapper = self._collective(method, original)
+            else:
+                wrapper = self._p2p(method, original)
             wrapper.__wrapped__ = original  # type: ignore[attr-defined]
             setattr(backend, method, wrapper)
-        batch = getattr(backend, "batch_isend_irecv", None)
-        if batch is not None:
-            self.originals["batch_isend_irecv"] = batch
-            backend.batch_isend_irecv = self._wrap_batch(batch)
+            self._wrappers[method] = wrapper
 
-    def _collective(self, method: str, spec: Spec, original: Callable[..., Any]) -> Callable[..., Any]:
+    def _uninstall(self) -> None:
+        """Put back exactly what was found: the instance attribute, or none (the class's method)."""
+        own = vars(self.backend)
+        for method, wrapper in self._wrappers.items():
+            if own.get(method) is not wrapper:
+                log.warning("DeepSpeed's comm backend %s was replaced after Lagom wrapped it; left as it is", method)
+                continue
+            had, value = self._found[method]
+            if had:
+                own[method] = value
+            else:
+                del own[method]
+        self._found.clear()
+        self._originals.clear()
+        self._wrappers.clear()
+
+    # -- recording --------------------------------------------------------------------------------
+    @staticmethod
+    def _track(receivers: tuple[Subscription, ...], group: Any, collective: str, size: int, work: Any,
+               p2p: bool = False) -> Any:
+        """Hand the call to each receiver's recorder; returns the work the caller gets (maybe a timing proxy)."""
+        for sub in receivers:
+            name = sub.names.p2p if p2p and group is None else sub.names(group)
+            work = sub.recorder.track(name, collective, size, work)
+        return work
+
+    @staticmethod
+    def _decomposed(receivers: tuple[Subscription, ...], method: str, group: Any, size: int, args: tuple,
+                    kwargs: dict) -> Callable[[], Any] | None:
+        for sub in receivers:
+            if sub.decompose is not None and method in sub.decompose.methods:
+                run = sub.decompose(method, sub.names(group), group, size, args, kwargs)
+                if run is not None:
+                    return run
+        return None
+
+    def _collective(self, method: str, original: Callable[..., Any]) -> Callable[..., Any]:
         """A call with ``async_op``: synchronous calls are issued async, tracked, then waited for."""
-        track, names, coll, count = self.recorder.track, self.names, spec.collective, spec.count
-        data, data_at = spec.data, spec.params.index(spec.data)
-        group_at, async_at = spec.params.index("group"), spec.params.index("async_op")
-        decompose = self.decompose if self.decompose is not None and method in self.decompose.methods else None
+        spec = SPECS[method]
+        coll, count, data = spec.collective, spec.count, spec.data
+        data_at, group_at, async_at = (spec.params.index(n) for n in (data, "group", "async_op"))
+        receivers, track, decomposed = self.receivers, self._track, self._decomposed
 
         def wrapped(*args: Any, **kwargs: Any) -> Any:
+            now = receivers()
+            if not now:
+                return original(*args, **kwargs)
             group = _get(args, kwargs, "group", group_at)
-            name = names(group)
             size = count(_get(args, kwargs, data, data_at))
             is_async = _get(args, kwargs, "async_op", async_at, False)
-            if decompose is not None:
-                run = decompose(method, name, group, size, args, kwargs)
-                if run is not None:
-                    handle = Handle()
-                    track(name, coll, size, handle)
-                    run()
-                    handle.finish()
-                    return handle if is_async else None
+            run = decomposed(now, method, group, size, args, kwargs)
+            if run is not None:
+                handle = Handle()
+                track(now, group, coll, size, handle)
+                run()
+                handle.finish()
+                return handle if is_async else None
             if not is_async:
                 kwargs = {**kwargs, "async_op": True}
                 args = args[:async_at]
             work = original(*args, **kwargs)
             if not hasattr(work, "wait"):  # DeepSpeed's comm-off switches return Noop, other ranks None
-                track(name, coll, size, None)
+                track(now, group, coll, size, None)
                 return work
-            work = track(name, coll, size, work)  # the work, or a proxy that times its wait()
+            work = track(now, group, coll, size, work)  # the work, or a proxy that times its wait()
             if is_async:
                 return work
             work.wait()
@@ -169,37 +300,91 @@ class WrappedBackend:
 
         return wrapped
 
-    def _p2p(self, method: str, spec: Spec, original: Callable[..., Any]) -> Callable[..., Any]:
+    def _p2p(self, method: str, original: Callable[..., Any]) -> Callable[..., Any]:
         """send/recv (blocking: issued as isend/irecv, tracked, waited for) and isend/irecv."""
-        track, names, coll = self.recorder.track, self.names, spec.collective
-        group_at = spec.params.index("group")
-        twin = self.originals.get(ASYNC_TWIN.get(method, ""))
+        spec = SPECS[method]
+        coll, group_at = spec.collective, spec.params.index("group")
+        twin = self._originals.get(ASYNC_TWIN.get(method, ""))
+        receivers, track = self.receivers, self._track
 
         def wrapped(*args: Any, **kwargs: Any) -> Any:
+            now = receivers()
+            if not now:
+                return original(*args, **kwargs)
             group = _get(args, kwargs, "group", group_at)
-            name = names(group) if group is not None else names.p2p
             size = nbytes(_get(args, kwargs, "tensor", 0))
             if twin is None:  # isend / irecv: async by contract
-                return track(name, coll, size, original(*args, **kwargs))
-            track(name, coll, size, twin(*args, **kwargs)).wait()
+                return track(now, group, coll, size, original(*args, **kwargs), p2p=True)
+            track(now, group, coll, size, twin(*args, **kwargs), p2p=True).wait()
             return _get(args, kwargs, "src", 1) if method == "recv" else None
 
         return wrapped
 
-    def _wrap_batch(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        track, names = self.recorder.track, self.names
+    def _batch(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        receivers, track = self.receivers, self._track
 
         def wrapped(p2p_op_list: list[Any]) -> Any:
+            now = receivers()
+            if not now:
+                return original(p2p_op_list)
             out = []
             for op, work in zip(p2p_op_list, original(p2p_op_list)):
-                name = names(op.group) if op.group is not None else names.p2p
                 kind = "send_recv" if "send" in str(getattr(op.op, "__name__", op.op)) else "recv"
-                out.append(track(name, kind, nbytes(op.tensor), work))
+                out.append(track(now, op.group, kind, nbytes(op.tensor), work, p2p=True))
             return out
 
         return wrapped
 
-    def close(self) -> None:
-        for method, original in self.originals.items():
-            setattr(self.backend, method, original)
-        self.originals.clear()
+    def _new_group(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """Groups made while a session is building its engine carry that session's lagom name."""
+
+        def wrapped(ranks: Any) -> Any:
+            owner = self.active[-1] if self.active else self.subscriptions[-1] if self.subscriptions else None
+            if owner is None:
+                return original(ranks)
+            ranks = sorted(int(r) for r in ranks)
+            return dist.new_group(ranks, group_desc=owner.names.name_of_ranks(tuple(ranks)))
+
+        return wrapped
+
+
+_tap: BackendTap | None = None
+
+
+def _current_backend() -> Any:
+    import deepspeed.comm.comm as ds_comm
+
+    if ds_comm.cdb is None:
+        raise RuntimeError("deepspeed.comm has no backend yet: call deepspeed.comm.init_distributed first")
+    return ds_comm.cdb
+
+
+def current_tap() -> BackendTap | None:
+    """The process's tap while any session is subscribed."""
+    return _tap
+
+
+def subscribe(names: GroupNames) -> Subscription:
+    """Join the process's tap on DeepSpeed's backend (``deepspeed.comm.comm.cdb``), installing it for
+    the first subscriber. Call before the engine is built, so that its groups get lagom names;
+    ``attach`` the recorder once the engine exists; ``close`` when done."""
+    global _tap
+    backend = _current_backend()
+    if _tap is None:
+        _tap = BackendTap(backend)
+    else:
+        _tap.follow(backend)
+    subscription = Subscription(_tap, names)
+    _tap.add(subscription)
+    return subscription
+
+
+def WrappedBackend(backend: Any, recorder: Any, names: GroupNames,
+                   decompose: Decomposer | None = None) -> Subscription:
+    """Transitional: what the session calls today, a subscription that records from now on.
+    Remove once the session calls ``subscribe`` in start_runtime and ``attach`` in attach."""
+    if backend is not _current_backend():
+        raise ValueError("the tap wraps deepspeed.comm.comm.cdb; pass that backend")
+    subscription = subscribe(names)
+    subscription.attach(recorder, decompose)
+    return subscription
