@@ -44,7 +44,7 @@ class GroupNames:
         return name
 
     @classmethod
-    def for_job(cls, model: Any, mpu: Any, world: int) -> "GroupNames":
+    def for_job(cls, model: Any, mpu: Any, world: int) -> GroupNames:
         """Names from the pipeline topology (PipelineModule) or the mpu; pure data parallel otherwise."""
         by_ranks: dict[tuple[int, ...], str] = {}
         topology = model.topology() if hasattr(model, "topology") and callable(model.topology) else None
