@@ -219,13 +219,8 @@ class EngineSettings:
     micro_batch: int
     global_batch: int
     dtype: str
-    grad_dtype: str
-    zero_stage: int
-    reduce_bucket_size: int
-    allgather_bucket_size: int
-    prefetch_bucket_size: int
-    max_live_parameters: int
-    overlap_comm: bool
+    grad_dtype: str  # the engine's communication_data_type
+    knobs: dict[str, Any]  # as ``zero_knobs`` gives them
 
 
 class _DataParallelSize:
@@ -236,6 +231,21 @@ class _DataParallelSize:
 
     def get_data_parallel_world_size(self) -> int:
         return self.size
+
+
+def _knobs(zero: Any) -> dict[str, Any]:
+    """A parsed ``DeepSpeedZeroConfig`` as the knobs Lagom plans and writes (config spelling)."""
+    return {"stage": int(zero.stage), "reduce_bucket_size": int(zero.reduce_bucket_size),
+            "allgather_bucket_size": int(zero.allgather_bucket_size),
+            "stage3_prefetch_bucket_size": int(zero.prefetch_bucket_size),
+            "stage3_max_live_parameters": int(zero.max_live_parameters), "overlap_comm": bool(zero.overlap_comm)}
+
+
+def zero_knobs(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The ZeRO knobs as the engine will read them, parsed by DeepSpeed (its defaults where absent)."""
+    from deepspeed.runtime.zero.config import get_zero_config
+
+    return _knobs(get_zero_config(copy.deepcopy(cfg)))
 
 
 def engine_settings(cfg: dict[str, Any], dp: int) -> EngineSettings:
@@ -252,27 +262,11 @@ def engine_settings(cfg: dict[str, Any], dp: int) -> EngineSettings:
     ds = DeepSpeedConfig(copy.deepcopy(cfg), mpu=_DataParallelSize(dp))
     half = "bf16" if ds.bfloat16_config.enabled else "fp16" if ds.float16_config.enabled else None
     autocast = DTYPE_NAMES.get(ds.torch_autocast_dtype) if ds.torch_autocast_enabled else None
-    comm = ds.communication_data_type
-    # gradients travel in the engine's communication_data_type: the configured one, else the half type
-    grad_dtype = DTYPE_NAMES[comm] if comm is not None else half or "fp32"
-    zero = ds.zero_config
-    return EngineSettings(
-        micro_batch=ds.train_micro_batch_size_per_gpu, global_batch=ds.train_batch_size,
-        dtype=half or autocast or "fp32",
-        grad_dtype=grad_dtype, zero_stage=int(zero.stage), reduce_bucket_size=int(zero.reduce_bucket_size),
-        allgather_bucket_size=int(zero.allgather_bucket_size), prefetch_bucket_size=int(zero.prefetch_bucket_size),
-        max_live_parameters=int(zero.max_live_parameters), overlap_comm=bool(zero.overlap_comm))
-
-
-def zero_knobs(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The ZeRO knobs as the engine will read them, parsed by DeepSpeed (its defaults where absent)."""
-    from deepspeed.runtime.zero.config import get_zero_config
-
-    zero = get_zero_config(copy.deepcopy(cfg))
-    return {"stage": int(zero.stage), "reduce_bucket_size": int(zero.reduce_bucket_size),
-            "allgather_bucket_size": int(zero.allgather_bucket_size),
-            "stage3_prefetch_bucket_size": int(zero.prefetch_bucket_size),
-            "stage3_max_live_parameters": int(zero.max_live_parameters), "overlap_comm": bool(zero.overlap_comm)}
+    comm = ds.communication_data_type  # the engine's rule: the configured type, else the half type, else fp32
+    return EngineSettings(micro_batch=ds.train_micro_batch_size_per_gpu, global_batch=ds.train_batch_size,
+                          dtype=half or autocast or "fp32",
+                          grad_dtype=DTYPE_NAMES[comm] if comm is not None else half or "fp32",
+                          knobs=_knobs(ds.zero_config))
 
 
 def implied_params(wl: Workload) -> int:
@@ -401,16 +395,18 @@ def describe(model: torch.nn.Module, ds_config: dict[str, Any], world_size: int,
     inferred, missing = _model_fields(every, world_size, pp, (overrides or {}).get("model", {}), notes)
     if missing:
         return Derived(None, counted, 0, largest, notes, missing, _why_missing(missing))
+    knobs = ds.knobs
     wl = Workload(
         name=f"deepspeed-{type(model).__name__}",
         description="derived by lagom_deepspeed from the model and the DeepSpeed config",
         model=Model(architecture="gpt", **inferred),
         training=Training(micro_batch=ds.micro_batch, global_batch=ds.global_batch, dtype=ds.dtype,
                           grad_dtype=ds.grad_dtype),
-        parallel=Parallel(dp=dp, tp=tp, pp=pp, zero_stage=ds.zero_stage, fsdp=ds.zero_stage == 3),
-        framework=Framework(name="deepspeed", reduce_bucket_size=ds.reduce_bucket_size,
-                            allgather_bucket_size=ds.allgather_bucket_size,
-                            prefetch_bucket_size=ds.prefetch_bucket_size, overlap_comm=ds.overlap_comm))
+        parallel=Parallel(dp=dp, tp=tp, pp=pp, zero_stage=knobs["stage"], fsdp=knobs["stage"] == 3),
+        framework=Framework(name="deepspeed", reduce_bucket_size=knobs["reduce_bucket_size"],
+                            allgather_bucket_size=knobs["allgather_bucket_size"],
+                            prefetch_bucket_size=knobs["stage3_prefetch_bucket_size"],
+                            overlap_comm=knobs["overlap_comm"]))
     return checked(_merge(wl, overrides) if overrides else wl, given)
 
 
