@@ -223,6 +223,10 @@ class EngineSettings:
     knobs: dict[str, Any]  # as ``zero_knobs`` gives them
 
 
+class RefusedByDeepSpeed(Exception):
+    """DeepSpeed's own parser refused the config; the engine would refuse it the same way."""
+
+
 class _DataParallelSize:
     """The one thing ``DeepSpeedConfig`` asks an mpu: the data-parallel size its batch rules divide by."""
 
@@ -251,15 +255,18 @@ def zero_knobs(cfg: dict[str, Any]) -> dict[str, Any]:
 def engine_settings(cfg: dict[str, Any], dp: int) -> EngineSettings:
     """Parse ``cfg`` with DeepSpeed's ``DeepSpeedConfig`` for ``dp`` data-parallel ranks.
 
-    Raises what DeepSpeed raises for a config it refuses. With ``dp`` > 1 DeepSpeed's comm must be
-    initialised (DeepSpeedConfig reads the world only then).
+    Raises RefusedByDeepSpeed for a config DeepSpeed refuses. With ``dp`` > 1 DeepSpeed's comm must
+    be initialised (DeepSpeedConfig reads the world only then).
     """
     import deepspeed.comm as ds_comm
     from deepspeed.runtime.config import DeepSpeedConfig
 
     if dp > 1 and not ds_comm.is_initialized():
         raise RuntimeError("engine_settings for more than one data-parallel rank needs deepspeed.comm initialised")
-    ds = DeepSpeedConfig(copy.deepcopy(cfg), mpu=_DataParallelSize(dp))
+    try:
+        ds = DeepSpeedConfig(copy.deepcopy(cfg), mpu=_DataParallelSize(dp))
+    except Exception as err:  # any refusal (assert, ValueError, pydantic, DeepSpeedConfigError, ...)
+        raise RefusedByDeepSpeed(str(err).splitlines()[0] if str(err) else type(err).__name__) from err
     half = "bf16" if ds.bfloat16_config.enabled else "fp16" if ds.float16_config.enabled else None
     autocast = DTYPE_NAMES.get(ds.torch_autocast_dtype) if ds.torch_autocast_enabled else None
     comm = ds.communication_data_type  # the engine's rule: the configured type, else the half type, else fp32
@@ -389,9 +396,8 @@ def describe(model: torch.nn.Module, ds_config: dict[str, Any], world_size: int,
     dp = max(1, world_size // (pp * tp))
     try:
         ds = engine_settings(ds_config, dp)
-    except (AssertionError, ValueError, TypeError, KeyError) as err:
-        return Derived(None, counted, 0, largest, notes, [],
-                       f"DeepSpeed refuses its config ({str(err).splitlines()[0]}) and says so itself")
+    except RefusedByDeepSpeed as err:
+        return Derived(None, counted, 0, largest, notes, [], f"DeepSpeed refuses its config ({err}) and says so itself")
     inferred, missing = _model_fields(every, world_size, pp, (overrides or {}).get("model", {}), notes)
     if missing:
         return Derived(None, counted, 0, largest, notes, missing, _why_missing(missing))
