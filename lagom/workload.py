@@ -10,17 +10,33 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from lagom.config_file import read_mapping
 from lagom.errors import ConfigError
 
 ARCHITECTURES = ("gpt", "bert", "t5", "moe")
 FRAMEWORKS = ("megatron", "deepspeed")
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 WORKLOAD_DIR = Path(__file__).resolve().parent.parent / "configs" / "workloads"
+
+# The step graph (lagom.points) holds every compute segment and collective of one step, about 300 bytes
+# each; building 4M of them takes about a minute and 1.2 GB. A Llama-70B-like job on 1,024 GPUs (80
+# layers, pp 8, 256 micro-batches) is estimated at 0.7M.
+MAX_STEP_GRAPH_ITEMS = 4_000_000
+MAX_DIMENSION = 2**24  # model widths, lengths, counts and batch sizes: larger is a typo, not a model
+MAX_WORLD_SIZE = 2**20  # GPUs in one job
+MAX_BUCKET_ELEMENTS = 2**40
+# Segments and collectives one layer adds per micro-batch (forward and backward) at most: norms, the
+# attention and MLP (or MoE) linears with their tensor-parallel collectives, sharded-parameter gathers.
+# Each context-parallel rank adds four (a ring step's segment and send, both ways); a T5 decoder layer's
+# cross-attention adds CROSS_ATTENTION_ITEMS; head, embedding and loss add MICRO_BATCH_ITEMS.
+LAYER_ITEMS = 28
+CP_ITEMS_PER_RANK = 4
+CROSS_ATTENTION_ITEMS = 20
+MICRO_BATCH_ITEMS = 8
 
 
 @dataclass
@@ -41,6 +57,11 @@ class Model:
     moe_ffn: int = 0  # per-expert ffn width
     shared_experts: int = 0  # always-on experts computed beside the all-to-all
     moe_every: int = 1  # every n-th layer is an MoE layer
+    # Parameter tensors beyond the layers' weights: what megatron-core's DDP puts in its gradient buckets.
+    linear_bias: bool = False  # linear layers carry biases (megatron's default; --disable-bias-linear drops them)
+    rms_norm: bool = False  # RMSNorm (a weight per norm) instead of LayerNorm (weight and bias)
+    position_embeddings: int = 0  # rows of a learned position-embedding table (megatron's learned_absolute); 0: none
+    untied_embeddings: bool = False  # the output layer has its own weight instead of the word embedding's
 
 
 @dataclass
@@ -67,9 +88,10 @@ class Parallel:
 @dataclass
 class Framework:
     name: str = "megatron"
-    bucket_size: Optional[int] = None  # megatron DDP elements per bucket; None: max(40M, 1M x dp)
+    bucket_size: int | None = None  # megatron DDP elements per bucket; None: max(40M, 1M x dp)
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = False
+    pad_buckets_for_high_nccl_busbw: bool = False  # megatron --ddp-pad-buckets-for-high-nccl-busbw
     reduce_bucket_size: int = 500_000_000  # deepspeed elements
     allgather_bucket_size: int = 500_000_000
     prefetch_bucket_size: int = 50_000_000  # deepspeed stage3_prefetch_bucket_size
@@ -80,7 +102,7 @@ class Framework:
 class Workload:
     name: str = "???"
     description: str = ""
-    hardware: Optional[str] = None  # default preset for this workload
+    hardware: str | None = None  # default preset for this workload
     model: Model = field(default_factory=Model)
     training: Training = field(default_factory=Training)
     parallel: Parallel = field(default_factory=Parallel)
@@ -102,8 +124,8 @@ class Workload:
 
     @property
     def ddp_bucket_elems(self) -> int:
-        """Megatron DDP's bucket size: the configured one, else max(40M, 1M x dp) (megatron-core 0.19)."""
-        return self.framework.bucket_size or max(40_000_000, 1_000_000 * self.parallel.dp)
+        """Megatron DDP's bucket size: the configured one, else max(40M, 1M x dp x cp) (megatron-core 0.19)."""
+        return self.framework.bucket_size or max(40_000_000, 1_000_000 * self.parallel.dp * self.parallel.cp)
 
     def fingerprint(self) -> str:
         blob = json.dumps(asdict(self), sort_keys=True)
@@ -121,15 +143,16 @@ def load_workload(source: str | Path) -> Workload:
         path = WORKLOAD_DIR / f"{source}.yaml"
     if not path.exists():
         raise ConfigError("workload", f"file {source} does not exist", f"pass a YAML file or one of {', '.join(workload_names())}")
+    if path.is_dir():
+        raise ConfigError("workload", f"{source} is a folder", "pass a YAML file")
+    data = read_mapping(path)
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(Workload), OmegaConf.load(path))
+        merged = OmegaConf.merge(OmegaConf.structured(Workload), data)
         wl: Workload = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", None) or "workload"
         first = str(err).splitlines()[0]
         raise ConfigError(f"{path.name}: {key}", first, "see the schema in lagom/workload.py") from None
-    except ValueError as err:  # malformed YAML
-        raise ConfigError(f"{path.name}", str(err).splitlines()[0]) from None
     validate(wl)
     return wl
 
@@ -158,9 +181,11 @@ def validate(wl: Workload, world_size: int | None = None) -> None:
                      "model.moe_every": m.moe_every}
     if f.bucket_size is not None:
         positive["framework.bucket_size"] = f.bucket_size
-    for key, value in positive.items():
-        if value <= 0:
-            raise ConfigError(key, f"must be positive, got {value}")
+    if m.kv_heads:
+        positive["model.kv_heads"] = m.kv_heads
+    if m.decoder_seq_len:
+        positive["model.decoder_seq_len"] = m.decoder_seq_len
+    _check_sizes(positive)
     kv = m.kv_heads or m.heads
     if m.heads % p.tp or kv % p.tp:
         raise ConfigError("parallel.tp", f"tp={p.tp} does not divide heads={m.heads} / kv_heads={kv}",
@@ -197,3 +222,62 @@ def validate(wl: Workload, world_size: int | None = None) -> None:
     if world_size is not None and wl.world_size != world_size:
         raise ConfigError("parallel", f"dp*tp*pp*cp={wl.world_size} but the cluster has {world_size} GPUs",
                           "change the parallel sizes or pick hardware with that many GPUs")
+    _check_graph_size(wl)
+
+
+def _check_sizes(positive: dict[str, int]) -> None:
+    """Every size is positive and below the limit its kind has (a typo must not become a model)."""
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(key, f"must be positive, got {value}")
+        limit = MAX_BUCKET_ELEMENTS if key.endswith("bucket_size") else MAX_DIMENSION
+        if value > limit:
+            raise ConfigError(key, f"{value:,} is beyond any real job (the limit is {limit:,})", "check the value")
+
+
+def _weights_bound(wl: Workload) -> float:
+    """More weights than one pipeline stage holds per rank: every layer's, plus embedding and head.
+
+    Used only to bound how many parameter gathers a small bucket size makes; the model's own count is
+    ``lagom.points``'.
+    """
+    m, p = wl.model, wl.parallel
+    mlp = 3 * m.hidden * max(m.ffn, m.moe_ffn * (m.experts / p.ep + m.shared_experts))
+    per_layer = 8 * m.hidden * m.hidden + mlp  # attention (cross-attention too) and the MLP or experts
+    return ((m.layers + m.decoder_layers) * per_layer + 2 * m.vocab * m.hidden) / p.tp
+
+
+def step_graph_size(wl: Workload) -> tuple[int, str]:
+    """An upper estimate of the segments and collectives ``lagom.points.points_for`` builds for one step,
+    and the workload key that drives most of it. Counted from the layout, without building anything."""
+    m, p = wl.model, wl.parallel
+    per_micro_batch = (m.layers + m.decoder_layers) * (LAYER_ITEMS + CP_ITEMS_PER_RANK * p.cp) + MICRO_BATCH_ITEMS
+    if m.architecture == "t5":
+        per_micro_batch += m.decoder_layers * CROSS_ATTENTION_ITEMS
+    # Without a pipeline, identical micro-batches are one repeated phase: at most two are built.
+    blocks = wl.microbatches if p.pp > 1 else min(wl.microbatches, 2)
+    layer_items = blocks * per_micro_batch
+    sends = 2 * (p.pp - 1) * wl.microbatches
+    buckets = 2 * (m.layers + m.decoder_layers + p.pp) * min(blocks, 2)
+    gathers = 0
+    if p.distributed_optimizer and p.dp * p.cp > 1:  # Megatron gathers the parameters bucket by bucket
+        gathers = int(_weights_bound(wl) / wl.ddp_bucket_elems) + p.pp
+    driver = "framework.bucket_size" if gathers > layer_items else (
+        "training.global_batch" if p.pp > 1 else "model.layers")
+    return layer_items + sends + buckets + gathers + p.pp, driver
+
+
+def _check_graph_size(wl: Workload) -> None:
+    """Refuse a job whose step graph is too large to build, before anything is built."""
+    if wl.world_size > MAX_WORLD_SIZE:
+        raise ConfigError("parallel", f"dp*tp*pp*cp={wl.world_size:,} GPUs is beyond any real job "
+                          f"(the limit is {MAX_WORLD_SIZE:,})", "check the parallel sizes")
+    size, driver = step_graph_size(wl)
+    if size > MAX_STEP_GRAPH_ITEMS:
+        fixes = {
+            "framework.bucket_size": "use larger buckets (Megatron's default is max(40M, 1M x dp) elements)",
+            "training.global_batch": "plan with a smaller global_batch, i.e. fewer micro-batches per step",
+            "model.layers": "check the layer count",
+        }
+        raise ConfigError(driver, f"the step graph would hold about {size:,} compute segments and collectives, "
+                          f"more than the {MAX_STEP_GRAPH_ITEMS:,} Lagom builds", fixes[driver])
