@@ -2,20 +2,26 @@
 
 Every number the cost model uses lives in a YAML preset under ``configs/hardware/`` (or a file the
 user passes, e.g. one written by ``lagom calibrate``); none is hard-coded here. A file may start with
-``base: <preset>`` and override only what it measured.
+``base: <preset or file>`` and override only what it measured; a relative file is found beside the
+file that names it.
+
+``closest_preset`` and ``with_cluster`` turn what a running job can see (its GPU's name, NVLink, ranks
+per node, world size) into the machine to plan for; ``lagom.runtime.probe`` gathers those facts.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+import re
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from lagom.config_file import read_mapping
 from lagom.errors import ConfigError
 
 HARDWARE_DIR = Path(__file__).resolve().parent.parent / "configs" / "hardware"
@@ -116,30 +122,46 @@ def preset_names() -> list[str]:
     return sorted(p.stem for p in HARDWARE_DIR.glob("*.yaml") if not p.name.startswith("_"))
 
 
-def _read_yaml(path: Path, key: str) -> Any:
-    try:
-        return OmegaConf.load(path)
-    except (OSError, OmegaConfBaseException, ValueError) as err:
-        raise ConfigError(key, f"cannot read {path}: {err}") from None
+def _is_preset_name(ref: str) -> bool:
+    """A bare name (``a40-2x8-nvlink``) is a preset; anything with a suffix or a folder is a file."""
+    return not Path(ref).suffix and "/" not in ref and "\\" not in ref
 
 
-def _layers(source: str, seen: tuple[str, ...] = ()) -> list[Any]:
-    """The YAML layers of a preset or file, base first (``base:`` chains are followed)."""
-    path = Path(source)
-    if not path.suffix:
-        path = HARDWARE_DIR / f"{source}.yaml"
-        if not path.exists():
-            raise ConfigError(
-                "hardware", f"unknown hardware '{source}'", f"use one of {', '.join(preset_names())} or a YAML file"
-            )
-    elif not path.exists():
-        raise ConfigError("hardware", f"file {source} does not exist", "pass a preset name or an existing YAML file")
-    if str(path) in seen:
-        raise ConfigError("hardware.base", f"{path} includes itself through 'base'")
-    layer = _read_yaml(path, "hardware")
-    base = layer.pop("base", None) if isinstance(layer, dict) or OmegaConf.is_dict(layer) else None
-    below = _layers(str(base), seen + (str(path),)) if base else [_read_yaml(HARDWARE_DIR / BASE_FILE, "hardware")]
-    return below + [layer]
+def _resolve(ref: str, key: str, folder: Path | None) -> Path:
+    """The file a hardware reference names; ``folder``: where a relative file is looked for."""
+    if _is_preset_name(ref):
+        path = HARDWARE_DIR / f"{ref}.yaml"
+        if not path.is_file():
+            raise ConfigError(key, f"unknown hardware '{ref}'", f"use one of {', '.join(preset_names())} or a YAML file")
+        return path
+    path = Path(ref).expanduser()
+    if folder is not None and not path.is_absolute():
+        path = folder / path
+    if path.is_dir():
+        raise ConfigError(key, f"{ref} is a folder", "pass a preset name or a YAML file")
+    if not path.is_file():
+        where = f" (looked in {folder})" if folder is not None else ""
+        raise ConfigError(key, f"file {ref} does not exist{where}", "pass a preset name or an existing YAML file")
+    return path.resolve()
+
+
+def _layers(ref: str, key: str = "hardware", folder: Path | None = None,
+            chain: tuple[tuple[Path, str], ...] = ()) -> list[DictConfig]:
+    """The YAML layers of a preset or file, base first: ``base:`` chains are followed, each relative
+    file from the folder of the file that names it, and a chain that comes back is refused as a cycle."""
+    path = _resolve(ref, key, folder)
+    label = ref if _is_preset_name(ref) else path.name
+    if any(seen == path for seen, _ in chain):
+        cycle = " -> ".join([name for _, name in chain] + [label])
+        raise ConfigError("hardware.base", f"the base files form a cycle: {cycle}", "remove one of the 'base' keys")
+    layer = read_mapping(path)
+    base = layer.pop("base", None)
+    if base is None:
+        return [read_mapping(HARDWARE_DIR / BASE_FILE), layer]
+    if not isinstance(base, str) or not base:
+        raise ConfigError(f"{path.name}: base", f"must be a preset name or a YAML file, got {base!r}",
+                          f"use one of {', '.join(preset_names())} or a file path")
+    return _layers(base, f"{path.name}: base", path.parent, chain + ((path, label),)) + [layer]
 
 
 def load_hardware(source: str) -> Hardware:
@@ -147,10 +169,10 @@ def load_hardware(source: str) -> Hardware:
     schema = OmegaConf.structured(Hardware)
     try:
         merged = OmegaConf.merge(schema, *_layers(source))
+        hw: Hardware = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", None) or "hardware"
         raise ConfigError(f"hardware.{key}", str(err).splitlines()[0], "check the key against configs/hardware/_base.yaml") from None
-    hw: Hardware = OmegaConf.to_object(merged)  # type: ignore[assignment]
     _validate(hw)
     return hw
 
@@ -178,3 +200,78 @@ def _validate(hw: Hardware) -> None:
             raise ConfigError(
                 f"hardware {hw.name}: nccl.channel_gbps", f"has no entry for link kind '{kind}'", "add one"
             )
+
+
+# ---------------------------------------------------------------------------------------------
+# From what a running job sees to the machine to plan for (torch-free: lagom.runtime.probe gathers the facts)
+
+_FAMILY = re.compile(r"\b([A-Z]{1,2}\d{2,3}[A-Z]?)\b")  # A100, H100, A40, V100, L40S, GH200
+
+
+def gpu_family(gpu_name: str) -> str | None:
+    """The model token of a GPU name: 'NVIDIA A100-SXM4-80GB' and 'A100-SXM4-80GB' -> 'A100'; 'NVIDIA A10' -> 'A10'."""
+    found = _FAMILY.search(gpu_name.upper())
+    return found.group(1) if found else None
+
+
+def _form_factor(gpu_name: str) -> str | None:
+    upper = gpu_name.upper()
+    return "pcie" if "PCIE" in upper else "sxm" if "SXM" in upper else None
+
+
+def closest_preset(gpu_name: str, *, nvlink: bool | None = None, gpus_per_node: int | None = None,
+                   nodes: int | None = None) -> str | None:
+    """The preset for a GPU seen at run time, or None where no preset has its model.
+
+    Among presets of the same model, the one whose intra-node link agrees with ``nvlink`` (unknown:
+    guessed from a 'PCIe' in the name), then the same form factor (SXM or PCIe), then the same number
+    of GPUs per node and nodes; ties go to the first name.
+    """
+    family = gpu_family(gpu_name)
+    if family is None:
+        return None
+    if nvlink is None and _form_factor(gpu_name) == "pcie":
+        nvlink = False
+    wanted_kind = None if nvlink is None else "nvlink" if nvlink else "pcie"
+    form = _form_factor(gpu_name)
+    scored = []
+    for name in preset_names():
+        hw = load_hardware(name)
+        if gpu_family(hw.gpu.name) != family:
+            continue
+        preset_form = _form_factor(hw.gpu.name)
+        scored.append((
+            wanted_kind is not None and hw.cluster.intra.kind != wanted_kind,
+            form is not None and preset_form is not None and form != preset_form,
+            gpus_per_node is not None and hw.cluster.gpus_per_node != gpus_per_node,
+            nodes is not None and hw.cluster.nodes != nodes,
+            name,
+        ))
+    return min(scored)[-1] if scored else None
+
+
+def preset_link(kind: str) -> tuple[str, Link] | None:
+    """The intra-node link of the first preset whose intra-node link is of this kind (nvlink, pcie)."""
+    for name in preset_names():
+        intra = load_hardware(name).cluster.intra
+        if intra.kind == kind:
+            return name, intra
+    return None
+
+
+def with_cluster(hw: Hardware, gpus_per_node: int, nodes: int, intra: Link | None = None) -> Hardware:
+    """``hw`` resized to a job's layout (and, given ``intra``, with another intra-node link).
+
+    The name says the layout when it differs from the preset's, and the fingerprint follows the
+    cluster, so a plan made for one layout is refused on another.
+    """
+    if gpus_per_node <= 0 or nodes <= 0:
+        raise ConfigError("hardware.cluster", f"needs at least one GPU per node and one node, got {gpus_per_node} x {nodes}")
+    cluster = replace(hw.cluster, gpus_per_node=gpus_per_node, nodes=nodes, intra=intra or hw.cluster.intra)
+    if cluster == hw.cluster:
+        return hw
+    resized = replace(hw, name=f"{hw.name}-{nodes}x{gpus_per_node}", cluster=cluster,
+                      description=f"{hw.description}; resized to {nodes} node(s) x {gpus_per_node} GPUs"
+                                  + (f", {cluster.intra.kind} within a node" if intra else ""))
+    _validate(resized)
+    return resized
