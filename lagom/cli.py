@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
-from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 from lagom.errors import LagomError
+from lagom.outputs import output_file, output_folder
 
 
 def _load(args: argparse.Namespace):
@@ -29,13 +31,14 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from lagom.report import plan_markdown, plan_table, print_table
     from lagom.tune import make_plan
 
+    plan_file = output_file(args.out, "--out") if args.out else None
+    emit_dir = output_folder(args.emit, "--emit") if args.emit else None
     wl, hw = _load(args)
     plan = make_plan(wl, hw, args.strategy)
-    if args.out:
-        plan.save(args.out)
-    if args.emit:
-        out = Path(args.emit)
-        out.mkdir(parents=True, exist_ok=True)
+    if plan_file:
+        plan.save(plan_file)
+    if emit_dir:
+        out = emit_dir
         (out / "nccl_comm_cfgs.yaml").write_text(emit.megatron_nccl_yaml(plan))
         (out / "nccl_tuner.csv").write_text(emit.tuner_csv(plan))
         (out / "nccl.env").write_text("".join(f"export {k}={v}\n" for k, v in emit.nccl_env(plan, hw).items()))
@@ -70,6 +73,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from lagom.simulator import simulate
     from lagom.tune import search_with_buckets
 
+    plot_file = output_file(args.plot, "--plot") if args.plot else None
     wl, hw = _load(args)
     results = {}
     for name in args.strategy:
@@ -77,8 +81,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         results[name] = simulate(tuned.problem.graph, tuned.result.configs, tuned.problem.model, keep_spans=True)
         print(f"{name}: step {results[name].step_s * 1e3:.2f} ms, exposed comm {results[name].exposed_comm_s * 1e3:.2f} ms, "
               f"overlap efficiency {results[name].overlap_efficiency:.3f}")
-    if args.plot:
-        print(f"timeline written to {timeline(results, args.plot, f'{wl.name} on {hw.name}')}")
+    if plot_file:
+        print(f"timeline written to {timeline(results, plot_file, f'{wl.name} on {hw.name}')}")
     return 0
 
 
@@ -87,16 +91,55 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hardware", help="hardware preset name or YAML file (default: the workload's)")
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad flags end like every other bad input: one line on stderr and exit code 2 (argparse would print
+    the usage first).
+
+    A parser made with ``plugged=<module>`` is a subcommand whose flags live in that module (calibrate
+    imports torch, reproduce matplotlib): the module is imported when the subcommand is parsed or its
+    help shown, not to build the parser.
+    """
+
+    def __init__(self, *args: Any, plugged: str = "", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.plugged = plugged
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"lagom: error: {self.prog}: {message} (see '{self.prog} --help')\n")
+
+    def _plug(self) -> None:
+        if self.plugged and self.get_default("func") is None:
+            module = importlib.import_module(self.plugged)
+            module.add_arguments(self)
+            self.set_defaults(func=module.run)
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        self._plug()
+        return super().parse_known_args(args, namespace)
+
+    def format_help(self) -> str:
+        self._plug()
+        return super().format_help()
+
+
+# Subcommands whose code lives in their own modules: each module offers add_arguments(parser) and run(args).
+_PLUGGED: list[tuple[str, str, str]] = [
+    ("calibrate", "lagom.runtime.calibrate", "measure this machine's collectives and write a hardware profile"),
+    ("patch", "lagom_megatron.patching", "patch megatron/training to accept --lagom (or --revert it)"),
+    ("reproduce", "lagom_experiments.reproduce", "reproduce the published GPT/BERT/T5 and A40 results: table, report, plots"),
+]
+
+
 def build_parser() -> argparse.ArgumentParser:
     from lagom.search import STRATEGIES
 
-    parser = argparse.ArgumentParser(prog="lagom", description=__doc__)
+    parser = _Parser(prog="lagom", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("tune", help="choose a config per overlap point and write a plan")
     _workload_args(p)
     p.add_argument("--strategy", default="lagom", choices=list(STRATEGIES))
-    p.add_argument("--out", help="plan JSON to write")
+    p.add_argument("--out", help="plan JSON to write (its folder must exist)")
     p.add_argument("--emit", metavar="DIR", help="also write NCCL/megatron/TE/bucket files for the plan into DIR")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=cmd_tune)
@@ -112,37 +155,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", help="PNG file for the timeline")
     p.set_defaults(func=cmd_simulate)
 
-    for name, module, attr_help in _PLUGGED:
-        _plug(sub, name, module, attr_help)
+    for name, module, help_text in _PLUGGED:
+        sub.add_parser(name, help=help_text, plugged=module)
     return parser
 
 
-# Subcommands whose code lives in their own modules: each module offers add_arguments(parser) and run(args).
-_PLUGGED: list[tuple[str, str, str]] = [
-    ("calibrate", "lagom.runtime.calibrate", "measure this machine's collectives and write a hardware profile"),
-    ("patch", "lagom_megatron.patching", "patch megatron/training to accept --lagom (or --revert it)"),
-    ("reproduce", "lagom_experiments.reproduce", "reproduce the published GPT/BERT/T5 and A40 results: table, report, plots"),
-]
-
-
-def _plug(sub, name: str, module: str, help_text: str) -> None:
-    import importlib
-
-    mod = importlib.import_module(module)
-    p = sub.add_parser(name, help=help_text)
-    mod.add_arguments(p)
-    p.set_defaults(func=mod.run)
+def _os_error(err: OSError) -> str:
+    """An operating-system error as one line: the path, what went wrong, and what to check."""
+    where = err.filename or "a file"
+    return f"{where}: {err.strerror or err} (check the path and its permissions)"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    """Every command, the plugged ones too, ends here: a Lagom error or an OS error on a user's file is one
+    line on stderr and exit code 2; anything else is a bug and keeps its traceback."""
+    args = build_parser().parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)
     except LagomError as err:
-        print(f"lagom: error: {err}", file=sys.stderr)
-        return 2
+        message = str(err)
+    except OSError as err:
+        message = _os_error(err)
+    print(f"lagom: error: {message}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -18,8 +18,9 @@ import platform
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,8 +28,9 @@ import torch.multiprocessing as mp
 import yaml
 
 from lagom.cost_model import ring_shape
-from lagom.errors import ConfigError, LagomError
+from lagom.errors import ConfigError
 from lagom.hardware import Hardware, load_hardware
+from lagom.outputs import output_file
 from lagom.points import Collective
 
 log = logging.getLogger("lagom.calibrate")
@@ -122,17 +124,39 @@ def _best_time(call: Callable[[], None], iters: int, device: torch.device) -> fl
     return min(times)
 
 
-def measure(sizes: list[int], iters: int, device: torch.device) -> Samples:
-    """Time every collective at every size on the initialised group; the slowest rank's time counts."""
+def _out_of_time(deadline: float | None, device: torch.device) -> bool:
+    """Whether rank 0's clock has passed the deadline; every rank gets rank 0's answer, so all of them
+    stop before the same collective."""
+    if deadline is None:
+        return False
+    late = torch.tensor([time.perf_counter() > deadline], dtype=torch.int32, device=device)
+    dist.broadcast(late, src=0)
+    return bool(late.item())
+
+
+def measure(sizes: list[int], iters: int, device: torch.device, budget_s: float | None = None) -> Samples:
+    """Time every collective at every size on the initialised group; the slowest rank's time counts.
+
+    With ``budget_s``, no new measurement starts once that many seconds have passed on rank 0; a
+    collective measured at fewer than two sizes is left out (two are needed to fit it).
+    """
+    deadline = None if budget_s is None else time.perf_counter() + budget_s
     samples: Samples = {}
     for coll in COLLECTIVES:
         rows = []
         for size in sizes:
+            if _out_of_time(deadline, device):
+                break
             nbytes, call = _ops(coll, size, device)
             rows.append([nbytes, _best_time(call, iters, device)])
-        slowest = torch.tensor([s for _, s in rows], dtype=torch.float64, device=device)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        samples[coll.value] = [[b, _sig(s)] for (b, _), s in zip(rows, slowest.tolist())]
+        if rows:
+            slowest = torch.tensor([s for _, s in rows], dtype=torch.float64, device=device)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            if len(rows) >= 2:
+                samples[coll.value] = [[b, _sig(s)] for (b, _), s in zip(rows, slowest.tolist())]
+        if len(rows) < len(sizes):
+            log.warning("calibration stopped after %.1f s (budget): %s measured", budget_s, ", ".join(samples) or "nothing")
+            break
     return samples
 
 
@@ -163,8 +187,8 @@ def fit(samples: Samples, world_size: int) -> dict[str, dict[str, float]]:
             intercept = 0.0
             slope = sum(w * x * t for w, x, t in zip(ws, xs, ts)) / sum(w * x * x for w, x in zip(ws, xs))
         if slope <= 0:
-            raise LagomError(f"calibration of {coll}: the time does not grow with the message size "
-                             f"({rows}); measure larger sizes with --sizes")
+            raise ConfigError("--sizes", f"calibration of {coll}: the time does not grow with the message size "
+                              f"({rows})", "measure larger sizes")
         out[coll] = {"latency_us": _sig(intercept / steps * 1e6), "gbps": _sig(1.0 / slope / 1e9),
                      "steps": steps, "intercept_us": _sig(intercept * 1e6)}
     return out
@@ -192,15 +216,36 @@ def profile(base_name: str, base: Hardware, name: str, samples: Samples, fits: d
     }
 
 
+def measured_profile(base_ref: str, name: str, samples: Samples, world: int, gpus_per_node: int,
+                     backend: str) -> dict[str, Any]:
+    """The profile for samples taken on ``world`` ranks, ``gpus_per_node`` of them per node: they measured
+    the inter-node link when the ranks span nodes, else the intra-node one."""
+    if not samples:
+        raise ConfigError("calibration", "no collective was measured at two sizes",
+                          "give the calibration more time, or name the hardware")
+    base = load_hardware(base_ref)
+    link = "inter" if world > gpus_per_node else "intra"
+    measured = {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "backend": backend, "torch": str(torch.__version__),
+                "world_size": world, "device": device_name(backend), "link": link, "contention": CONTENTION_NOTE}
+    return profile(base_ref, base, name, samples, fit(samples, world), measured, link)
+
+
 def write_profile(path: Path, data: dict[str, Any]) -> None:
+    """Atomically (a job reading its cached profile never sees half a file); the folder must exist."""
     header = ("# Written by `lagom calibrate`: cluster link overrides fitted from the samples below.\n"
               f"# Contention: {CONTENTION_NOTE}.\n")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(header + yaml.safe_dump(data, sort_keys=False))
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(header + yaml.safe_dump(data, sort_keys=False))
+    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------------------------------------
 # Running: under torchrun, inside an initialised job, or spawning local ranks
+
+
+def device_name(backend: str) -> str:
+    """The GPU's name under NCCL, else the CPU's."""
+    return torch.cuda.get_device_name() if backend == "nccl" else (platform.processor() or platform.machine() or "cpu")
 
 
 def _device(backend: str) -> torch.device:
@@ -250,6 +295,8 @@ def _backend(args: argparse.Namespace) -> str:
 def run(args: argparse.Namespace) -> int:
     base = load_hardware(args.base)
     sizes = parse_sizes(args.sizes)
+    name = args.name or f"{base.name}-calibrated"
+    out = output_file(args.out or f"{name}.yaml", "--out")
     if args.iters < 1:
         raise ConfigError("--iters", f"must be at least 1, got {args.iters}")
     if args.ranks < 2 and not (dist.is_initialized() or _launched()):
@@ -270,19 +317,13 @@ def run(args: argparse.Namespace) -> int:
         samples, world, rank = _spawn(args.ranks, backend, sizes, args.iters), args.ranks, 0
     if rank != 0:
         return 0
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    link = "inter" if world > local else "intra"
-    fits = fit(samples, world)
-    device = torch.cuda.get_device_name() if backend == "nccl" else (platform.processor() or platform.machine() or "cpu")
-    measured = {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "backend": backend, "torch": str(torch.__version__),
-                "world_size": world, "device": device, "link": link, "contention": CONTENTION_NOTE}
-    name = args.name or f"{base.name}-calibrated"
-    out = Path(args.out or f"{name}.yaml")
-    write_profile(out, profile(args.base, base, name, samples, fits, measured, link))
+    data = measured_profile(args.base, name, samples, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)), backend)
+    write_profile(out, data)
     hw = load_hardware(str(out))  # what the planner will read back
-    link_cfg = getattr(hw.cluster, link)
-    print(f"wrote {out}: {link} link {link_cfg.gbps:.3g} GB/s, {link_cfg.latency_us:.3g} us per step "
-          f"({backend}, {world} ranks on {device}); contention constants from {base.name}")
-    for coll, f in fits.items():
+    measured = data["calibration"]["measured"]
+    link_cfg = getattr(hw.cluster, measured["link"])
+    print(f"wrote {out}: {measured['link']} link {link_cfg.gbps:.3g} GB/s, {link_cfg.latency_us:.3g} us per step "
+          f"({backend}, {world} ranks on {measured['device']}); contention constants from {base.name}")
+    for coll, f in data["calibration"]["fit"].items():
         print(f"  {coll:15s} {f['gbps']:8.3g} GB/s bus  {f['latency_us']:8.3g} us/step")
     return 0
