@@ -58,7 +58,36 @@ def test_bad_input_exits_2_with_one_clear_line(tmp_path, override, args, message
     path = write_yaml(tmp_path / "w.yaml", data)
     hw = [] if args else ["--hardware", "a100-8x-100g"]
     proc = subprocess.run([sys.executable, "-m", "lagom.cli", "tune", str(path), *hw, *args],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, check=False)
     assert proc.returncode == 2
     assert proc.stdout == "" and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and message in proc.stderr
+
+
+PLANNING_MODULES = ("lagom.cli", "lagom.tune", "lagom.plan", "lagom.emit", "lagom.search", "lagom.simulator",
+                    "lagom.cost_model", "lagom.points", "lagom.workload", "lagom.hardware", "lagom.calls", "lagom.report")
+
+
+def test_planning_and_the_parser_import_neither_torch_nor_matplotlib():
+    script = (
+        "import importlib, sys\n"
+        f"for name in {PLANNING_MODULES!r}:\n"
+        "    importlib.import_module(name)\n"
+        "heavy = lambda: sorted(m for m in ('torch', 'matplotlib', 'megatron', 'deepspeed') if m in sys.modules)\n"
+        "print('imports', heavy())\n"
+        "from lagom.cli import build_parser\n"
+        "parser = build_parser()\n"
+        "parser.format_help()\n"
+        "print('parser', heavy())\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert proc.stdout.splitlines() == ["imports []", "parser []"]
+
+
+def test_a_plugged_subcommand_loads_its_flags_when_used(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["calibrate", "--help"])
+    assert stop.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--base", "--out", "--name", "--sizes", "--iters", "--backend", "--ranks"):
+        assert flag in out
