@@ -43,7 +43,8 @@ def test_with_cluster_resizes_and_changes_the_fingerprint():
     base = load_hardware("a100-8x-100g")
     assert with_cluster(base, 8, 1) is base
     big = with_cluster(base, 8, 4)
-    assert (big.name, big.cluster.world_size, big.cluster.intra, big.gpu) == ("a100-8x-100g-4x8", 32, base.cluster.intra, base.gpu)
+    assert (big.name, big.cluster.world_size) == ("a100-8x-100g-4x8", 32)
+    assert (big.cluster.intra, big.gpu) == (base.cluster.intra, base.gpu)
     assert big.fingerprint() not in (base.fingerprint(), with_cluster(base, 4, 8).fingerprint())
     with pytest.raises(ConfigError, match=r"^hardware\.cluster: "):
         with_cluster(base, 0, 1)

@@ -49,7 +49,8 @@ log = logging.getLogger("lagom.probe")
 # What a GPU without a preset (or a CPU) plans with besides its measured links: a widely deployed
 # datacenter GPU's compute figures and NCCL constants. The reason string always says so.
 FALLBACK_PRESET = "a100-8x-100g"
-CALIBRATION_SIZES = (64 * 1024, 16 * 1024 * 1024)  # two sizes fit latency and bandwidth; far apart, so noise does not hide the slope
+# Two sizes fit latency and bandwidth; far apart, so that noise on a busy host does not hide the slope.
+CALIBRATION_SIZES = (64 * 1024, 16 * 1024 * 1024)
 CALIBRATION_ITERS = 3
 CALIBRATION_BUDGET_S = 20.0
 
