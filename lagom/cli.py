@@ -38,13 +38,13 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if plan_file:
         plan.save(plan_file)
     if emit_dir:
-        out = emit_dir
-        (out / "nccl_comm_cfgs.yaml").write_text(emit.megatron_nccl_yaml(plan))
-        (out / "nccl_tuner.csv").write_text(emit.tuner_csv(plan))
-        (out / "nccl.env").write_text("".join(f"export {k}={v}\n" for k, v in emit.nccl_env(plan, hw).items()))
-        (out / "buckets.json").write_text(json.dumps(plan.framework, indent=2) + "\n")
-        (out / "te_ub_cfgs.yaml").write_text(emit.te_ub_yaml(plan))
-        (out / "plan.md").write_text(plan_markdown(plan))
+        emit_dir.mkdir(exist_ok=True)
+        (emit_dir / "nccl_comm_cfgs.yaml").write_text(emit.megatron_nccl_yaml(plan))
+        (emit_dir / "nccl_tuner.csv").write_text(emit.tuner_csv(plan))
+        (emit_dir / "nccl.env").write_text("".join(f"export {k}={v}\n" for k, v in emit.nccl_env(plan, hw).items()))
+        (emit_dir / "buckets.json").write_text(json.dumps(plan.framework, indent=2) + "\n")
+        (emit_dir / "te_ub_cfgs.yaml").write_text(emit.te_ub_yaml(plan))
+        (emit_dir / "plan.md").write_text(plan_markdown(plan))
     if args.json:
         print(plan.to_json())
     else:

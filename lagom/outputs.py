@@ -39,15 +39,10 @@ def output_file(path: str | Path, flag: str) -> Path:
 
 
 def output_folder(path: str | Path, flag: str) -> Path:
-    """A folder the command will fill: it exists as a folder, or it is created inside an existing one."""
+    """A folder the command will fill: an existing folder that takes files, or a new one inside such a
+    folder (the caller creates it once the work is done, so a failed run leaves nothing behind)."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise ConfigError(flag, f"{path} is an existing file, not a folder", "pass a folder name")
-    if not path.exists():
-        _check_folder(path.parent, flag)
-        try:
-            path.mkdir()
-        except OSError as err:
-            raise ConfigError(flag, f"cannot create {path}: {err.strerror or err}", "pick another folder") from None
-    _check_folder(path, flag)
+    _check_folder(path if path.exists() else path.parent, flag)
     return path
