@@ -94,7 +94,7 @@ class Framework:
     pad_buckets_for_high_nccl_busbw: bool = False  # megatron --ddp-pad-buckets-for-high-nccl-busbw
     reduce_bucket_size: int = 500_000_000  # deepspeed elements
     allgather_bucket_size: int = 500_000_000
-    prefetch_bucket_size: int = 50_000_000  # deepspeed stage3_prefetch_bucket_size
+    prefetch_bucket_size: int = 50_000_000  # deepspeed stage3_prefetch_bucket_size; 0: no prefetching
     overlap_comm: bool = True
 
 
@@ -172,7 +172,6 @@ def validate(wl: Workload, world_size: int | None = None) -> None:
         "training.global_batch": t.global_batch, "parallel.dp": p.dp, "parallel.tp": p.tp, "parallel.pp": p.pp,
         "parallel.cp": p.cp, "parallel.ep": p.ep, "framework.reduce_bucket_size": f.reduce_bucket_size,
         "framework.allgather_bucket_size": f.allgather_bucket_size,
-        "framework.prefetch_bucket_size": f.prefetch_bucket_size,
     }
     if m.architecture == "t5":
         positive["model.decoder_layers"] = m.decoder_layers
@@ -186,6 +185,9 @@ def validate(wl: Workload, world_size: int | None = None) -> None:
     if m.decoder_seq_len:
         positive["model.decoder_seq_len"] = m.decoder_seq_len
     _check_sizes(positive)
+    if not 0 <= f.prefetch_bucket_size <= MAX_BUCKET_ELEMENTS:  # 0: DeepSpeed's ZeRO-3 prefetching off
+        raise ConfigError("framework.prefetch_bucket_size", f"must be 0 (no prefetch) to {MAX_BUCKET_ELEMENTS:,}, "
+                          f"got {f.prefetch_bucket_size:,}")
     kv = m.kv_heads or m.heads
     if m.heads % p.tp or kv % p.tp:
         raise ConfigError("parallel.tp", f"tp={p.tp} does not divide heads={m.heads} / kv_heads={kv}",

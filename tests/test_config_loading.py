@@ -67,3 +67,13 @@ def test_layout_must_match_the_cluster(tmp_path):
     wl = load_workload(write_yaml(tmp_path / "w.yaml", gpt_workload()))
     with pytest.raises(ConfigError, match=r"dp\*tp\*pp\*cp=8 but the cluster has 16 GPUs"):
         validate(wl, 16)
+
+
+def test_every_bucket_size_deepspeed_accepts_is_accepted(tmp_path):
+    """stage3_prefetch_bucket_size 0 turns ZeRO-3 prefetching off in DeepSpeed; a negative one is a typo."""
+    data = gpt_workload(parallel={"zero_stage": 3, "dp": 8, "tp": 1, "sequence_parallel": False},
+                        framework={"name": "deepspeed", "prefetch_bucket_size": 0})
+    assert load_workload(write_yaml(tmp_path / "w.yaml", data)).framework.prefetch_bucket_size == 0
+    data["framework"]["prefetch_bucket_size"] = -1
+    with pytest.raises(ConfigError, match=r"^framework\.prefetch_bucket_size: must be 0 \(no prefetch\) to "):
+        load_workload(write_yaml(tmp_path / "w.yaml", data))
