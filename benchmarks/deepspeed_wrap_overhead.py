@@ -93,7 +93,7 @@ def _measure(backend: Any, names: Any, calls: int, blocks: int, world: int, devi
     """Microseconds per call over ``blocks`` (bare, wrapped) block pairs, per collective: ``pick``
     (min or median) of the blocks' means, wall and CPU."""
     from lagom.runtime import Recorder
-    from lagom_deepspeed.comm import WrappedBackend
+    from lagom_deepspeed.comm import subscribe
 
     results: dict[str, tuple[list[tuple[float, float]], list[tuple[float, float]]]] = {
         name: ([], []) for name in _calls(backend, world, device)}
@@ -101,7 +101,8 @@ def _measure(backend: Any, names: Any, calls: int, blocks: int, world: int, devi
     for _ in range(blocks):
         for name, fn in _calls(backend, world, device).items():
             results[name][0].append(_per_call_us(fn, calls, sync))
-        wrapped = WrappedBackend(backend, recorder, names)
+        wrapped = subscribe(names)  # the process's tap on deepspeed.comm.comm.cdb (``backend``)
+        wrapped.attach(recorder)
         recorder.begin_step(0)
         for name, fn in _calls(backend, world, device).items():
             results[name][1].append(_per_call_us(fn, calls, sync))

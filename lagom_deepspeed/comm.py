@@ -377,14 +377,3 @@ def subscribe(names: GroupNames) -> Subscription:
     subscription = Subscription(_tap, names)
     _tap.add(subscription)
     return subscription
-
-
-def WrappedBackend(backend: Any, recorder: Any, names: GroupNames,
-                   decompose: Decomposer | None = None) -> Subscription:
-    """Transitional: what the session calls today, a subscription that records from now on.
-    Remove once the session calls ``subscribe`` in start_runtime and ``attach`` in attach."""
-    if backend is not _current_backend():
-        raise ValueError("the tap wraps deepspeed.comm.comm.cdb; pass that backend")
-    subscription = subscribe(names)
-    subscription.attach(recorder, decompose)
-    return subscription

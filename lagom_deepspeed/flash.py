@@ -40,7 +40,8 @@ class ZeroFlash:
                  kwargs: dict) -> Callable[[], None] | None:
         """The decomposed call to run instead of the collective, or None to keep the collective."""
         collective = ROUTED.get(method)
-        decided = self.router.decision(name, collective, size) if collective is not None else None
+        decided = (self.router.decision(name, collective, size, unmodelled_sizes=True)
+                   if collective is not None else None)
         if decided is None:
             return None
         key, cfg = decided

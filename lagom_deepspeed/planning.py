@@ -28,11 +28,15 @@ STAGE_KNOBS = {
 def pinned(wl: Workload, pins: BucketPins) -> Workload:
     """The workload with the user's pinned bucket knobs, which the search must take as given."""
     f = wl.framework
+
+    def pin(value: Any, default: Any) -> Any:  # 0 is a real pin (e.g. prefetching off)
+        return default if value is None else value
+
     return replace(wl, framework=replace(
-        f, reduce_bucket_size=pins.reduce_bucket_size or f.reduce_bucket_size,
-        allgather_bucket_size=pins.allgather_bucket_size or f.allgather_bucket_size,
-        prefetch_bucket_size=pins.stage3_prefetch_bucket_size or f.prefetch_bucket_size,
-        overlap_comm=f.overlap_comm if pins.overlap_comm is None else pins.overlap_comm))
+        f, reduce_bucket_size=pin(pins.reduce_bucket_size, f.reduce_bucket_size),
+        allgather_bucket_size=pin(pins.allgather_bucket_size, f.allgather_bucket_size),
+        prefetch_bucket_size=pin(pins.stage3_prefetch_bucket_size, f.prefetch_bucket_size),
+        overlap_comm=pin(pins.overlap_comm, f.overlap_comm)))
 
 
 def engine_config(ds_config: dict[str, Any], plan: Plan, pins: BucketPins,
@@ -46,7 +50,8 @@ def engine_config(ds_config: dict[str, Any], plan: Plan, pins: BucketPins,
     current = zero_knobs(ds_config)
     stage = current["stage"]
     chosen = dict(plan.framework["deepspeed"])
-    prefetch = pins.stage3_prefetch_bucket_size or chosen["stage3_prefetch_bucket_size"]
+    prefetch = chosen["stage3_prefetch_bucket_size"] if pins.stage3_prefetch_bucket_size is None \
+        else pins.stage3_prefetch_bucket_size
     chosen["stage3_max_live_parameters"] = max(current["stage3_max_live_parameters"], prefetch + largest_layer)
     out = copy.deepcopy(ds_config)
     zero = out.setdefault("zero_optimization", {})

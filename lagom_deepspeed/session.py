@@ -23,13 +23,13 @@ import torch.distributed as dist
 from lagom.errors import ConfigError
 from lagom.hardware import Hardware
 from lagom.plan import Plan
-from lagom.runtime.session import KnobChange, SessionOptions, TuningSession
+from lagom.runtime.session import KnobChange, SessionOptions, TuningSession, choose_hardware
 from lagom_deepspeed import planning
-from lagom_deepspeed.comm import WrappedBackend
+from lagom_deepspeed.comm import Subscription, subscribe
 from lagom_deepspeed.config import LagomConfig
 from lagom_deepspeed.flash import ZeroFlash
 from lagom_deepspeed.groups import GroupNames
-from lagom_deepspeed.workload import Derived, apply_overrides, derive
+from lagom_deepspeed.workload import Derived, describe
 
 log = logging.getLogger("lagom.deepspeed")
 
@@ -51,13 +51,10 @@ def session_options(section: LagomConfig) -> SessionOptions:
 
 
 def hardware_for(section: LagomConfig, world_size: int) -> tuple[Hardware, str]:
-    from lagom.runtime.probe import resolve_hardware
-
     try:
-        choice = resolve_hardware(section.hardware, world_size, cache_dir=Path(section.cache_dir))
+        return choose_hardware(section.hardware, world_size, Path(section.cache_dir))
     except ConfigError as err:
         raise ConfigError(f"lagom.{err.key}", err.problem, err.fix) from None
-    return choice.hardware, choice.reason
 
 
 class Session(TuningSession):
@@ -65,12 +62,12 @@ class Session(TuningSession):
 
     framework = "deepspeed"
 
-    def __init__(self, section: LagomConfig, hw: Hardware, hardware_reason: str, derived: Derived, names: GroupNames,
-                 world_size: int) -> None:
+    def __init__(self, section: LagomConfig, hw: Hardware | None, hardware_reason: str, derived: Derived,
+                 names: GroupNames, world_size: int) -> None:
         super().__init__(derived.workload, hw, session_options(section), world_size=world_size,
-                         hardware_reason=hardware_reason)
+                         hardware_reason=hardware_reason, why_untuned=derived.warning() if derived.workload is None else "")
         self.section, self.derived, self.names = section, derived, names
-        self.backend: WrappedBackend | None = None
+        self.tap: Subscription | None = None
         self.flash: ZeroFlash | None = None
         self._restore: list[tuple[Any, str, Any]] = []
 
@@ -79,11 +76,13 @@ class Session(TuningSession):
     def prepare(cls, section: LagomConfig, model: Any, mpu: Any, ds_config: dict[str, Any]) -> tuple["Session", dict]:
         """Validate and plan; return the session and the config the engine must be built with."""
         world = dist.get_world_size()
-        hw, reason = hardware_for(section, world)
         pp = getattr(model, "num_stages", 1) if hasattr(model, "topology") else 1
         tp = mpu.get_model_parallel_world_size() if mpu is not None else 1
-        derived = apply_overrides(derive(model, ds_config, world, pp=pp, tp=tp), section.workload, world)
-        derived.workload = planning.pinned(derived.workload, section.buckets)
+        derived = describe(model, ds_config, world, pp=pp, tp=tp, overrides=section.workload)
+        hw, reason = None, "not needed: Lagom only records this job"
+        if derived.workload is not None:  # what Lagom cannot describe it leaves to DeepSpeed's own settings
+            hw, reason = hardware_for(section, world)
+            derived.workload = planning.pinned(derived.workload, section.buckets)
         session = cls(section, hw, reason, derived, GroupNames.for_job(model, mpu, world), world)
         session.start()
         engine_cfg = ds_config
@@ -101,8 +100,8 @@ class Session(TuningSession):
                               "make the plan from a deepspeed workload")
 
     def start_runtime(self) -> None:
-        """Group creation under lagom names with the plan's options; must run before DeepSpeed makes its groups."""
-        import deepspeed.comm.comm as ds_comm
+        """Join the process's backend tap: DeepSpeed's groups, made from now on, get lagom names (and so
+        the plan's NCCL options); must run before the engine makes its groups."""
         from deepspeed.utils import groups
 
         if "nccl" in str(dist.get_backend()) and self.plan is not None:
@@ -113,42 +112,42 @@ class Session(TuningSession):
             elif groups._WORLD_GROUP is not None and self.runtime.plan_group("dp"):
                 self.event("DeepSpeed's data-parallel group was made by an earlier engine in this process: the "
                            "plan's NCCL options for dp apply from the next start", level=logging.WARNING)
-        backend = ds_comm.cdb
-        original = backend.new_group
-        names = self.names
-
-        def new_group(ranks: Any) -> Any:
-            ranks = sorted(int(r) for r in ranks)
-            return dist.new_group(ranks, group_desc=names.name_of_ranks(tuple(ranks)))
-
-        backend.new_group = new_group
-        self._restore.append((backend, "new_group", original))
+        self.tap = subscribe(self.names)
 
     # -- run time -------------------------------------------------------------------------------
     def attach(self, engine: Any) -> None:
         """Wrap the backend and the engine's step boundary; the first step starts now."""
-        import deepspeed.comm.comm as ds_comm
         from deepspeed.runtime.pipe.engine import PipelineEngine
 
+        if self.tap is None:
+            raise RuntimeError("Session.attach before start_runtime: the backend tap is not there yet")
         self.flash = ZeroFlash(self.router)
-        self.backend = WrappedBackend(ds_comm.cdb, self.runtime.recorder, self.names, self.flash)
-        boundary = "train_batch" if isinstance(engine, PipelineEngine) else "step"  # where global_steps moves
-        original = getattr(engine, boundary)
-
-        def stepped(*args: Any, **kwargs: Any) -> Any:
-            before = engine.global_steps
-            out = original(*args, **kwargs)
-            if engine.global_steps != before:
-                self.end_step()
-                self.begin_step(engine.global_steps)
-            return out
-
-        setattr(engine, boundary, stepped)
-        self._restore.append((engine, boundary, None))
+        self.tap.attach(self.runtime.recorder, self.flash)
+        pipeline = isinstance(engine, PipelineEngine)
+        boundary = "train_batch" if pipeline else "step"  # where global_steps moves
+        # calls made inside these go to this engine's session only (several engines may share a process)
+        for name in ("train_batch", "eval_batch") if pipeline else ("forward", "backward", "step"):
+            self._wrap(engine, name, stepping=name == boundary)
         engine.lagom = self
         self.begin_step(engine.global_steps)
         self.write_report()
         atexit.register(self.write_report)  # the final report, also when the script never calls close()
+
+    def _wrap(self, engine: Any, name: str, stepping: bool) -> None:
+        original = getattr(engine, name)
+        tap = self.tap
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            before = engine.global_steps
+            with tap.active():  # type: ignore[union-attr]
+                out = original(*args, **kwargs)
+            if stepping and engine.global_steps != before:
+                self.end_step()
+                self.begin_step(engine.global_steps)
+            return out
+
+        setattr(engine, name, wrapped)
+        self._restore.append((engine, name, None))
 
     def framework_report(self) -> dict[str, Any]:
         return {"inferred": self.derived.notes,
@@ -159,11 +158,11 @@ class Session(TuningSession):
 
     def close(self) -> None:
         """Write the final report and undo every wrapper (the engine keeps running untuned)."""
-        if self.backend is not None:
+        if self.flash is not None:  # attached: the report has steps to tell
             atexit.unregister(self.write_report)
             self.write_report()
-            self.backend.close()
-            self.backend = None
+        if self.tap is not None:
+            self.tap.close()
         for obj, attr, original in reversed(self._restore):
             if original is None:
                 obj.__dict__.pop(attr, None)

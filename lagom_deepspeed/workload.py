@@ -414,28 +414,3 @@ def describe(model: torch.nn.Module, ds_config: dict[str, Any], world_size: int,
                             prefetch_bucket_size=knobs["stage3_prefetch_bucket_size"],
                             overlap_comm=knobs["overlap_comm"]))
     return checked(_merge(wl, overrides) if overrides else wl, given)
-
-
-def derive(model: torch.nn.Module, cfg: dict[str, Any], world_size: int, pp: int = 1, tp: int = 1) -> Derived:
-    """Transitional, for the session's current call: ``describe`` without overrides.
-    Remove once the session calls ``describe(..., overrides=section.workload)``."""
-    return describe(model, cfg, world_size, pp, tp)
-
-
-def apply_overrides(derived: Derived, source: str | dict[str, Any] | None, world_size: int) -> Derived:
-    """Transitional, for the session's current call: raises when ``derived`` has no workload (the
-    session cannot fall back yet); overrides here come after inference, as they used to."""
-    if derived.workload is None:
-        raise ConfigError("lagom.workload", derived.why, derived.fix())
-    if source is None:
-        return derived
-    if isinstance(source, str):
-        wl = load_workload(source)
-    else:
-        wl = _merge(derived.workload, source)
-    try:
-        validate(wl, world_size)
-    except ConfigError as err:
-        raise ConfigError(f"lagom.workload: {err.key}", err.problem, err.fix) from None
-    derived.workload, derived.implied_params = wl, implied_params(wl)
-    return derived

@@ -19,10 +19,10 @@ from typing import Any
 
 from lagom import emit
 from lagom.errors import ConfigError
-from lagom.hardware import Hardware, load_hardware
+from lagom.hardware import Hardware
 from lagom.plan import Plan
 from lagom.runtime import report
-from lagom.runtime.session import KnobChange, SessionOptions, TuningSession
+from lagom.runtime.session import KnobChange, SessionOptions, TuningSession, choose_hardware
 from lagom.tune import make_plan, problem_for
 from lagom.simulator import simulate
 from lagom.workload import Workload
@@ -45,17 +45,14 @@ def session_options(options: LagomOptions, args: argparse.Namespace) -> SessionO
 
 def _hardware(options: LagomOptions, workload: Workload) -> tuple[Hardware, str]:
     """The hardware the plan is made for: the flag, else the plan file's, else detected."""
-    from lagom.runtime.probe import resolve_hardware
-
     explicit = options.hardware
     if explicit is None and options.plan is not None and options.plan.exists():
         explicit = Plan.load(options.plan).hardware
     try:
-        choice = resolve_hardware(explicit, workload.world_size, cache_dir=options.cache_dir)
+        return choose_hardware(explicit, workload.world_size, options.cache_dir)
     except ConfigError as err:
         raise ConfigError("--lagom-hardware", f"{err.key}: {err.problem}", err.fix or
                           "pass a preset name from configs/hardware or a hardware YAML file") from None
-    return choice.hardware, choice.reason
 
 
 class Session(TuningSession):

@@ -403,7 +403,7 @@ def test_online_tunes_applies_at_runtime_and_caches(runs: list) -> None:
         o = runs[rank]["online"]
         assert o["source"].startswith("searched")
         assert o["tuned_after_2_steps"] == 1
-        assert "Applied now:" in o["events"][0] and "On the next start" in o["events"][0]
+        assert any("Applied now:" in e and "On the next start" in e for e in o["events"])
         assert o["losses"] == runs[rank]["base3"], "switching to Flash-Overlap mid-run keeps the numerics"
         assert o["decomposed"] > 0
         assert len(o["cache"]) == 1

@@ -67,6 +67,23 @@ def same_on_all_ranks(plan: Plan) -> Plan:
     return box[0]
 
 
+def choose_hardware(explicit: str | None, world_size: int, cache_dir: Path) -> tuple[Hardware, str]:
+    """The hardware to plan for and why (named, detected, or measured now; see lagom.runtime.probe).
+
+    A named profile must describe this job's world size: a plan for another cluster is refused.
+    """
+    from lagom.runtime.probe import resolve_hardware
+
+    choice = resolve_hardware(explicit, world_size, cache_dir=cache_dir)
+    hw = choice.hardware
+    if hw.cluster.world_size != world_size:
+        raise ConfigError("hardware", f"'{hw.name}' describes {hw.cluster.world_size} GPUs ({hw.cluster.nodes} x "
+                          f"{hw.cluster.gpus_per_node}) but this job runs {world_size} ranks",
+                          "use a hardware file with `base: <preset>` and a cluster of this size, or leave it out "
+                          "to detect it")
+    return hw, choice.reason
+
+
 @dataclass(frozen=True)
 class SessionOptions:
     """What a user chose, in framework-neutral terms (Megatron's flags and DeepSpeed's section map here)."""
@@ -137,13 +154,23 @@ class FlashRouter:
         self._decisions.clear()
         self.active = self.enabled and plan is not None and any(e.config.decomposition == "p2p" for e in plan.entries)
 
-    def decision(self, group: str, collective: str, nbytes: int) -> tuple[str, FlashOverlapConfig] | None:
-        """(plan key, operator config) when this call is decomposed, else None."""
-        if not self.active:
+    def decision(self, group: str, collective: str, nbytes: int, *,
+                 unmodelled_sizes: bool = False) -> tuple[str, FlashOverlapConfig] | None:
+        """(plan key, operator config) when this call is decomposed, else None.
+
+        ``unmodelled_sizes``: a size the plan does not model (ZeRO-3 gathers per parameter, the plan
+        models per layer) follows the plan's choice for its communicator and collective when every
+        entry of them agrees on decomposing; it is counted under the nearest entry.
+        """
+        if not self.active or self._plan is None:
             return None
         cache_key = (group, collective, nbytes)
         if cache_key not in self._decisions:
-            entry = self._plan.lookup(group, collective, nbytes) if self._plan is not None else None
+            entry = self._plan.lookup(group, collective, nbytes)
+            if entry is None and unmodelled_sizes:
+                same = [e for e in self._plan.entries if e.group == group and e.collective == collective]
+                if same and all(e.config.decomposition == "p2p" for e in same):
+                    entry = min(same, key=lambda e: abs(e.bytes - nbytes))
             self._decisions[cache_key] = None if entry is None or entry.config.decomposition != "p2p" else (
                 entry.key, self._config(entry))
         return self._decisions[cache_key]
@@ -281,8 +308,9 @@ class TuningSession:
         out = self.options.plan_out
         if out is None or rank() != 0:
             return
-        if self.options.plan_in is not None and out.resolve() == self.options.plan_in.resolve():
-            log.warning("not writing the new plan over the input plan %s", out)
+        plan_in = self.options.plan_in
+        if plan_in is not None and plan_in.exists() and out.resolve() == plan_in.resolve():
+            log.warning("the new plan is not written over the plan this job was started from (%s)", out)
             return
         report.write_atomic(out, plan.to_json() + "\n")
 
