@@ -305,8 +305,6 @@ def test_zero_prefetch_does_not_fail_the_job() -> None:
     assert d.workload is not None or "prefetch_bucket_size" in d.why
 
 
-@pytest.mark.xfail(strict=True, reason="lagom/workload.py's validate still requires a positive "
-                   "framework.prefetch_bucket_size (and allgather_bucket_size), which DeepSpeed allows to be 0")
 def test_zero_prefetch_is_planned_for() -> None:
     d = describe(TinyGPT(), {"train_micro_batch_size_per_gpu": 1,
                              "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 0}}, 1)

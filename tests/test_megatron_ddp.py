@@ -114,7 +114,7 @@ def ddp_rank(rank: int, world: int, report: Path) -> dict:
         return new_group(*args, **kwargs)
 
     args = job_args(world, report)
-    session = Session.start(args, options_from_args(args))
+    session = Session.start_for(args, options_from_args(args))
     new_group = dist.new_group  # the runtime's wrapper: it gives groups it knows by group_desc the plan's options
     dist.new_group = spy  # what megatron itself passes (options from get_nccl_options)
     parallel_state.initialize_model_parallel(1, 1)

@@ -24,7 +24,7 @@ def run_example(cwd: Path, iters: int) -> subprocess.CompletedProcess:
            str(ROOT / "examples/megatron/train_tiny.py"), *MEGATRON_ARGS, "--train-iters", str(iters),
            "--lagom", "--lagom-mode", "online", "--lagom-tune-iters", "2",
            "--lagom-hardware", str(ROOT / "examples/megatron/cpu-2ranks.yaml"), "--lagom-report", "report",
-           "--lagom-plan", "plan.json"]
+           "--lagom-out", "out"]
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT)}
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=400)
 
@@ -42,10 +42,10 @@ def test_cpu_example_tunes_online_then_reuses_the_cached_plan(tmp_path: Path) ->
     assert {p["group"] for p in report["points"]} == {"dp"}
     assert (tmp_path / "report" / "lagom-report.md").read_text().startswith("# Lagom report")
     cached = list((tmp_path / ".lagom-cache").glob("*.json"))
-    assert len(cached) == 1 and (tmp_path / "plan.json").read_text() == cached[0].read_text()
+    assert len(cached) == 1 and (tmp_path / "out" / "lagom-plan.json").read_text() == cached[0].read_text()
 
     second = run_example(tmp_path, iters=3)
     assert second.returncode == 0, second.stderr[-4000:]
     log = second.stdout + second.stderr
-    assert "reusing the plan cached for this job and machine" in log
+    assert "plan tuned by an earlier online run, cached in .lagom-cache" in log
     assert "online search" not in log
