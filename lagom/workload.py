@@ -24,7 +24,7 @@ WORKLOAD_DIR = Path(__file__).resolve().parent.parent / "configs" / "workloads"
 
 # The step graph (lagom.points) holds every compute segment and collective of one step, about 300 bytes
 # each; building 4M of them takes about a minute and 1.2 GB. A Llama-70B-like job on 1,024 GPUs (80
-# layers, pp 8, 256 micro-batches) is estimated at 0.7M.
+# layers, pp 8, 256 micro-batches) is estimated at 0.67M and builds 0.58M.
 MAX_STEP_GRAPH_ITEMS = 4_000_000
 MAX_DIMENSION = 2**24  # model widths, lengths, counts and batch sizes: larger is a typo, not a model
 MAX_WORLD_SIZE = 2**20  # GPUs in one job
@@ -37,6 +37,14 @@ LAYER_ITEMS = 28
 CP_ITEMS_PER_RANK = 4
 CROSS_ATTENTION_ITEMS = 20
 MICRO_BATCH_ITEMS = 8
+# Parameter tensors (weights and biases) of one layer at most, besides its experts: three norms, the
+# attention and cross-attention linears, the MLP or the router and shared experts; each expert has
+# four; embeddings, the final norm and the output layer add EMBEDDING_TENSORS per stage, and each of a
+# stage's two gradient buffers (dense and expert) may close BUFFER_BUCKETS more buckets than tensors.
+TENSORS_PER_LAYER = 21
+TENSORS_PER_EXPERT = 4
+EMBEDDING_TENSORS = 5
+BUFFER_BUCKETS = 4
 
 
 @dataclass
@@ -237,16 +245,15 @@ def _check_sizes(positive: dict[str, int]) -> None:
             raise ConfigError(key, f"{value:,} is beyond any real job (the limit is {limit:,})", "check the value")
 
 
-def _weights_bound(wl: Workload) -> float:
-    """More weights than one pipeline stage holds per rank: every layer's, plus embedding and head.
+def _parameter_tensors(wl: Workload) -> int:
+    """More parameter tensors than all pipeline stages of one rank's model replica hold together.
 
-    Used only to bound how many parameter gathers a small bucket size makes; the model's own count is
-    ``lagom.points``'.
+    Megatron-core never splits a tensor across gradient buckets, so a stage has at most one bucket per
+    tensor (and per bucket one parameter gather with the distributed optimizer), whatever the bucket size.
     """
     m, p = wl.model, wl.parallel
-    mlp = 3 * m.hidden * max(m.ffn, m.moe_ffn * (m.experts / p.ep + m.shared_experts))
-    per_layer = 8 * m.hidden * m.hidden + mlp  # attention (cross-attention too) and the MLP or experts
-    return ((m.layers + m.decoder_layers) * per_layer + 2 * m.vocab * m.hidden) / p.tp
+    per_layer = TENSORS_PER_LAYER + TENSORS_PER_EXPERT * (m.experts // p.ep if m.architecture == "moe" else 0)
+    return (m.layers + m.decoder_layers) * per_layer + EMBEDDING_TENSORS * p.pp
 
 
 def step_graph_size(wl: Workload) -> tuple[int, str]:
@@ -260,13 +267,14 @@ def step_graph_size(wl: Workload) -> tuple[int, str]:
     blocks = wl.microbatches if p.pp > 1 else min(wl.microbatches, 2)
     layer_items = blocks * per_micro_batch
     sends = 2 * (p.pp - 1) * wl.microbatches
-    buckets = 2 * (m.layers + m.decoder_layers + p.pp) * min(blocks, 2)
-    gathers = 0
-    if p.distributed_optimizer and p.dp * p.cp > 1:  # Megatron gathers the parameters bucket by bucket
-        gathers = int(_weights_bound(wl) / wl.ddp_bucket_elems) + p.pp
-    driver = "framework.bucket_size" if gathers > layer_items else (
-        "training.global_batch" if p.pp > 1 else "model.layers")
-    return layer_items + sends + buckets + gathers + p.pp, driver
+    buckets_per_pass = _parameter_tensors(wl) + BUFFER_BUCKETS * p.pp  # every stage's gradient buckets
+    passes = min(blocks, 2) + (1 if p.distributed_optimizer else 0)  # reductions, then parameter gathers
+    bucket_items = passes * buckets_per_pass + p.pp  # and each stage's optimizer segment
+    if bucket_items > layer_items:
+        driver = "model.experts" if m.architecture == "moe" and m.experts // p.ep > TENSORS_PER_LAYER else "model.layers"
+    else:
+        driver = "training.global_batch" if p.pp > 1 else "model.layers"
+    return layer_items + sends + bucket_items, driver
 
 
 def _check_graph_size(wl: Workload) -> None:
@@ -277,7 +285,7 @@ def _check_graph_size(wl: Workload) -> None:
     size, driver = step_graph_size(wl)
     if size > MAX_STEP_GRAPH_ITEMS:
         fixes = {
-            "framework.bucket_size": "use larger buckets (Megatron's default is max(40M, 1M x dp) elements)",
+            "model.experts": "check the expert count and parallel.ep",
             "training.global_batch": "plan with a smaller global_batch, i.e. fewer micro-batches per step",
             "model.layers": "check the layer count",
         }

@@ -144,11 +144,12 @@ def test_a_step_graph_too_large_to_build_is_refused_at_once(tmp_path, capsys):
     assert f"more than the {MAX_STEP_GRAPH_ITEMS:,} Lagom builds" in line
 
 
-def test_tiny_buckets_that_would_make_millions_of_gathers_are_refused():
-    wl = llama70b(micro_batches=8)
-    small = replace(wl, framework=replace(wl.framework, bucket_size=1))
-    with pytest.raises(ConfigError, match=r"^framework\.bucket_size: the step graph would hold"):
-        validate(small)
+def test_millions_of_experts_are_refused_by_their_tensors(tmp_path, capsys):
+    data = gpt_workload(model={"architecture": "moe", "experts": 2**20, "top_k": 2, "moe_ffn": 512, "layers": 8},
+                        parallel={"tp": 2, "dp": 4, "ep": 2})
+    line = refused(["tune", str(write_yaml(tmp_path / "moe.yaml", data)), "--hardware", HW], capsys)
+    assert line.startswith("lagom: error: model.experts: the step graph would hold about ")
+    assert line.endswith("(check the expert count and parallel.ep)")
 
 
 @pytest.mark.parametrize("section, key, value", [
@@ -162,22 +163,25 @@ def test_absurd_sizes_are_refused(tmp_path, capsys, section, key, value):
 
 
 def test_the_size_estimate_never_undercounts_the_graph():
-    """The check refuses by an estimate, so the estimate must bound what points_for really builds."""
+    """The check refuses by an estimate, so the estimate must bound what points_for really builds, with
+    pipelines and context parallelism, and with buckets far smaller than a parameter."""
     for name in workload_names():
         wl = load_workload(name)
         hw = load_hardware(wl.hardware)
-        for parallel in ({}, {"pp": 2, "dp": max(1, wl.parallel.dp // 2)}, {"cp": 2, "dp": max(1, wl.parallel.dp // 2)}):
+        half = max(1, wl.parallel.dp // 2)
+        for parallel, bucket in (({}, None), ({"pp": 2, "dp": half}, None), ({"cp": 2, "dp": half}, None),
+                                 ({"distributed_optimizer": wl.framework.name == "megatron"}, 1000)):
             layout = replace(wl.parallel, **parallel)
-            variant = replace(wl, parallel=layout,
+            variant = replace(wl, parallel=layout, framework=replace(wl.framework, bucket_size=bucket),
                               training=replace(wl.training, global_batch=wl.training.micro_batch * layout.dp * 4))
             try:
-                validate(variant, hw.cluster.world_size if not parallel else None)
+                validate(variant)
             except ConfigError:
                 continue  # a layout this model does not divide into
             graph = points_for(variant, hw)
             built = sum(len(segs) for ph in graph.phases for segs in ph.segments.values()) + len(graph.points)
             estimate, _ = step_graph_size(variant)
-            assert built <= estimate <= 2 * built, (name, parallel, built, estimate)
+            assert built <= estimate <= 6 * built, (name, parallel, bucket, built, estimate)
 
 
 # ---------------------------------------------------------------------------------------------
