@@ -101,8 +101,10 @@ class Interceptor:
 
     # -- recording
     def _start(self, group: Any, collective: str, size: int) -> _Pending:
+        """A pending record for a call about to be issued; a size-1 group moves nothing and is not recorded."""
         pending = _Pending()
-        self.recorder.track(self.names.name(group), collective, size, pending)
+        if not self.names.trivial(group):
+            self.recorder.track(self.names.name(group), collective, size, pending)
         return pending
 
     def _sync(self, group: Any, collective: str, size: int, call: Callable[[], Any]) -> Any:
@@ -199,6 +201,8 @@ class Interceptor:
             if not kwargs.get("async_op", False):
                 return self._sync(group, collective, size, lambda: original(output, input_, *args, **kwargs))
             work = original(output, input_, *args, **kwargs)
+            if self.names.trivial(group):
+                return work
             # timed from issue to completion; a work without a future comes back as a proxy timed at its wait
             return self.recorder.track(self.names.name(group), collective, size, work)
         return wrapped

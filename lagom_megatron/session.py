@@ -60,12 +60,13 @@ class Session(TuningSession):
 
     framework = "megatron"
 
-    def __init__(self, args: argparse.Namespace, options: LagomOptions, workload: Workload, hw: Hardware,
-                 hardware_reason: str = "") -> None:
-        super().__init__(workload, hw, session_options(options, args), world_size=workload.world_size,
-                         hardware_reason=hardware_reason)
+    def __init__(self, args: argparse.Namespace, options: LagomOptions, workload: Workload | None,
+                 hw: Hardware | None, hardware_reason: str = "", why_untuned: str = "") -> None:
+        world_size = workload.world_size if workload is not None else int(getattr(args, "world_size", 1) or 1)
+        super().__init__(workload, hw, session_options(options, args), world_size=world_size,
+                         hardware_reason=hardware_reason, why_untuned=why_untuned)
         self.args, self.lagom_options = args, options
-        self.cp = workload.parallel.cp
+        self.cp = int(getattr(args, "context_parallel_size", 1) or 1)
         self.group_options: dict[str, Any] = {}  # megatron pg_name -> options this adapter gave its group
         self._restore: list[tuple[Any, str, Any]] = []
         self._user_comm_warned: set[str] = set()
@@ -73,9 +74,14 @@ class Session(TuningSession):
 
     @classmethod
     def start_for(cls, args: argparse.Namespace, options: LagomOptions) -> "Session":
-        workload = workload_from_args(args)
-        hw, reason = _hardware(options, workload)
-        session = cls(args, options, workload, hw, reason)
+        """The session for these arguments; a job Lagom cannot describe runs on Megatron's settings, recorded."""
+        try:
+            workload = workload_from_args(args)
+        except ConfigError as err:  # Megatron accepted the job: Lagom must not fail it
+            session = cls(args, options, None, None, why_untuned=f"{err}. Megatron keeps its own settings")
+        else:
+            hw, reason = _hardware(options, workload)
+            session = cls(args, options, workload, hw, reason)
         session.start()
         session.interceptor = Interceptor(session.runtime.recorder, session.router)
         session._install()

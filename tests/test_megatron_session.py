@@ -115,3 +115,34 @@ def test_report_and_megatron_writers(session, tmp_path: Path) -> None:
     assert any(c[0] == "text" and c[1] == "lagom/report" and c[2] == md for c in tb.calls)
     assert wb.calls == [("log", {"lagom/measured_step_ms": data["measured"]["tuned_step_ms"],
                                  "lagom/predicted_gain": data["predicted"]["gain"]}, 7)]
+
+
+def test_lagom_alone_detects_the_hardware(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """`--lagom` with no hardware and no plan: the session assumes a profile for this job's layout and says why."""
+    monkeypatch.chdir(tmp_path)
+    args = job_args(lagom_hardware=None, tp_comm_overlap=False)
+    s = hooks.setup(args)
+    try:
+        assert s is not None and s.plan is not None and s.hw is not None
+        assert s.hw.cluster.world_size == 2 and s.hardware_reason
+        assert s.report()["hardware_reason"] == s.hardware_reason
+    finally:
+        hooks.setup(argparse.Namespace(lagom=False))
+
+
+def test_a_job_lagom_cannot_describe_runs_on_megatrons_settings(monkeypatch: pytest.MonkeyPatch,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    from megatron.training import training
+
+    monkeypatch.setattr(training, "train_step", lambda *args, iteration=None, **kwargs: "out")
+    caplog.set_level(logging.WARNING)
+    args = job_args(padded_vocab_size=None, vocab_size=None, tp_comm_overlap=False)
+    s = hooks.setup(args)
+    try:
+        assert s is not None and s.plan is None and s.workload is None
+        assert args.ddp_bucket_size == 20000, "nothing of Megatron's was changed"
+        assert "Lagom only records this job: --vocab-size" in caplog.text
+        assert training.train_step(iteration=1) == "out"
+        assert s.report()["why_untuned"].startswith("--vocab-size")
+    finally:
+        hooks.setup(argparse.Namespace(lagom=False))
