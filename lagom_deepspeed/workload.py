@@ -36,9 +36,8 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from lagom import points
+from lagom.points import rank_params
 from lagom.errors import ConfigError
-from lagom.hardware import Hardware
 from lagom.workload import (
     Framework,
     Model,
@@ -276,15 +275,6 @@ def engine_settings(cfg: dict[str, Any], dp: int) -> EngineSettings:
                           knobs=_knobs(ds.zero_config))
 
 
-def implied_params(wl: Workload) -> int:
-    """Parameters one tensor-parallel rank holds over all pipeline stages, by the step graph's own
-    per-layer count (lagom.points), plus the embedding: the quantity ``model_params`` counts."""
-    builder = points._StepBuilder(wl, Hardware())  # the per-layer count reads the layout, not the machine
-    layers = sum(sum(builder.layer_params(kind, idx))
-                 for stage in range(wl.parallel.pp) for idx, kind in points._stage_layers(wl, stage))
-    return round(layers + wl.model.vocab * wl.model.hidden / wl.parallel.tp)
-
-
 def _pick(name: str, hf: int, seen: int, source: str, notes: list[str]) -> int:
     if hf:
         notes.append(f"model.{name}={hf} from model.config")
@@ -380,7 +370,7 @@ def describe(model: torch.nn.Module, ds_config: dict[str, Any], world_size: int,
                                f"the model's shape as inferred fails Lagom's check of {err.key}: {err.problem}")
             return Derived(None, counted, 0, largest, notes, [],
                            f"Lagom's workload check refuses {err.key} ({err.problem}) for this job")
-        return Derived(wl, counted, implied_params(wl), largest, notes)
+        return Derived(wl, counted, rank_params(wl), largest, notes)
 
     if isinstance(overrides, str):
         try:

@@ -16,11 +16,12 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from lagom.errors import ConfigError
 from lagom.plan import Plan, PlanEntry
+from lagom.points import rank_params
 from lagom_deepspeed import initialize
 from lagom_deepspeed.config import BucketPins, parse_section
 from lagom_deepspeed.groups import GroupNames
 from lagom_deepspeed.planning import engine_config
-from lagom_deepspeed.workload import describe, implied_params, zero_knobs
+from lagom_deepspeed.workload import describe, zero_knobs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "deepspeed"))
 from tiny_gpt import TinyGPT
@@ -149,9 +150,9 @@ def test_implied_params_is_the_step_graphs_count() -> None:
     d = describe(TinyGPT(), {"train_micro_batch_size_per_gpu": 2}, world_size=1)
     assert d.workload is not None
     per_layer = 32 * (32 + 2 * 2 * 16) + 32 * 32 + 32 * 128 * 2 + 4 * 32
-    assert d.implied_params == implied_params(d.workload) == 2 * per_layer + 64 * 32
+    assert d.implied_params == rank_params(d.workload) == 2 * per_layer + 64 * 32
     sharded = replace(d.workload, parallel=replace(d.workload.parallel, tp=2, dp=1))
-    assert implied_params(sharded) == 2 * ((per_layer - 4 * 32) // 2 + 4 * 32) + 64 * 32 // 2
+    assert rank_params(sharded) == 2 * ((per_layer - 4 * 32) // 2 + 4 * 32) + 64 * 32 // 2
 
 
 def test_zero_knobs_are_deepspeeds_reading_and_lagoms_defaults_agree() -> None:
