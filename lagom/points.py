@@ -382,6 +382,15 @@ class _StepBuilder:
                 s.comm("head.bwd.ar", Collective.ALL_REDUCE, self.groups["tp"], T * m.hidden * self.b, wait=1)
 
 
+def rank_params(wl: Workload) -> int:
+    """Parameters one tensor-parallel rank holds over all pipeline stages (layers by the step graph's own
+    per-layer count, plus the embedding): what a framework counts on its model, to check a description."""
+    builder = _StepBuilder(wl, Hardware())  # the per-layer count reads the layout, not the machine
+    layers = sum(sum(builder.layer_params(kind, idx))
+                 for stage in range(wl.parallel.pp) for idx, kind in _stage_layers(wl, stage))
+    return round(layers + wl.model.vocab * wl.model.hidden / wl.parallel.tp)
+
+
 def _stage_layers(wl: Workload, stage: int) -> list[tuple[int, str]]:
     """(layer index, kind) of the layers a pipeline stage holds, in forward order."""
     m = wl.model
