@@ -7,6 +7,7 @@ venv:
 	@bash scripts/bootstrap.sh
 
 demo: venv
+	mkdir -p out
 	$(VENV)/bin/lagom reproduce --quick --out out/demo
 
 test: venv

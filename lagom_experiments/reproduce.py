@@ -32,6 +32,7 @@ from lagom.comm_config import CommConfig  # noqa: E402
 from lagom.cost_model import CostModel  # noqa: E402
 from lagom.errors import ConfigError  # noqa: E402
 from lagom.hardware import load_hardware  # noqa: E402
+from lagom.outputs import output_folder  # noqa: E402
 from lagom.plot import timeline  # noqa: E402
 from lagom.points import Collective, ComputeSegment, Group, OverlapPoint, Phase, StepGraph  # noqa: E402
 from lagom.search import Problem, run_strategy  # noqa: E402
@@ -576,8 +577,8 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError("--only", f"no {'quick ' if args.quick else ''}run of {', '.join(sorted(unknown))}",
                               f"use workloads from {', '.join(sorted({r.workload for r in runs}))}")
         runs = [r for r in runs if r.workload in args.only]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = output_folder(args.out, "--out")  # checked before minutes of simulation, not after
+    out.mkdir(exist_ok=True)
     limit = 0 if args.quick else args.exhaustive_limit
     outcomes = simulate_all(runs, limit, args.jobs, console)
     rows = table_rows(outcomes, published)
