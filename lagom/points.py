@@ -350,17 +350,44 @@ class _StepBuilder:
         m = self.wl.model
         return m.architecture == "moe" and idx % m.moe_every == m.moe_every - 1
 
+    def norm_tensors(self) -> list[float]:
+        """A norm's parameters: LayerNorm's weight and bias, RMSNorm's weight."""
+        return [self.wl.model.hidden] * (1 if self.wl.model.rms_norm else 2)
+
+    def _linear(self, out_f: float, in_f: float, column: bool, expert: bool = False) -> list[tuple[float, bool]]:
+        """Weight (and bias) of a column-parallel (output split over tp) or row-parallel (input split) linear."""
+        tp = self.groups["tp"].size
+        bias = out_f / tp if column else out_f
+        return [(out_f * in_f / tp, expert)] + ([(bias, expert)] if self.wl.model.linear_bias else [])
+
+    def layer_tensors(self, kind: str, idx: int) -> list[tuple[float, bool]]:
+        """(elements one rank holds, expert) of each parameter tensor of a layer, in the order megatron-core
+        registers them (local spec): norm, attention (proj, then qkv), [norm, cross-attention (proj, q,
+        kv)], norm, then the MLP (fc1, fc2) or the MoE (router, each local expert's fc1 and fc2, shared experts)."""
+        m = self.wl.model
+        h, up = m.hidden, 2 if m.gated_mlp else 1
+        kv = 2 * self.kv * self.head_dim
+        norm = [(n, False) for n in self.norm_tensors()]
+        tensors = norm + self._linear(h, h, column=False) + self._linear(h + kv, h, column=True)
+        if kind == "xdec":
+            tensors += norm + self._linear(h, h, column=False) + self._linear(h, h, column=True)
+            tensors += self._linear(kv, h, column=True)
+        tensors += norm
+        if not self.is_moe(idx):
+            return tensors + self._linear(m.ffn * up, h, column=True) + self._linear(h, m.ffn, column=False)
+        tensors.append((m.experts * h, False))  # the router: dense, replicated over tp
+        for _ in range(m.experts // self.wl.parallel.ep):
+            tensors += self._linear(m.moe_ffn * up, h, column=True, expert=True)
+            tensors += self._linear(h, m.moe_ffn, column=False, expert=True)
+        if m.shared_experts:
+            shared = m.shared_experts * m.moe_ffn
+            tensors += self._linear(shared * up, h, column=True) + self._linear(h, shared, column=False)
+        return tensors
+
     def layer_params(self, kind: str, idx: int) -> tuple[float, float]:
         """(dense, expert) parameters of one layer held by one rank (after tp and ep sharding)."""
-        m, tp, ep = self.wl.model, self.groups["tp"].size, self.wl.parallel.ep
-        h, mult = m.hidden, 3 if m.gated_mlp else 2
-        attn = h * (h + 2 * self.kv * self.head_dim) + h * h
-        if kind == "xdec":
-            attn *= 2
-        if not self.is_moe(idx):
-            return (attn + h * m.ffn * mult) / tp + 4 * h, 0.0
-        shared = m.shared_experts * h * m.moe_ffn * mult
-        return (attn + shared) / tp + 4 * h, m.experts / ep * h * m.moe_ffn * mult / tp
+        tensors = self.layer_tensors(kind, idx)
+        return sum(n for n, expert in tensors if not expert), sum(n for n, expert in tensors if expert)
 
     def embedding(self, s: _DeviceStream, backward: bool) -> None:
         self._elementwise(s, f"embed{'.bwd' if backward else ''}", self.tokens * self.wl.model.hidden, rw=2.0)
@@ -415,22 +442,121 @@ def _dp_group(b: _StepBuilder) -> Group:
     return b.groups["dp_cp" if b.wl.parallel.cp > 1 else "dp"]
 
 
-def _data_parallel(b: _StepBuilder, s: _DeviceStream, stage: int, layer_last: dict[int, str]) -> None:
-    """Gradient buckets released as backward finishes their layers (reverse order), needed by the optimizer.
+@dataclass(frozen=True)
+class ParamTensor:
+    """One parameter tensor of a pipeline stage, as megatron-core's DDP lays it out in a gradient buffer."""
 
-    Dense gradients reduce over dp (dp_cp), expert gradients over expt_dp. Megatron keeps one bucket
-    when it does not overlap the reduction and on every pipeline stage but the first (megatron-core 0.19).
+    numel: int  # elements this rank holds
+    seq: int  # position in registration order (model.parameters()); backward produces gradients in reverse
+    ready: int | str  # the backward block that completes its gradient: a layer index, "head" or "embed"
+    expert: bool = False
+    shared_embedding: bool = False  # the word embedding tied to the output layer across stages: own bucket
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One gradient bucket: its elements (padding included) and the tensor that completes it."""
+
+    numel: int
+    ready: int | str
+    seq: int
+
+
+def stage_tensors(b: _StepBuilder, stage: int) -> list[ParamTensor]:
+    """The parameter tensors a pipeline stage holds, in megatron-core's registration order (GPTModel):
+    word and position embeddings (first stage), the layers, the final norm and the output layer (last
+    stage; its own weight when untied, the tied copy when the stages differ)."""
+    m, p = b.wl.model, b.wl.parallel
+    word = m.vocab * m.hidden / b.groups["tp"].size
+    tied_across_stages = p.pp > 1 and not m.untied_embeddings
+    listed: list[tuple[float, int | str, bool, bool]] = []  # (numel, ready, expert, shared_embedding)
+    if stage == 0:
+        listed.append((word, "embed", False, tied_across_stages))
+        if m.position_embeddings:
+            listed.append((m.position_embeddings * m.hidden, "embed", False, False))
+    for idx, kind in _stage_layers(b.wl, stage):
+        listed += [(numel, idx, expert, False) for numel, expert in b.layer_tensors(kind, idx)]
+    if stage == p.pp - 1:
+        listed += [(numel, "head", False, False) for numel in b.norm_tensors()]
+        if m.untied_embeddings or p.pp > 1:
+            listed.append((word, "head", False, tied_across_stages))
+    return [ParamTensor(math.ceil(numel), seq, ready, expert, shared)
+            for seq, (numel, ready, expert, shared) in enumerate(listed)]
+
+
+def megatron_buckets(tensors: list[ParamTensor], bucket_elems: int | None, dp: int, distributed_optimizer: bool,
+                     pad_for_busbw: bool = False) -> list[Bucket]:
+    """The buckets megatron-core 0.19 DDP cuts one gradient buffer into (param_and_grad_buffer.py).
+
+    Tensors go in reverse registration order; a bucket closes once it holds ``bucket_elems`` or more
+    (None: one bucket). The distributed optimizer's layout also starts every tensor on a 64-element
+    boundary, ends every bucket on a multiple of lcm(dp, 128) (and of 2^16 with ``pad_for_busbw``) so
+    it shards evenly, and gives a shared embedding a bucket of its own.
+    """
+    divisor = math.lcm(dp, 128, 2**16) if pad_for_busbw else math.lcm(dp, 128)
+    buckets: list[Bucket] = []
+    start = position = end = 0
+    last: ParamTensor | None = None  # the latest tensor of the open bucket
+
+    def close(at: int) -> None:
+        nonlocal start, position, last
+        if distributed_optimizer:
+            at = math.ceil(at / divisor) * divisor
+        buckets.append(Bucket(at - start, last.ready, last.seq))  # type: ignore[union-attr]
+        start = position = at
+        last = None
+
+    for tensor in reversed(tensors):
+        if distributed_optimizer:
+            position = math.ceil(position / 64) * 64
+            if tensor.shared_embedding and last is not None:
+                close(position)
+        end = position + tensor.numel
+        last = tensor
+        if (bucket_elems is not None and end - start >= bucket_elems) or (distributed_optimizer and tensor.shared_embedding):
+            close(end)
+        else:
+            position = end
+    if last is not None:
+        close(end)
+    return buckets
+
+
+def _megatron_buckets(b: _StepBuilder, stage: int) -> list[tuple[Group, str, Bucket]]:
+    """Every gradient bucket of a stage in the order backward completes them: (group, name suffix, bucket).
+
+    Dense gradients reduce over dp (dp_cp); with ep > 1 expert gradients have a buffer of their own,
+    reduced over expt_dp. Megatron keeps one bucket when it does not overlap the reduction and on
+    every pipeline stage but the first.
     """
     wl, p = b.wl, b.wl.parallel
-    layers = _stage_layers(wl, stage)
+    one_bucket = not wl.framework.overlap_grad_reduce or stage > 0
+    bucket_elems = None if one_bucket else wl.ddp_bucket_elems
+    tensors = stage_tensors(b, stage)
+    split = p.ep > 1
+    buffers = [(_dp_group(b), "", [t for t in tensors if not (split and t.expert)])]
+    if split:
+        buffers.append((b.groups["expt_dp"], ".expert", [t for t in tensors if t.expert]))
+    out = [(group, suffix, bucket) for group, suffix, held in buffers if held
+           for bucket in megatron_buckets(held, bucket_elems, group.size, p.distributed_optimizer,
+                                          wl.framework.pad_buckets_for_high_nccl_busbw)]
+    return sorted(out, key=lambda item: -item[2].seq)
+
+
+def _data_parallel(b: _StepBuilder, s: _DeviceStream, stage: int, ready: dict[int | str, str]) -> None:
+    """Gradient buckets released as backward completes them (reverse order), needed by the optimizer.
+
+    ``ready``: the last segment of each layer's (and the head's and embedding's) backward.
+    """
+    wl, p = b.wl, b.wl.parallel
     if wl.framework.name == "megatron":
-        one_bucket = not wl.framework.overlap_grad_reduce or stage > 0
-        bucket_elems = math.inf if one_bucket else wl.ddp_bucket_elems
         coll = Collective.REDUCE_SCATTER if p.distributed_optimizer else Collective.ALL_REDUCE
-    else:  # DeepSpeed 0.19 all-reduces the stage 0-2 gradient buckets (seen on its communication backend)
-        bucket_elems = wl.framework.reduce_bucket_size
-        coll = Collective.ALL_REDUCE
-    overlap = wl.framework.overlap_grad_reduce if wl.framework.name == "megatron" else wl.framework.overlap_comm
+        for n, (group, suffix, bucket) in enumerate(_megatron_buckets(b, stage)):
+            s.comm(f"grad.bucket{n}{suffix}", coll, group, bucket.numel * b.grad_b, wait=None,
+                   after=ready[bucket.ready] if wl.framework.overlap_grad_reduce else s.last)
+        return
+    # DeepSpeed 0.19 all-reduces the stage 0-2 gradient buckets (seen on its communication backend)
+    layers = _stage_layers(wl, stage)
     groups = {"dense": _dp_group(b), "expert": b.groups.get("expt_dp", _dp_group(b))}
     pending = {"dense": 0.0, "expert": 0.0}
     count = 0
@@ -441,25 +567,22 @@ def _data_parallel(b: _StepBuilder, s: _DeviceStream, stage: int, layer_last: di
         pending["dense"] += dense + (wl.model.vocab * wl.model.hidden / b.groups["tp"].size if embedding else 0.0)
         pending["expert"] += expert
         for part, group in groups.items():
-            if pending[part] and (pending[part] >= bucket_elems or pos == len(order) - 1):
-                s.comm(f"grad.bucket{count}{'.expert' if part == 'expert' else ''}", coll, group,
-                       pending[part] * b.grad_b, wait=None, after=layer_last[idx] if overlap else s.last)
+            if pending[part] and (pending[part] >= wl.framework.reduce_bucket_size or pos == len(order) - 1):
+                s.comm(f"grad.bucket{count}{'.expert' if part == 'expert' else ''}", Collective.ALL_REDUCE, group,
+                       pending[part] * b.grad_b, wait=None, after=ready[idx] if wl.framework.overlap_comm else s.last)
                 pending[part], count = 0.0, count + 1
 
 
-def _optimizer(b: _StepBuilder, s: _DeviceStream, stage_params: float) -> None:
+def _optimizer(b: _StepBuilder, s: _DeviceStream, stage: int, stage_params: float) -> None:
     p, wl = b.wl.parallel, b.wl
     dp = _dp_group(b)
     shard = dp.size if (p.distributed_optimizer or p.zero_stage >= 1 or p.fsdp) else 1
     s.seg("optimizer", 0.0, stage_params / shard * 16 * 2, stage_params / shard / 1024)
-    if (p.distributed_optimizer or p.zero_stage in (1, 2)) and dp.size > 1:
-        # megatron gathers per bucket; DeepSpeed 0.19 gathers the whole partitioned buffer in one call
-        bucket = stage_params if wl.framework.name == "deepspeed" else wl.ddp_bucket_elems
-        left, n = stage_params, 0
-        while left > 0:
-            chunk = min(bucket, left)
-            s.comm(f"param.ag{n}", Collective.ALL_GATHER, dp, chunk * b.b, wait=None)
-            left, n = left - chunk, n + 1
+    if p.distributed_optimizer:  # megatron gathers the updated parameters bucket by bucket
+        for n, (group, suffix, bucket) in enumerate(_megatron_buckets(b, stage)):
+            s.comm(f"param.ag{n}{suffix}", Collective.ALL_GATHER, group, bucket.numel * b.b, wait=None)
+    elif p.zero_stage in (1, 2):  # DeepSpeed 0.19 gathers the whole partitioned buffer in one call
+        s.comm("param.ag0", Collective.ALL_GATHER, dp, stage_params * b.b, wait=None)
 
 
 def points_for(wl: Workload, hw: Hardware) -> StepGraph:
@@ -471,12 +594,15 @@ def points_for(wl: Workload, hw: Hardware) -> StepGraph:
     m = wl.microbatches
     phases: list[Phase] = []
 
-    def micro(s: _DeviceStream, stage: int, backward: bool, with_grads: bool, layer_last: dict[int, str]) -> _Block:
+    def micro(s: _DeviceStream, stage: int, backward: bool, with_grads: bool, ready: dict[int | str, str]) -> _Block:
+        """One micro-batch's forward or backward on a stage; ``ready`` gets the last segment of each layer
+        (and, in backward, of the head and the embedding): where the gradients of their tensors are complete."""
         layers = _stage_layers(wl, stage)
         first_idx = len(s.segments)
         seq = list(reversed(layers)) if backward else layers
         if stage == p.pp - 1 and backward:
             b.head(s, True)
+            ready["head"] = s.last  # type: ignore[assignment]
         if stage == 0 and not backward:
             b.embedding(s, False)
         release = s.last  # ZeRO-3 prefetch: a layer's gather is released when the layer before it starts
@@ -487,32 +613,30 @@ def points_for(wl: Workload, hw: Hardware) -> StepGraph:
                        params * b.b, wait=1, after=release)
             release = s.last
             b.layer(s, idx, kind, backward)
-            layer_last[idx] = s.last  # type: ignore[assignment]
+            ready[idx] = s.last  # type: ignore[assignment]
             if sharded_params and backward and with_grads:
                 s.comm(f"L{idx}.grad_rs", Collective.REDUCE_SCATTER, b.groups["dp"], params * b.grad_b, wait=None)
         if stage == p.pp - 1 and not backward:
             b.head(s, False)
         if stage == 0 and backward:
             b.embedding(s, True)
+            ready["embed"] = s.last  # type: ignore[assignment]
         return _Block(s.segments[first_idx].name, s.last)  # type: ignore[arg-type]
 
     def stage_params(stage: int) -> float:
-        total = sum(sum(b.layer_params(k, i)) for i, k in _stage_layers(wl, stage))
-        if stage in (0, p.pp - 1):
-            total += wl.model.vocab * wl.model.hidden / b.groups["tp"].size
-        return total
+        return float(sum(t.numel for t in stage_tensors(b, stage)))
 
     if p.pp == 1:
-        layer_last: dict[int, str] = {}
+        ready: dict[int | str, str] = {}
 
         def one_micro(name: str, grads: bool, repeat: int) -> None:
             s = _DeviceStream(0, name, f"{name}.")
-            micro(s, 0, False, grads, layer_last)
-            micro(s, 0, True, grads, layer_last)
+            micro(s, 0, False, grads, ready)
+            micro(s, 0, True, grads, ready)
             if grads and not sharded_params:
-                _data_parallel(b, s, 0, layer_last)
+                _data_parallel(b, s, 0, ready)
             if name == "last":
-                _optimizer(b, s, stage_params(0))
+                _optimizer(b, s, 0, stage_params(0))
             phases.append(Phase(name, repeat, {0: s.segments}, s.points))
 
         if m > 1:
@@ -545,16 +669,16 @@ def _pipeline_phase(b: _StepBuilder, wl: Workload, micro, stage_params) -> Phase
                 f_next += 1
             order.append(("B", b_next))
             b_next += 1
-        layer_last: dict[int, str] = {}
+        ready: dict[int | str, str] = {}
         for kind, i in order:
             s.prefix = f"s{st}.mb{i}."
             last_b = kind == "B" and i == m - 1
-            block = micro(s, st, kind == "B", last_b or p.fsdp or p.zero_stage >= 2, layer_last)
+            block = micro(s, st, kind == "B", last_b or p.fsdp or p.zero_stage >= 2, ready)
             (fwd if kind == "F" else bwd)[(st, i)] = block
         s.prefix = f"s{st}."
         if not (p.fsdp or p.zero_stage == 3):  # sharded parameters reduce-scatter per layer instead
-            _data_parallel(b, s, st, layer_last)
-        _optimizer(b, s, stage_params(st))
+            _data_parallel(b, s, st, ready)
+        _optimizer(b, s, st, stage_params(st))
     sends: list[OverlapPoint] = []
     for st in range(p.pp - 1):
         for i in range(m):

@@ -1,5 +1,8 @@
 """A Lagom Workload read off Megatron's parsed arguments, so a plan is fingerprinted against the real job.
 
+Besides the layout, it carries what decides megatron-core's gradient buckets (biases, norms, position
+embeddings, tied output layer, bucket padding), so the modelled buckets have the job's sizes.
+
 Two runs with the same model, batch and layout get the same fingerprint (and so reuse a cached or
 saved plan); changing any of them makes a saved plan refuse to load, naming the mismatch.
 """
@@ -50,6 +53,13 @@ def _padded_vocab(args: argparse.Namespace, tp: int) -> int:
     return int(math.ceil(vocab / multiple) * multiple)
 
 
+def _position_rows(args: argparse.Namespace) -> int:
+    """Rows of the learned position-embedding table (megatron's default learned_absolute); 0 for rope and others."""
+    if _get(args, "position_embedding_type", "learned_absolute") != "learned_absolute":
+        return 0
+    return _get(args, "max_position_embeddings") or args.seq_length
+
+
 def _moe_every(freq) -> int:
     """Megatron's --moe-layer-freq is an int period or a 0/1 pattern per layer."""
     if isinstance(freq, int):
@@ -93,6 +103,9 @@ def workload_from_args(args: argparse.Namespace, script: str | None = None) -> W
         experts=experts, top_k=_get(args, "moe_router_topk", 0) if experts else 0, moe_ffn=moe_ffn,
         shared_experts=shared // moe_ffn if experts and shared else 0,
         moe_every=_moe_every(_get(args, "moe_layer_freq", 1)) if experts else 1,
+        linear_bias=bool(_get(args, "add_bias_linear", True)), rms_norm=_get(args, "normalization", "LayerNorm") == "RMSNorm",
+        position_embeddings=_position_rows(args),
+        untied_embeddings=bool(_get(args, "untie_embeddings_and_output_weights", False)),
     )
     training = Training(micro_batch=micro, global_batch=_get(args, "global_batch_size", micro * dp),
                         dtype=dtype, grad_dtype=grad_dtype)
@@ -100,7 +113,8 @@ def workload_from_args(args: argparse.Namespace, script: str | None = None) -> W
                         distributed_optimizer=bool(_get(args, "use_distributed_optimizer", False)))
     framework = Framework(name="megatron", bucket_size=_get(args, "ddp_bucket_size"),
                           overlap_grad_reduce=bool(_get(args, "overlap_grad_reduce", False)),
-                          overlap_param_gather=bool(_get(args, "overlap_param_gather", False)))
+                          overlap_param_gather=bool(_get(args, "overlap_param_gather", False)),
+                          pad_buckets_for_high_nccl_busbw=bool(_get(args, "ddp_pad_buckets_for_high_nccl_busbw", False)))
     layout = f"dp{dp}-tp{tp}-pp{pp}" + (f"-cp{cp}" if cp > 1 else "") + (f"-ep{ep}" if ep > 1 else "")
     wl = Workload(name=f"megatron-{arch}-{model.layers}x{model.hidden}-{layout}",
                   description=f"derived from Megatron arguments ({world} ranks)",

@@ -36,8 +36,8 @@ def test_data_parallel_buckets_cover_every_parameter_once(tmp_path):
     assert all(p.phase == "last" and p.collective == Collective.ALL_REDUCE and p.group.name == "dp" for p in buckets)
     h, ffn, vocab = 256, 1024, 1024
     per_layer = (h * 3 * h + h * h + 2 * h * ffn) / 2 + 4 * h  # tp=2 shards the linears; norms replicated
-    expected = (2 * per_layer + vocab * h / 2) * 4  # fp32 gradients
-    assert abs(sum(p.bytes for p in buckets) - expected) <= len(buckets)  # int() per bucket
+    expected = (2 * per_layer + vocab * h / 2 + 2 * h) * 4  # the final norm; fp32 gradients
+    assert sum(p.bytes for p in buckets) == expected  # no distributed optimizer: no padding
     assert len(buckets) >= 2 and all(p.after is not None and p.before is None for p in buckets)
 
 
@@ -115,3 +115,26 @@ def test_moe_gradients_split_dense_over_dp_and_experts_over_expt_dp(tmp_path):
     graph = points_for(wl1, hw1)  # ep = 1: experts replicated, no all-to-all, expert grads with the dense ones
     assert not [p for p in graph.points if p.collective == Collective.ALL_TO_ALL]
     assert {p.group.name for p in graph.points if "grad.bucket" in p.name} == {"dp"}
+
+
+def test_megatron_bucket_layout_rules_by_hand():
+    """megatron-core 0.19's layout on four tensors (registration order), computed by hand."""
+    from lagom.points import Bucket, ParamTensor, megatron_buckets
+
+    tensors = [ParamTensor(100, 0, "embed"), ParamTensor(30, 1, 0), ParamTensor(70, 2, 1), ParamTensor(50, 3, 1)]
+
+    def sizes(buckets: list[Bucket]) -> list[int]:
+        return [bucket.numel for bucket in buckets]
+
+    # reverse order, a bucket closes at >= 100 elements: 50+70, then 30+100; no padding without the optimizer
+    assert megatron_buckets(tensors, 100, 4, False) == [Bucket(120, 1, 2), Bucket(130, "embed", 0)]
+    assert sizes(megatron_buckets(tensors, None, 4, False)) == [250]  # no overlap / later pipeline stage
+    # distributed optimizer: tensors start on 64-element boundaries, buckets end on multiples of lcm(dp, 128)
+    assert sizes(megatron_buckets(tensors, 100, 4, True)) == [256, 256]  # 50 @0, 70 @64 -> 134 -> 256; 30, 100 @320 -> 420 -> 512
+    assert sizes(megatron_buckets(tensors, 100, 3, True)) == [384, 384]  # lcm(3, 128) = 384
+    assert sizes(megatron_buckets(tensors, 100, 4, True, pad_for_busbw=True)) == [2**16, 2**16]
+    # a shared (tied, pipelined) embedding closes the open bucket and gets one of its own
+    shared = [ParamTensor(100, 0, "embed", shared_embedding=True), *tensors[1:]]
+    assert sizes(megatron_buckets(shared, 100, 4, True)) == [256, 128, 128]  # 30 @256 closes at 320 -> 384
+    assert sizes(megatron_buckets(shared, None, 4, True)) == [256, 128]
+    assert sizes(megatron_buckets(shared, 100, 4, False)) == [120, 130]  # only the optimizer's layout splits it
