@@ -1,10 +1,12 @@
-"""megatron-core DDP (overlapped gradient buckets, with and without the distributed optimizer) under a
-Lagom session on 2 gloo ranks: the process groups get the plan's options, every bucket collective is
-recorded with its real size, and the parameters after the steps equal a run without Lagom."""
+"""megatron-core's GPTModel under megatron-core DDP (overlapped gradient buckets, with and without the
+distributed optimizer) and a Lagom session on 2 gloo ranks: the process groups get the plan's options,
+every bucket collective is recorded with its real size and matched to the plan's key, and the parameters
+after the steps equal a run without Lagom."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from pathlib import Path
 
@@ -12,7 +14,7 @@ import torch
 
 from tests.distributed import run_ranks
 
-HIDDEN, FFN, LAYERS, STEPS, LR = 16, 64, 2, 3, 0.1
+HIDDEN, FFN, LAYERS, HEADS, SEQ, VOCAB, STEPS, LR = 16, 64, 2, 4, 8, 128, 3, 0.1
 HARDWARE = Path(__file__).resolve().parent.parent / "examples" / "megatron" / "cpu-2ranks.yaml"  # 2 ranks, A100-like
 BUCKET = 1500  # elements: several buckets, several bucket groups
 
@@ -23,11 +25,19 @@ def cpu_megatron() -> None:
     torch.cuda.current_stream = lambda *args, **kwargs: None
 
 
+def cpu_attention() -> None:
+    """megatron-core's attention draws its dropout under the CUDA RNG tracker; without dropout it needs none."""
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
+
+
 def job_args(world: int, report: Path) -> argparse.Namespace:
     """The Megatron arguments Lagom reads (a subset of what megatron's parser produces)."""
     return argparse.Namespace(
-        num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=4, seq_length=8,
-        micro_batch_size=2, global_batch_size=2 * world, padded_vocab_size=128, world_size=world, rank=0,
+        num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=HEADS, seq_length=SEQ,
+        max_position_embeddings=SEQ, micro_batch_size=2, global_batch_size=2 * world, padded_vocab_size=VOCAB,
+        world_size=world, rank=0,
         tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
         expert_model_parallel_size=1, use_distributed_optimizer=True, overlap_grad_reduce=True,
         ddp_bucket_size=BUCKET, ddp_num_buckets=None, tp_comm_overlap=False, lagom=True, lagom_plan=None,
@@ -35,35 +45,19 @@ def job_args(world: int, report: Path) -> argparse.Namespace:
         lagom_tune_iters=2, lagom_report=str(report), lagom_flash_overlap=False)
 
 
-class Stack(torch.nn.Module):
-    """LAYERS x (column-parallel -> relu -> row-parallel), megatron-core's linears."""
-
-    def __init__(self, config) -> None:
-        from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-
-        super().__init__()
-        self.config = config
-        self.layers = torch.nn.ModuleList()
-        for _ in range(LAYERS):
-            self.layers.append(ColumnParallelLinear(HIDDEN, FFN, config=config, init_method=torch.nn.init.xavier_normal_,
-                                                    bias=True, gather_output=False))
-            self.layers.append(RowParallelLinear(FFN, HIDDEN, config=config, init_method=torch.nn.init.xavier_normal_,
-                                                 bias=True, input_is_parallel=True, skip_bias_add=False))
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        for i in range(0, len(self.layers), 2):
-            h = self.layers[i + 1](torch.relu(self.layers[i](h)[0]))[0]
-        return h
-
-
 def build(dist_opt: bool):
+    """GPTModel with megatron's default layout (biases, LayerNorm, learned positions, tied output layer)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
     torch.manual_seed(0)
-    config = TransformerConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=4,
-                               use_cpu_initialization=True, params_dtype=torch.float32)
-    model = Stack(config)
+    config = TransformerConfig(num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=HEADS,
+                               use_cpu_initialization=True, params_dtype=torch.float32, hidden_dropout=0.0,
+                               attention_dropout=0.0)
+    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=VOCAB, max_sequence_length=SEQ,
+                     share_embeddings_and_output_weights=True)
     ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=True, use_distributed_optimizer=dist_opt,
                                                bucket_size=BUCKET)
     return model, DistributedDataParallel(config, ddp_config, model)
@@ -73,11 +67,14 @@ def train(rank: int, world: int, dist_opt: bool, session=None) -> tuple[list[tor
     """STEPS of SGD; returns the parameters and, per bucket group, its buckets' gradient buffer sizes."""
     model, ddp = build(dist_opt)
     data = torch.Generator().manual_seed(100 + rank)
+    positions = torch.arange(SEQ).expand(2, SEQ)
+    causal = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)  # True: masked out
     for step in range(STEPS):
         if session:
             session.step_begin(step)
         ddp.zero_grad_buffer()
-        ddp(torch.randn(8, 2, HIDDEN, generator=data)).pow(2).mean().backward()
+        tokens = torch.randint(0, VOCAB, (2, SEQ), generator=data)
+        ddp(tokens, positions, causal).pow(2).mean().backward()
         ddp.finish_grad_sync()
         with torch.no_grad():
             if dist_opt:  # each rank updates its shard of every bucket, then the shards are all-gathered
@@ -97,6 +94,7 @@ def train(rank: int, world: int, dist_opt: bool, session=None) -> tuple[list[tor
 
 def ddp_rank(rank: int, world: int, report: Path) -> dict:
     cpu_megatron()
+    cpu_attention()
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -171,4 +169,6 @@ def test_ddp_buckets_are_recorded_and_training_is_unchanged(tmp_path: Path) -> N
     assert report["mode"] == "offline" and report["points"] and report["measured"]["tuned_steps"] >= 2
     # the plan is for the distributed optimizer's reduce-scatter / all-gather; the all-reduce run is not in it
     assert {p["collective"] for p in report["points"] if p["measured_calls_per_step"] > 0} == {"reduce_scatter", "all_gather"}
+    # every planned bucket key is one the job runs (the modelled buckets are megatron's), and no bucket is unplanned
+    assert all(p["measured_calls_per_step"] > 0 for p in report["points"])
     assert report["unplanned_calls"] and all("/all_reduce/" in key for key in report["unplanned_calls"])

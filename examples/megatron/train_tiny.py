@@ -1,9 +1,10 @@
-"""A few training steps of a small model built from megatron-core parts, on CPU gloo ranks, with --lagom.
+"""A few training steps of megatron-core's GPTModel, on CPU gloo ranks, with --lagom.
 
 Megatron's own argument parsing (with the --lagom flags), megatron-core's process groups (their NCCL
-options routed through the plan), tensor-parallel linears, DDP with overlapped gradient buckets and
-the distributed optimizer's reduce-scatter / all-gather; Lagom records every collective, tunes
-online and writes its report. Run on 2 CPU ranks (no GPU needed):
+options routed through the plan), the GPT model pretrain_gpt.py builds (local layer spec), DDP with
+overlapped gradient buckets and the distributed optimizer's reduce-scatter / all-gather; Lagom
+records every collective (the buckets have the sizes its plan models), tunes online and writes its
+report. Run on 2 CPU ranks (no GPU needed):
 
     torchrun --standalone --nproc-per-node 2 -m lagom_megatron.run examples/megatron/train_tiny.py \\
         --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 \\
@@ -20,45 +21,40 @@ megatron-core's optimizers allocate on CUDA; its update is the same on every dat
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
 
 def cpu_only() -> None:
-    """megatron-core asks torch.cuda for the device and stream it allocates on; on CPU both are the host."""
+    """megatron-core asks torch.cuda for the device and stream it allocates on (on CPU both are the host), and
+    draws attention dropout under its CUDA RNG tracker (on CPU torch's own generator does)."""
     if not torch.cuda.is_available():
+        from megatron.core import tensor_parallel
+
         torch.cuda.current_device = lambda: "cpu"
         torch.cuda.current_stream = lambda *args, **kwargs: None
+        tensor_parallel.get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
 
 
-class Block(torch.nn.Module):
-    """h -> h + W2 gelu(W1 h): a transformer MLP as megatron-core's column- and row-parallel linears."""
+def gpt_model(args):
+    """The GPTModel Megatron-LM's pretrain_gpt.py builds from these arguments, with megatron-core's own layers."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
 
-    def __init__(self, config, hidden: int, ffn: int) -> None:
-        from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-
-        super().__init__()
-        init = torch.nn.init.xavier_normal_
-        self.fc1 = ColumnParallelLinear(hidden, ffn, config=config, init_method=init, bias=True, gather_output=False)
-        self.fc2 = RowParallelLinear(ffn, hidden, config=config, init_method=init, bias=True, input_is_parallel=True,
-                                     skip_bias_add=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h, _ = self.fc1(x)
-        out, _ = self.fc2(torch.nn.functional.gelu(h))
-        return x + out
-
-
-class Tiny(torch.nn.Module):
-    def __init__(self, config, layers: int, hidden: int, ffn: int) -> None:
-        super().__init__()
-        self.config = config
-        self.blocks = torch.nn.ModuleList(Block(config, hidden, ffn) for _ in range(layers))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x
+    config = TransformerConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                               ffn_hidden_size=args.ffn_hidden_size, num_attention_heads=args.num_attention_heads,
+                               hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+                               add_bias_linear=args.add_bias_linear, use_cpu_initialization=True,
+                               params_dtype=torch.float32, sequence_parallel=args.sequence_parallel,
+                               tensor_model_parallel_size=args.tensor_model_parallel_size)
+    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=args.padded_vocab_size,
+                     max_sequence_length=args.max_position_embeddings,
+                     share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                     position_embedding_type=args.position_embedding_type)
+    return config, model
 
 
 def sgd_step(ddp, model: torch.nn.Module, lr: float, distributed_optimizer: bool) -> None:
@@ -81,7 +77,6 @@ def main() -> None:
     cpu_only()
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel
-    from megatron.core.transformer import TransformerConfig
     from megatron.training.arguments import parse_and_validate_args
     from megatron.training.training import get_megatron_ddp_config
 
@@ -91,22 +86,22 @@ def main() -> None:
     dist.init_process_group(args.distributed_backend)
     parallel_state.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     torch.manual_seed(args.seed)
-    config = TransformerConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                               num_attention_heads=args.num_attention_heads, use_cpu_initialization=True,
-                               params_dtype=torch.float32, sequence_parallel=args.sequence_parallel,
-                               tensor_model_parallel_size=args.tensor_model_parallel_size)
-    model = Tiny(config, args.num_layers, args.hidden_size, args.ffn_hidden_size)
+    config, model = gpt_model(args)
     ddp = DistributedDataParallel(config, get_megatron_ddp_config(args), model)  # bucket size from the plan
     session = current()
     data = torch.Generator().manual_seed(1000 + dist.get_rank())
-    teacher = torch.Generator().manual_seed(7)
-    target_map = torch.randn(args.hidden_size, args.hidden_size, generator=teacher) / args.hidden_size ** 0.5
+    batch, seq = args.micro_batch_size, args.seq_length
+    positions = torch.arange(seq).expand(batch, seq)
+    causal = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool), diagonal=1)  # True: masked out
+    period = torch.randint(0, args.vocab_size, (7,), generator=torch.Generator().manual_seed(7))
     for iteration in range(args.train_iters):
         if session:
             session.step_begin(iteration)
         ddp.zero_grad_buffer()
-        x = torch.randn(args.seq_length, args.micro_batch_size, args.hidden_size, generator=data)
-        loss = torch.nn.functional.mse_loss(ddp(x), x @ target_map)
+        # a periodic token stream: each token predicts the next, which the model can learn
+        starts = torch.randint(0, len(period), (batch, 1), generator=data)
+        stream = period[(starts + torch.arange(seq + 1)) % len(period)]
+        loss = ddp(stream[:, :-1], positions, causal, labels=stream[:, 1:]).mean()
         loss.backward()
         ddp.finish_grad_sync()
         sgd_step(ddp, model, args.lr, args.use_distributed_optimizer)
