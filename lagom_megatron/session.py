@@ -26,7 +26,7 @@ from lagom.runtime.session import KnobChange, SessionOptions, TuningSession, cho
 from lagom.tune import make_plan, problem_for
 from lagom.simulator import simulate
 from lagom.workload import Workload
-from lagom_megatron.arguments import LagomOptions
+from lagom_megatron.arguments import LagomOptions, flash_overlap_blockers
 from lagom_megatron.groups import megatron_pg_names
 from lagom_megatron.intercept import Interceptor
 from lagom_megatron.workload import workload_from_args
@@ -96,11 +96,7 @@ class Session(TuningSession):
         self._apply_te(plan)
         for group, cfg in sorted(emit.communicator_configs(plan).items()):
             self.applied_at_start.append(KnobChange(f"nccl_comm_cfgs.{group}", None, cfg, f"plan ({plan.strategy})"))
-        decomposed = [e.key for e in plan.entries if e.config.decomposition == "p2p"]
-        if decomposed and not self.options.flash_overlap:
-            self.event(f"the plan decomposes {len(decomposed)} TP points ({', '.join(decomposed[:3])}); pass "
-                       "--lagom-flash-overlap to run them with Flash-Overlap, they run as collectives now",
-                       level=logging.WARNING)
+        self._flash_hint(plan)
 
     def _apply_buckets(self, plan: Plan) -> None:
         bucket = plan.framework.get("megatron", {}).get("bucket_size")
@@ -239,10 +235,19 @@ class Session(TuningSession):
 
     def step_end(self) -> None:
         plan = self.end_step()
-        if plan is not None and not self.options.flash_overlap and any(
-                e.config.decomposition == "p2p" for e in plan.entries):
-            self.event("the online plan decomposes TP points; pass --lagom-flash-overlap to run them with "
-                       "Flash-Overlap", level=logging.WARNING)
+        if plan is not None:
+            self._flash_hint(plan)
+
+    def _flash_hint(self, plan: Plan) -> None:
+        """Say once per plan when it decomposes TP points that will run as collectives, and what would let them."""
+        decomposed = [e.key for e in plan.entries if e.config.decomposition == "p2p"]
+        if not decomposed or self.options.flash_overlap:
+            return
+        blockers = flash_overlap_blockers(self.args) if getattr(self.args, "lagom_flash_overlap", False) else []
+        fix = ("Flash-Overlap is off: " + "; ".join(blockers)) if blockers else \
+            "pass --lagom-flash-overlap to run them with Flash-Overlap"
+        self.event(f"the plan decomposes {len(decomposed)} TP points ({', '.join(decomposed[:3])}); they run as "
+                   f"collectives now. {fix}", level=logging.WARNING)
 
     # -- report
     def write_report(self) -> None:
