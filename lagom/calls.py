@@ -9,8 +9,8 @@ and the NCCL tuner rules all match through this rule. Nothing here imports torch
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 from lagom.errors import ConfigError
 
@@ -32,7 +32,7 @@ class TuningKey:
         return f"{self.group}/{self.collective}/{self.nbytes}"
 
     @classmethod
-    def parse(cls, text: str) -> "TuningKey":
+    def parse(cls, text: str) -> TuningKey:
         parts = str(text).rsplit("/", 2)
         if len(parts) != 3 or not parts[2].isdigit() or not parts[0] or not parts[1]:
             raise ConfigError("tuning key", f"'{text}' is not group/collective/bytes")

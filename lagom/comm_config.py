@@ -11,6 +11,7 @@ from lagom.errors import ConfigError
 from lagom.hardware import Hardware
 from lagom.points import Collective, OverlapPoint
 
+
 class Algorithm(StrEnum):
     RING = "ring"
     TREE = "tree"
@@ -83,7 +84,7 @@ class CommConfig:
         return {k: (str(v) if isinstance(v, StrEnum) else v) for k, v in asdict(self).items()}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], where: str = "config") -> "CommConfig":
+    def from_dict(cls, data: dict[str, Any], where: str = "config") -> CommConfig:
         unknown = set(data) - set(cls.__dataclass_fields__)
         if unknown:
             raise ConfigError(f"{where}.{sorted(unknown)[0]}", "unknown key", f"known keys: {', '.join(cls.__dataclass_fields__)}")

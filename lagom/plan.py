@@ -85,7 +85,7 @@ class Plan:
         Path(path).write_text(self.to_json() + "\n")
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], where: str = "plan") -> "Plan":
+    def from_dict(cls, data: dict[str, Any], where: str = "plan") -> Plan:
         if data.get("version") != PLAN_VERSION:
             raise ConfigError(f"{where}.version", f"plan version {data.get('version')} is not {PLAN_VERSION}",
                               "re-run `lagom tune` to make a plan for this Lagom")
@@ -97,7 +97,7 @@ class Plan:
             raise ConfigError(where, f"malformed plan ({err})", "re-run `lagom tune`") from None
 
     @classmethod
-    def load(cls, path: str | Path) -> "Plan":
+    def load(cls, path: str | Path) -> Plan:
         try:
             data = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as err:

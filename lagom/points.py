@@ -574,7 +574,7 @@ def _data_parallel(b: _StepBuilder, s: _DeviceStream, stage: int, ready: dict[in
 
 
 def _optimizer(b: _StepBuilder, s: _DeviceStream, stage: int, stage_params: float) -> None:
-    p, wl = b.wl.parallel, b.wl
+    p = b.wl.parallel
     dp = _dp_group(b)
     shard = dp.size if (p.distributed_optimizer or p.zero_stage >= 1 or p.fsdp) else 1
     s.seg("optimizer", 0.0, stage_params / shard * 16 * 2, stage_params / shard / 1024)

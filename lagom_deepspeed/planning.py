@@ -13,7 +13,7 @@ from typing import Any
 from lagom.plan import Plan
 from lagom.runtime.session import KnobChange
 from lagom.workload import Workload
-from lagom_deepspeed.config import BucketPins, LagomConfig
+from lagom_deepspeed.config import BucketPins
 from lagom_deepspeed.workload import zero_knobs
 
 # What each ZeRO stage reads at engine build (stage 0 buckets are fixed inside DeepSpeed).

@@ -73,7 +73,7 @@ class Session(TuningSession):
 
     # -- start-up -------------------------------------------------------------------------------
     @classmethod
-    def prepare(cls, section: LagomConfig, model: Any, mpu: Any, ds_config: dict[str, Any]) -> tuple["Session", dict]:
+    def prepare(cls, section: LagomConfig, model: Any, mpu: Any, ds_config: dict[str, Any]) -> tuple[Session, dict]:
         """Validate and plan; return the session and the config the engine must be built with."""
         world = dist.get_world_size()
         pp = getattr(model, "num_stages", 1) if hasattr(model, "topology") else 1

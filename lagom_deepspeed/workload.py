@@ -36,8 +36,8 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from lagom.points import rank_params
 from lagom.errors import ConfigError
+from lagom.points import rank_params
 from lagom.workload import (
     Framework,
     Model,

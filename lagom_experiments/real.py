@@ -18,16 +18,16 @@ import os
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 from rich.console import Console
 from rich.table import Table
 from torch import nn
-
 
 ARCHITECTURES = ("gpt", "bert", "t5")
 WORLD = 2

@@ -14,10 +14,11 @@ import argparse
 import multiprocessing
 import os
 import time
+from collections.abc import Iterable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import matplotlib
 
@@ -35,8 +36,11 @@ from lagom.hardware import load_hardware  # noqa: E402
 from lagom.outputs import output_folder  # noqa: E402
 from lagom.plot import timeline  # noqa: E402
 from lagom.points import Collective, ComputeSegment, Group, OverlapPoint, Phase, StepGraph  # noqa: E402
-from lagom.search import Problem, run_strategy  # noqa: E402
-from lagom.search import exhaustive  # noqa: E402
+from lagom.search import (  # noqa: E402
+    Problem,
+    exhaustive,  # noqa: E402
+    run_strategy,
+)
 from lagom.search.exhaustive import MAX_EVALUATIONS  # noqa: E402
 from lagom.simulator import simulate  # noqa: E402
 from lagom.tune import compare_strategies, problem_for  # noqa: E402

@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 import atexit
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from lagom_megatron.arguments import add_lagom_arguments, options_from_args
 from lagom_megatron.session import Session

@@ -23,9 +23,10 @@ element (Flash-Overlap), which matches up to floating-point summation order.
 from __future__ import annotations
 
 import functools
-import logging
 import inspect
-from typing import Any, Callable
+import logging
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -77,7 +78,7 @@ class _Pending:
 class _WaitSignals:
     """Proxy for a work megatron will ``wait()`` on: counts the wait down when it returns."""
 
-    def __init__(self, work: Any, countdown: "_Countdown") -> None:
+    def __init__(self, work: Any, countdown: _Countdown) -> None:
         self._work, self._countdown = work, countdown
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
@@ -122,7 +123,7 @@ class Interceptor:
         self._saved.append((owner, attr, original))
         setattr(owner, attr, functools.wraps(original)(make(original)))
 
-    def install(self) -> "Interceptor":
+    def install(self) -> Interceptor:
         from megatron.core.distributed import param_and_grad_buffer as pgb
         from megatron.core.pipeline_parallel import p2p_communication as p2p
         from megatron.core.tensor_parallel import layers, mappings

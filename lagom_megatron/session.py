@@ -23,8 +23,8 @@ from lagom.hardware import Hardware
 from lagom.plan import Plan
 from lagom.runtime import report
 from lagom.runtime.session import KnobChange, SessionOptions, TuningSession, choose_hardware
-from lagom.tune import make_plan, problem_for
 from lagom.simulator import simulate
+from lagom.tune import make_plan, problem_for
 from lagom.workload import Workload
 from lagom_megatron.arguments import LagomOptions, flash_overlap_blockers
 from lagom_megatron.groups import megatron_pg_names
@@ -73,7 +73,7 @@ class Session(TuningSession):
         self.interceptor: Interceptor | None = None
 
     @classmethod
-    def start_for(cls, args: argparse.Namespace, options: LagomOptions) -> "Session":
+    def start_for(cls, args: argparse.Namespace, options: LagomOptions) -> Session:
         """The session for these arguments; a job Lagom cannot describe runs on Megatron's settings, recorded."""
         try:
             workload = workload_from_args(args)

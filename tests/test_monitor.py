@@ -8,9 +8,9 @@ import re
 
 import pytest
 
+from lagom.calls import CallRecord
 from lagom.errors import ConfigError
 from lagom.runtime.monitor import Monitor
-from lagom.calls import CallRecord
 
 
 def records(*keys: str) -> list[CallRecord]:

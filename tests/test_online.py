@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from lagom.calls import CallRecord
 from lagom.comm_config import CommConfig
 from lagom.cost_model import CostModel, RunningComm
 from lagom.errors import ConfigError
 from lagom.hardware import load_hardware
-from lagom.runtime.online import CalibratedModel, OnlineTuner, calibrate, describe_changes, service_times
 from lagom.plan import Plan
 from lagom.points import Collective, ComputeSegment, Group
-from lagom.calls import CallRecord
+from lagom.runtime.online import CalibratedModel, OnlineTuner, calibrate, describe_changes, service_times
 from lagom.search.base import nccl_configs
 from lagom.simulator import simulate
 from lagom.tune import problem_for

@@ -8,8 +8,20 @@ import pytest
 
 from lagom import reproduce
 from lagom.errors import ConfigError
-from lagom_experiments.reproduce import (COLUMNS, Outcome, Published, Run, Setting, gap, load_published, row_cells, runs_for,
-                             setting_summary, synthetic_problem, table_rows)
+from lagom_experiments.reproduce import (
+    COLUMNS,
+    Outcome,
+    Published,
+    Run,
+    Setting,
+    gap,
+    load_published,
+    row_cells,
+    runs_for,
+    setting_summary,
+    synthetic_problem,
+    table_rows,
+)
 
 
 def _published() -> Published:

@@ -14,12 +14,12 @@ import torch
 import torch.distributed as dist
 
 from lagom import runtime
+from lagom.calls import CallRecord, KeyIndex
 from lagom.comm_config import CommConfig
 from lagom.emit import nccl_env
 from lagom.errors import ConfigError
 from lagom.hardware import load_hardware
 from lagom.plan import Plan, PlanEntry
-from lagom.calls import CallRecord, KeyIndex
 from lagom.runtime import Recorder, init, nccl_options
 from lagom.runtime.recorder import STALE_STEPS
 from tests.distributed import run_ranks
@@ -91,7 +91,7 @@ def _record_step(rank: int, world_size: int) -> dict:
 
 
 def test_recorder_times_async_gloo_collectives_without_waiting():
-    for rank, out in enumerate(run_ranks(_record_step, 2)):
+    for out in run_ranks(_record_step, 2):
         assert out["done_after_track"] is False, "track must not wait for the collective"
         assert out["track_s"] < 0.05  # microseconds normally; the 16 MiB all-reduce takes milliseconds
         assert out["same_work"] and out["proxy"] == "_TimedWork"
@@ -168,7 +168,7 @@ class _FakeEvent:
     def query(self) -> bool:
         return self.t is not None and self.t <= _FakeEvent.reached
 
-    def elapsed_time(self, end: "_FakeEvent") -> float:
+    def elapsed_time(self, end: _FakeEvent) -> float:
         assert self.query() and end.query(), "elapsed_time on an unfinished event would synchronise"
         return (end.t - self.t) * 1000.0  # 1 s per tick, in ms
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Iterable
+from collections.abc import Iterable
 
+from lagom.calls import SIZE_TOLERANCE, CallRecord, KeyIndex
 from lagom.errors import ConfigError
 from lagom.hardware import Hardware
 from lagom.plan import Plan
-from lagom.calls import SIZE_TOLERANCE, CallRecord, KeyIndex
 from lagom.workload import Workload
 
 log = logging.getLogger("lagom.monitor")
@@ -59,7 +59,7 @@ class Monitor:
         return self._recent_sum / len(self._recent) if self._recent else None
 
     @classmethod
-    def for_plan(cls, workload: Workload, hw: Hardware, plan: Plan, **kwargs) -> "Monitor":
+    def for_plan(cls, workload: Workload, hw: Hardware, plan: Plan, **kwargs) -> Monitor:
         """A monitor whose expectations are the plan simulated on the job as it runs under it."""
         from lagom.simulator import simulate
         from lagom.tune import problem_for, running_workload

@@ -14,20 +14,21 @@ import logging
 import math
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch.distributed as dist
 
-from lagom.runtime import apply as runtime
+from lagom.calls import SIZE_TOLERANCE, CallRecord, KeyIndex, TuningKey
 from lagom.comm_config import CommConfig
 from lagom.cost_model import CostModel, RunningComm
 from lagom.errors import ConfigError, LagomError
 from lagom.hardware import Hardware, load_hardware
 from lagom.plan import Plan
 from lagom.points import Collective, ComputeSegment, Group, StepGraph
-from lagom.calls import SIZE_TOLERANCE, CallRecord, KeyIndex, TuningKey
+from lagom.runtime import apply as runtime
 from lagom.search import STRATEGIES, Problem, SearchResult, run_strategy
 from lagom.search.base import nccl_configs
 from lagom.simulator import Configs, StepResult, simulate

@@ -19,11 +19,11 @@ if TYPE_CHECKING:
     from lagom.runtime.session import Measured, TuningSession
 
 
-def _per_step(measured: "Measured") -> dict[str, Any]:
+def _per_step(measured: Measured) -> dict[str, Any]:
     return {"steps": measured.steps, "step_ms": measured.mean_step_s * 1e3}
 
 
-def build(session: "TuningSession") -> dict[str, Any]:
+def build(session: TuningSession) -> dict[str, Any]:
     """The report as plain data (the JSON file's content)."""
     plan, tuned, baseline = session.plan, session.measured, session.baseline
     predicted: dict[str, Any] = {}
