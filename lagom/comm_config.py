@@ -112,17 +112,18 @@ def is_intra_node(point: OverlapPoint) -> bool:
     return point.group.nodes == 1
 
 
-def subspaces(point: OverlapPoint, hw: Hardware, space: SearchSpace = SearchSpace()) -> list[tuple[str, str, str]]:
+def subspaces(point: OverlapPoint, hw: Hardware,
+              space: SearchSpace = SearchSpace()) -> list[tuple[Algorithm, Protocol, Transport]]:
     """(algorithm, protocol, transport) combinations NCCL would offer for this point."""
-    algos = ["ring"]
+    algos = [Algorithm.RING]
     if point.collective == Collective.ALL_REDUCE and point.group.nodes >= hw.nccl.tree_min_nodes:
-        algos.append("tree")
-    protos = [pr for pr in space.protocols if pr in hw.nccl.protocols]
+        algos.append(Algorithm.TREE)
+    protos = [Protocol(pr) for pr in space.protocols if pr in hw.nccl.protocols]
     if hw.cluster.intra.kind != "nvlink" or not is_intra_node(point):
-        protos = [pr for pr in protos if pr != "LL128"]  # LL128 needs NVLink ordering guarantees
-    transports = ["p2p", "shm"] if is_intra_node(point) and hw.nccl.shm_gbps > 0 else ["p2p"]
+        protos = [pr for pr in protos if pr != Protocol.LL128]  # LL128 needs NVLink ordering guarantees
+    transports = [Transport.P2P, Transport.SHM] if is_intra_node(point) and hw.nccl.shm_gbps > 0 else [Transport.P2P]
     if point.collective in (Collective.SEND_RECV, Collective.ALL_TO_ALL):
-        algos = ["ring"]  # P2P operations have no algorithm choice
+        algos = [Algorithm.RING]  # P2P operations have no algorithm choice
     return list(product(algos, protos, transports))
 
 
@@ -147,6 +148,6 @@ def candidates(point: OverlapPoint, hw: Hardware, space: SearchSpace = SearchSpa
                subspaces(point, hw, space), channel_choices(hw, space), space.threads, space.chunks, space.priorities)]
     if can_decompose(point):
         base = default_config(hw)
-        out += [replace(base, decomposition="p2p", num_chunks=k, channels=nc, priority=prio)
+        out += [replace(base, decomposition=Decomposition.P2P, num_chunks=k, channels=nc, priority=prio)
                 for k in space.splits for nc in channel_choices(hw, space) for prio in space.priorities]
     return out

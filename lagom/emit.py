@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import re
-from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
@@ -43,10 +42,11 @@ def megatron_nccl_yaml(plan: Plan) -> str:
 
 def _dominant(plan: Plan, attr: str) -> Any:
     """The value of a per-process knob that the most communication time wants."""
-    weight: Counter = Counter()
+    weight: dict[Any, float] = {}
     for e in plan.entries:
-        weight[getattr(e.config, attr)] += e.predicted_comm_s or e.count
-    return weight.most_common(1)[0][0]
+        value = getattr(e.config, attr)
+        weight[value] = weight.get(value, 0.0) + (e.predicted_comm_s or e.count)
+    return max(weight, key=weight.__getitem__)
 
 
 def nccl_env(plan: Plan, hw: Hardware) -> dict[str, str]:

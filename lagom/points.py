@@ -153,7 +153,7 @@ class _DeviceStream:
     def last(self) -> str | None:
         return self.segments[-1].name if self.segments else None
 
-    def seg(self, name: str, flops: float, bytes_: float, ctas: int) -> str:
+    def seg(self, name: str, flops: float, bytes_: float, ctas: float) -> str:
         full = f"{self.prefix}{name}"
         self.segments.append(ComputeSegment(full, flops, bytes_, max(1, int(ctas)), self.device))
         still = []
