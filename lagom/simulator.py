@@ -1,45 +1,57 @@
 """Discrete-event simulation of one training step over compute and communication streams.
 
-Each device (one GPU per pipeline stage) has a compute stream and one stream per communicator
-(collectives on one communicator serialise, as in ProcessGroupNCCL). A task starts when it heads
-its stream and its dependencies are done. Rates are fluid: whenever the set of running tasks on a
-GPU changes, every task's remaining work is re-rated by the cost model with what runs beside it,
-so a collective slows the GEMM under it and retuning one collective moves the windows of the rest.
+Each device (one GPU per pipeline stage: data-parallel replicas are symmetric, so one stands for all
+of them and the cost does not grow with dp or node count) has a compute stream and one stream per
+communicator (collectives on one communicator serialise, as in ProcessGroupNCCL). A task starts when
+it heads its stream and its dependencies are done. Rates are fluid: whenever the tasks running on a
+GPU change, the tasks there are re-rated by the cost model with what runs beside them, so a collective
+slows the GEMM under it and retuning one collective moves the windows of the rest.
+
+Cost. An event touches only the streams it wakes and the tasks whose neighbours changed; the next
+completion comes off a heap: O(E log E) for E tasks. Tasks are built lazily by position
+(``lagom.lowering``), never a whole phase at once.
+
+Steady state. In a periodic band (a 1F1B pipeline once it fills: every stage repeats one forward and
+one backward per micro-batch) the simulator compares the state, once per period of one stage, with the
+state one or more periods earlier: the same stream positions shifted by whole periods, the same tasks
+running, with the same remaining work (to 1e-9). From then on every period repeats the last one, so the
+simulator jumps over all but the last period of the band: the clock, exposed comm and per-key sums
+advance by the measured period's, and running tasks hand their progress to their images. It then
+simulates the cool-down. A pipeline converges to its steady state geometrically, so the jump is exact to
+about the tolerance (tests compare it with the full simulation); if the state never repeats, the phase
+is simulated in full.
+
+Incremental runs. A ``Simulator`` keeps checkpoints of its last runs. A run whose configs differ from
+an earlier one's only in keys whose first collective started late in it (gradient buckets, parameter
+gathers at the end of a step) resumes from the last checkpoint before that start: what came before
+cannot depend on those keys. A phase none of the changed keys started in is reused whole.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict, deque
+import heapq
+from collections import defaultdict
 from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Callable
 
-from lagom.comm_config import CommConfig, can_decompose, default_config
+from lagom.comm_config import CommConfig, default_config
 from lagom.cost_model import CostModel, RunningComm
 from lagom.errors import LagomError
-from lagom.points import Collective, ComputeSegment, OverlapPoint, Phase, StepGraph
+from lagom.lowering import COMPUTE, END, STREAM, Lowering, Shape, split_of
+from lagom.phase_index import NONE, SLOT, PhaseIndex
+from lagom.points import ComputeSegment, StepGraph
 
 EPS = 1e-12
+DONE = 1e-9  # a task whose remaining fraction falls to this is finished
+REPEAT_TOLERANCE = 1e-9  # remaining fractions this close count as the same state
+UNITS_KEPT = 4  # states remembered for this many periods back (a state may repeat every few periods)
+CHECKPOINT_EVERY = 400  # tasks started between checkpoints
+TRAILS_KEPT = 3  # earlier runs whose checkpoints a Simulator keeps
+LOWERINGS_KEPT = 8  # decomposition choices whose task shapes a Simulator keeps
+INF = float("inf")
 
-
-@dataclass
-class Task:
-    id: int
-    name: str
-    device: int
-    stream: str
-    deps: list[int]
-    segment: ComputeSegment | None = None  # compute task
-    point: OverlapPoint | None = None  # comm task (whole collective or one P2P step)
-    config: CommConfig | None = None
-    nbytes: float = 0.0
-    coll: Collective | None = None
-    devices: tuple[int, ...] = ()  # GPUs whose resources a comm task uses
-    remaining: float = 1.0
-    start: float = -1.0
-    end: float = -1.0
-
-    @property
-    def is_comm(self) -> bool:
-        return self.segment is None
+Configs = dict[str, CommConfig]
 
 
 @dataclass
@@ -54,18 +66,6 @@ class PointTiming:
 
 
 @dataclass
-class WindowTiming:
-    """A compute segment and what ran beside it."""
-
-    name: str
-    device: int
-    start: float
-    end: float
-    solo: float
-    comm: list[str]
-
-
-@dataclass
 class PhaseResult:
     name: str
     repeat: int
@@ -73,9 +73,16 @@ class PhaseResult:
     exposed_comm: float
     compute_solo: float
     comm_peak: float
-    points: list[PointTiming]
-    windows: list[WindowTiming]
-    spans: list[tuple[int, str, str, float, float]]  # (device, stream, name, start, end) for plots
+    key_totals: dict[str, dict[str, float]]  # per key, one repeat: comm time, solo time, exposed time, count
+    spans: list[tuple[int, str, str, float, float]]  # (device, stream, name, start, end), with keep_spans
+    tasks_simulated: int = 0  # tasks run event by event (a resumed run counts those before its checkpoint)
+    periods_skipped: int = 0  # steady-state periods advanced without simulating them
+    _timings: Callable[[], list[PointTiming]] | None = field(default=None, repr=False, compare=False)
+
+    @cached_property
+    def points(self) -> list[PointTiming]:
+        """Every collective of the phase with its timing, in lowering order (skipped periods included)."""
+        return self._timings() if self._timings else []
 
 
 @dataclass
@@ -90,246 +97,643 @@ class StepResult:
     def overlap_efficiency(self) -> float:
         return max(self.compute_s, self.comm_peak_s) / self.step_s if self.step_s > 0 else 1.0
 
+    @property
+    def tasks_simulated(self) -> int:
+        return sum(ph.tasks_simulated for ph in self.phases)
+
     def per_key(self) -> dict[str, dict[str, float]]:
         """Comm seconds, solo seconds, exposed seconds and count per tuning key over the whole step."""
         out: dict[str, dict[str, float]] = defaultdict(lambda: {"time": 0.0, "solo": 0.0, "exposed": 0.0, "count": 0})
         for ph in self.phases:
-            for pt in ph.points:
-                row = out[pt.key]
-                row["time"] += (pt.end - pt.start) * ph.repeat
-                row["solo"] += pt.solo * ph.repeat
-                row["exposed"] += pt.exposed * ph.repeat
-                row["count"] += ph.repeat
+            for key, row in ph.key_totals.items():
+                total = out[key]
+                for name in ("time", "solo", "exposed", "count"):
+                    total[name] += row[name] * ph.repeat
         return dict(out)
 
 
-Configs = dict[str, CommConfig]
+@dataclass
+class _Checkpoint:
+    """A run's state just before the tasks of one instant start: enough to continue it."""
+
+    now: float
+    heads: list[int]
+    running: list[tuple]  # (queue, position, seq, start, remaining, duration, rate, exposed, solo)
+    woken: set[int]
+    dirty: set[int]
+    totals: dict[str, list[float]]
+    exposed: float
+    records: int  # how many records the run had
+    longest: float
+    first_start: dict[str, float]
+    skipped: int
+    jumped: dict[int, tuple[int, int, bool]]
+    delta: float
+    periods: int
+    simulated: int
+    seq: int
 
 
-class _Lowering:
-    """Turns a phase and its configs into tasks, splitting Flash-Overlap points into P2P steps."""
+@dataclass
+class _Trail:
+    """What a finished run leaves for later runs to resume from."""
 
-    def __init__(self, phase: Phase, configs: Configs, model: CostModel, default: CommConfig) -> None:
-        self.phase, self.configs, self.model, self.default = phase, configs, model, default
-        self.tasks: list[Task] = []
-        self.first: dict[str, int] = {}  # segment name -> id of its first task
-        self.last: dict[str, int] = {}  # segment name -> id of its last task
-        self.order: dict[str, float] = {}  # segment name -> position in its device's compute order
-        self.waits: list[tuple[str, int]] = []  # (segment, task it waits for), wired once all are lowered
+    configs: Configs
+    model: CostModel
+    extrapolate: bool
+    phases: list[tuple[PhaseResult, dict[str, float], list[_Checkpoint], list[tuple]] | None]
 
-    def add(self, **kw) -> Task:
-        task = Task(id=len(self.tasks), **kw)
-        self.tasks.append(task)
-        return task
 
-    def config(self, point: OverlapPoint) -> CommConfig:
-        return self.configs.get(point.key, self.default)
+class Simulator:
+    """A step graph prepared for many runs (what a search does): phase indexes, periodic bands and task
+    shapes are built on first use and kept, and runs resume from earlier runs' checkpoints where the
+    changed configs cannot have mattered yet. The model may change between runs (a run resumes only
+    from runs with the same model object, which must not be mutated meanwhile)."""
 
-    def run(self) -> list[Task]:
-        fused = {}
-        for point in self.phase.points:
-            cfg = self.config(point)
-            if cfg.decomposition == "p2p" and can_decompose(point) and point.fuse_with not in fused:
-                fused[point.fuse_with] = point
-        for device, segs in self.phase.segments.items():
-            for pos, seg in enumerate(segs):
-                self.order[seg.name] = pos
-                point = fused.get(seg.name)
-                if point is None:
-                    t = self.add(name=seg.name, device=device, stream="compute", deps=[], segment=seg)
-                    self.first[seg.name] = self.last[seg.name] = t.id
-                elif point.collective == Collective.ALL_GATHER:
-                    self._gather_then_compute(seg, point)
-                else:
-                    self._compute_then_scatter(seg, point)
-        # Host issue order on each communicator: by the position of the segment that releases it.
-        for point in sorted(self.phase.points, key=lambda p: self.order[p.after] if p.after else -1):
-            if fused.get(point.fuse_with) is not point:
-                self._collective(point)
-        for segment, done in self.waits:
-            self.tasks[self.first[segment]].deps.append(done)
-        return self.tasks
+    def __init__(self, graph: StepGraph) -> None:
+        self.graph = graph
+        self._indexes: list[PhaseIndex | None] = [None] * len(graph.phases)
+        self._lowerings: dict[tuple[int, frozenset, bool], Lowering] = {}
+        self._statics: dict[int, tuple[dict, dict]] = {}
+        self._trails: list[_Trail] = []
 
-    def _wait(self, point: OverlapPoint, done: int) -> None:
-        if point.before is not None:
-            self.waits.append((point.before, done))
+    def index(self, i: int) -> PhaseIndex:
+        idx = self._indexes[i]
+        if idx is None:
+            idx = self._indexes[i] = PhaseIndex(self.graph.phases[i])
+        return idx
 
-    def _released(self, point: OverlapPoint) -> list[int]:
-        return [self.last[point.after]] if point.after else []
+    def run(self, configs: Configs, model: CostModel, *, keep_spans: bool = False, extrapolate: bool = True) -> StepResult:
+        """Simulate one step with the given per-key configs (missing keys get NCCL's defaults).
 
-    def _collective(self, point: OverlapPoint) -> None:
-        stream = point.group.name if point.peer_device is None else f"pp{point.device}->{point.peer_device}"
-        devices = (point.device,) if point.peer_device is None else (point.device, point.peer_device)
-        t = self.add(name=point.name, device=point.device, stream=stream, deps=self._released(point),
-                     point=point, config=self.config(point), nbytes=point.bytes, coll=point.collective, devices=devices)
-        self._wait(point, t.id)
+        ``keep_spans`` records every task's span for plots (and simulates every period);
+        ``extrapolate=False`` simulates every period too (the steady-state check's reference).
+        """
+        default = default_config(model.hw)
+        extrapolate = extrapolate and not keep_spans
+        split = split_of(configs)
+        phases, left = [], []
+        resume = [] if keep_spans else self._resumable(configs, model, extrapolate, default)
+        for i in range(len(self.graph.phases)):
+            reuse, start = None, None
+            for changed, trail in resume:
+                done = trail.phases[i]
+                if done is None:
+                    continue
+                result, first_start, checkpoints, records = done
+                t = min((first_start.get(k, INF) for k in changed), default=INF)
+                if t == INF:  # no changed key has a collective in this phase: nothing in it changes
+                    reuse = done
+                    break
+                cp = next((c for c in reversed(checkpoints) if c.now <= t), None)
+                if cp is not None and (start is None or cp.now > start[0].now):
+                    start = (cp, records)
+            if reuse is not None:
+                phases.append(reuse[0])
+                left.append(reuse)
+                continue
+            run = _PhaseRun(self._lowering(i, split, extrapolate), configs, model, default, keep_spans)
+            phases.append(run.simulate(*self._static(i, model), resume=start))
+            left.append(None if keep_spans else (phases[-1], run.first_start, run.checkpoints, run.records))
+        if not keep_spans:
+            self._trails.insert(0, _Trail(dict(configs), model, extrapolate, left))
+            del self._trails[TRAILS_KEPT:]
+        return StepResult(
+            step_s=sum(p.time * p.repeat for p in phases),
+            exposed_comm_s=sum(p.exposed_comm * p.repeat for p in phases),
+            compute_s=sum(p.compute_solo * p.repeat for p in phases),
+            comm_peak_s=sum(p.comm_peak * p.repeat for p in phases),
+            phases=phases,
+        )
 
-    def _pieces(self, seg: ComputeSegment, n: int, labels: list[str]) -> list[ComputeSegment]:
-        return [ComputeSegment(f"{seg.name}[{lab}]", seg.flops / n, seg.bytes / n, max(1, seg.ctas // n), seg.device)
-                for lab in labels]
+    def _resumable(self, configs: Configs, model: CostModel, extrapolate: bool,
+                   default: CommConfig) -> list[tuple[set[str], _Trail]]:
+        """Earlier runs this one may resume from, with the keys whose configs differ."""
+        out = []
+        for trail in self._trails:
+            if trail.model is not model or trail.extrapolate != extrapolate or split_of(trail.configs) != split_of(configs):
+                continue
+            keys = set(trail.configs) | set(configs)
+            out.append(({k for k in keys if trail.configs.get(k, default) != configs.get(k, default)}, trail))
+        return out
 
-    def _p2p(self, point: OverlapPoint, label: str, nbytes: float, deps: list[int]) -> Task:
-        return self.add(name=f"{point.name}[{label}]", device=point.device, stream=f"{point.group.name}.p2p",
-                        deps=deps, point=point, config=self.config(point), nbytes=nbytes,
-                        coll=Collective.SEND_RECV, devices=(point.device,))
+    def _lowering(self, i: int, split: frozenset, band: bool) -> Lowering:
+        key = (i, split, band)
+        lowering = self._lowerings.pop(key, None) or Lowering(self.index(i), split, band)
+        self._lowerings[key] = lowering  # most recently used last
+        while len(self._lowerings) > LOWERINGS_KEPT:
+            del self._lowerings[next(iter(self._lowerings))]
+        return lowering
 
-    def _gather_then_compute(self, seg: ComputeSegment, point: OverlapPoint) -> None:
-        """All-gather + GEMM: the local shard's GEMM first, then each peer shard's as it lands."""
-        n, k = point.group.size, self.config(point).num_chunks
-        labels = [f"s{s}c{c}" for s in range(n) for c in range(k)]
-        pieces = self._pieces(seg, n * k, labels)
-        ids = []
-        for i, piece in enumerate(pieces):
-            deps = []
-            if i >= k:  # a peer's block: wait for its transfer
-                deps.append(self._p2p(point, labels[i], point.bytes / (n * k), self._released(point)).id)
-            ids.append(self.add(name=piece.name, device=seg.device, stream="compute", deps=deps, segment=piece).id)
-        self.first[seg.name], self.last[seg.name] = ids[0], ids[-1]
-
-    def _compute_then_scatter(self, seg: ComputeSegment, point: OverlapPoint) -> None:
-        """GEMM + reduce-scatter: peers' partials first, each sent when done; the local one last; then reduce."""
-        n, k = point.group.size, self.config(point).num_chunks
-        labels = [f"s{s}c{c}" for s in range(1, n) for c in range(k)] + [f"s0c{c}" for c in range(k)]
-        sends, ids = [], []
-        for i, piece in enumerate(self._pieces(seg, n * k, labels)):
-            task = self.add(name=piece.name, device=seg.device, stream="compute", deps=[], segment=piece)
-            ids.append(task.id)
-            if i < (n - 1) * k:
-                sends.append(self._p2p(point, labels[i], point.bytes / (n * k), [task.id]).id)
-        reduce_seg = ComputeSegment(f"{seg.name}[reduce]", 0.0, point.bytes / n * (n + 1), max(1, point.bytes // n // 4096), seg.device)
-        red = self.add(name=reduce_seg.name, device=seg.device, stream="compute", deps=sends, segment=reduce_seg)
-        self.first[seg.name], self.last[seg.name] = ids[0], red.id
-        self._wait(point, red.id)
+    def _static(self, i: int, model: CostModel) -> tuple[float, float]:
+        """(uncontended compute of the busiest device, comm at link peak of the busiest stream): counted
+        per distinct segment and collective once, then costed with this run's model."""
+        if i not in self._statics:
+            phase = self.graph.phases[i]
+            segs: dict = {}
+            for d, seg_list in phase.segments.items():
+                counts: dict = defaultdict(int)
+                for s in seg_list:
+                    counts[(s.flops, s.bytes, s.ctas)] += 1
+                segs[d] = counts
+            comms: dict = defaultdict(lambda: defaultdict(int))
+            for p in phase.points:
+                comms[(p.device, p.group.name)][(p.collective, p.group, p.bytes)] += 1
+            self._statics[i] = (segs, comms)
+        segs, comms = self._statics[i]
+        compute = max((sum(n * model.compute_solo(ComputeSegment("", *sig)) for sig, n in counts.items())
+                       for counts in segs.values()), default=0.0)
+        peak = max((sum(n * model.comm_peak_time(*what) for what, n in counts.items()) for counts in comms.values()),
+                   default=0.0)
+        return compute, peak
 
 
 def simulate(graph: StepGraph, configs: Configs, model: CostModel, *, keep_spans: bool = False) -> StepResult:
     """Simulate one step with the given per-key configs (missing keys get NCCL's defaults)."""
-    default = default_config(model.hw)
-    phases = [_simulate_phase(ph, configs, model, default, keep_spans) for ph in graph.phases]
-    return StepResult(
-        step_s=sum(p.time * p.repeat for p in phases),
-        exposed_comm_s=sum(p.exposed_comm * p.repeat for p in phases),
-        compute_s=sum(p.compute_solo * p.repeat for p in phases),
-        comm_peak_s=sum(p.comm_peak * p.repeat for p in phases),
-        phases=phases,
-    )
+    return Simulator(graph).run(configs, model, keep_spans=keep_spans)
 
 
-def _duration(task: Task, model: CostModel, compute_on: dict[int, Task], comms_on: dict[int, list[Task]],
-              comm_rates: dict[int, float]) -> float:
-    if task.is_comm:
-        util = max((model.hbm_util(compute_on[d].segment) for d in task.devices if d in compute_on), default=0.0)
-        if task.coll != task.point.collective:  # one P2P step of a Flash-Overlap decomposition
-            return model.p2p_step_time(task.point.group, task.nbytes, task.config, util)
-        return model.comm_time(task.coll, task.point.group, task.nbytes, task.config, util)
-    running = tuple(RunningComm(c.config, comm_rates.get(c.id, 0.0)) for c in comms_on.get(task.device, ()))
-    return model.compute_time(task.segment, running)
+# ---------------------------------------------------------------------------------------------
+# One phase
 
 
-def _simulate_phase(phase: Phase, configs: Configs, model: CostModel, default: CommConfig, keep_spans: bool) -> PhaseResult:
-    tasks = _Lowering(phase, configs, model, default).run()
-    queues: dict[tuple[int, str], deque[Task]] = defaultdict(deque)
-    for t in tasks:
-        queues[(t.device, t.stream)].append(t)
-    done = [False] * len(tasks)
-    running: list[Task] = []
-    now, finished = 0.0, 0
-    exposed_by: dict[int, float] = defaultdict(float)
-    solo: dict[int, float] = {}
+class _Task:
+    """A task of this run: its shape and where it stands."""
 
-    def startable(t: Task) -> bool:
-        return all(done[d] for d in t.deps)
+    __slots__ = ("queue", "pos", "shape", "comm", "device", "devices", "deps", "config", "cost", "key", "seq", "start",
+                 "rem", "since", "dur", "rate", "version", "exposed", "solo", "rated")
 
-    while finished < len(tasks):
-        for q in queues.values():
-            if q and q[0].start < 0 and startable(q[0]):
-                t = q[0]
-                t.start = now
-                if t.is_comm:  # a normal-priority kernel queues behind compute CTAs
-                    busy = any(r.device in t.devices and not r.is_comm for r in running)
-                    t.remaining += model.launch_wait(t.config) / max(EPS, _solo(t, model, solo)) if busy else 0.0
-                running.append(t)
-        if not running:
-            stuck = [q[0].name for q in queues.values() if q]
-            raise LagomError(f"simulation deadlock in phase {phase.name}: {stuck[:4]}")
-        compute_on = {t.device: t for t in running if not t.is_comm}
-        comms_on: dict[int, list[Task]] = defaultdict(list)
-        for t in running:
-            if t.is_comm:
-                for d in t.devices:
-                    comms_on[d].append(t)
-        comm_rates: dict[int, float] = {}
-        durations: dict[int, float] = {}
-        for t in running:
-            if t.is_comm:
-                durations[t.id] = max(EPS, _duration(t, model, compute_on, comms_on, comm_rates))
-                comm_rates[t.id] = _hbm_rate(t, model, durations[t.id])
-        for t in running:
-            if not t.is_comm:
-                durations[t.id] = max(EPS, _duration(t, model, compute_on, comms_on, comm_rates))
-        dt = min(t.remaining * durations[t.id] for t in running)
-        # Exposed communication: a compute stream idle while it waits on a released collective (one
-        # still waiting for another stage's compute is a pipeline bubble, not exposed comm).
-        for device in phase.segments:
-            if device in compute_on:
-                continue
-            q = queues[(device, "compute")]
-            blocker = None
-            if q:
-                blocker = next((tasks[d] for d in q[0].deps
-                                if not done[d] and tasks[d].is_comm and startable(tasks[d])), None)
-            else:  # compute finished: trailing collectives of this device
-                blocker = next((t for t in running if t.is_comm and device in t.devices), None)
-            if blocker is not None and blocker.start < 0:  # queued: blame what holds its communicator
-                blocker = queues[(blocker.device, blocker.stream)][0]
-            if blocker is not None:
-                exposed_by[blocker.id] += dt
-        now += dt
-        still = []
-        for t in running:
-            t.remaining -= dt / durations[t.id]
-            if t.remaining <= 1e-9:
-                t.end = now
-                done[t.id] = True
-                finished += 1
-                queues[(t.device, t.stream)].popleft()
+    def __init__(self, queue: int, pos: int, shape: Shape, run: "_PhaseRun") -> None:
+        self.queue, self.pos, self.shape = queue, pos, shape
+        self.comm, self.device, self.devices, self.deps = shape.comm, shape.device, shape.devices, shape.deps
+        if shape.comm:
+            self.key = run.ix.key(shape.point)
+            self.config = run.config(self.key)
+            self.cost = (self.key, shape.coll != run.ix.points[shape.point].collective)  # (key, a P2P step)
+        else:
+            self.key, self.config = "", None
+            seg = shape.seg
+            self.cost = (seg.flops, seg.bytes, seg.ctas)  # type: ignore[union-attr]
+        self.seq = 0
+        self.start = -1.0
+        self.rem = 1.0  # remaining fraction at time ``since``
+        self.since = 0.0
+        self.dur = 0.0  # seconds for the whole task at the current rate
+        self.rate = 0.0  # comm: HBM bytes/s it takes
+        self.version = 0
+        self.exposed = 0.0
+        self.solo = 0.0
+        self.rated = 0  # the event it was last re-rated in
+
+
+@dataclass
+class _Seen:
+    """The state at one check, to compare with the state whole periods later."""
+
+    unit: int
+    now: float
+    remaining: list[float]
+    spans: list[tuple[int, int] | None]
+    totals: dict[str, list[float]]
+    exposed: float
+
+
+class _PhaseRun:
+    def __init__(self, lowering: Lowering, configs: Configs, model: CostModel, default: CommConfig, keep_spans: bool) -> None:
+        self.lw, self.ix = lowering, lowering.ix
+        self.configs, self.model, self.default = configs, model, default
+        self.keep_spans = keep_spans
+        self.heads = list(lowering.firsts)
+        self.tasks: list[dict[int, _Task]] = [{} for _ in lowering.queues]
+        self.comm_memo: dict[tuple, float] = {}
+        self.rate_memo: dict[tuple, float] = {}
+        self.compute_memo: dict[tuple, float] = {}
+        self.solo_memo: dict[tuple, float] = {}
+        self.util_memo: dict[tuple, float] = {}
+        self.config_memo: dict[str, CommConfig] = {}
+        self.records: list[tuple] = []  # comm tasks: (queue, position, start, end, solo, exposed)
+        self.spans: list[tuple[tuple, tuple[int, str, str, float, float]]] = []
+        self.first_start: dict[str, float] = {}  # key -> when its first collective started
+        self.checkpoints: list[_Checkpoint] = []
+        self.simulated = 0
+        self.jumped: dict[int, tuple[int, int, bool]] = {}  # band queue -> (head, positions skipped, head was running)
+        self.delta = 0.0  # seconds skipped
+        self.periods = 1
+        self.skipped = 0
+
+    def config(self, key: str) -> CommConfig:
+        cfg = self.config_memo.get(key)
+        if cfg is None:
+            cfg = self.config_memo[key] = self.configs.get(key, self.default)
+        return cfg
+
+    def task(self, q: int, pos: int) -> _Task:
+        t = self.tasks[q].get(pos)
+        if t is None:
+            t = self.tasks[q][pos] = _Task(q, pos, self.lw.shape(q, pos), self)
+        return t
+
+    # -- durations (memoised: layers and periods repeat the same few situations)
+
+    def comm_duration(self, t: _Task, util: float) -> float:
+        key = (t.cost, util)
+        dur = self.comm_memo.get(key)
+        if dur is None:
+            group = self.ix.points[t.shape.point].group
+            if t.cost[1]:  # one P2P step of a decomposition
+                raw = self.model.p2p_step_time(group, t.shape.nbytes, t.config, util)  # type: ignore[arg-type]
             else:
-                still.append(t)
-        running = still
-    return _summarise(phase, tasks, model, exposed_by, solo, now, keep_spans)
+                raw = self.model.comm_time(t.shape.coll, group, t.shape.nbytes, t.config, util)  # type: ignore[arg-type]
+            if util == 0.0:
+                self.solo_memo[t.cost] = raw
+            dur = self.comm_memo[key] = max(EPS, raw)
+        return dur
 
+    def comm_rate(self, t: _Task) -> float:
+        key = (t.cost, t.dur)
+        rate = self.rate_memo.get(key)
+        if rate is None:
+            rate = self.rate_memo[key] = self.model.comm_hbm_rate(
+                t.shape.coll, self.ix.points[t.shape.point].group, int(t.shape.nbytes), t.dur)  # type: ignore[arg-type]
+        return rate
 
-def _solo(t: Task, model: CostModel, cache: dict[int, float]) -> float:
-    if t.id not in cache:
-        cache[t.id] = _duration(t, model, {}, {}, {})
-    return cache[t.id]
+    def compute_duration(self, t: _Task, beside: list[_Task]) -> float:
+        key = (t.cost, tuple([(c.cost, c.rate) for c in beside]))
+        dur = self.compute_memo.get(key)
+        if dur is None:
+            running = tuple(RunningComm(c.config, c.rate) for c in beside)  # type: ignore[arg-type]
+            dur = self.compute_memo[key] = max(EPS, self.model.compute_time(t.shape.seg, running))  # type: ignore[arg-type]
+        return dur
 
+    def solo(self, t: _Task) -> float:
+        """Alone on the GPU: comm with no compute beside it, compute with no comm."""
+        s = self.solo_memo.get(t.cost)
+        if s is None:
+            if t.comm:
+                self.comm_duration(t, 0.0)
+                s = self.solo_memo[t.cost]
+            else:
+                s = self.solo_memo[t.cost] = self.model.compute_time(t.shape.seg, ())  # type: ignore[arg-type]
+        return s
 
-def _hbm_rate(t: Task, model: CostModel, seconds: float) -> float:
-    return model.comm_hbm_rate(t.coll, t.point.group, int(t.nbytes), seconds)
+    def util(self, t: _Task) -> float:
+        u = self.util_memo.get(t.cost)
+        if u is None:
+            u = self.util_memo[t.cost] = self.model.hbm_util(t.shape.seg)  # type: ignore[arg-type]
+        return u
 
+    # -- the event loop
 
-def _summarise(phase: Phase, tasks: list[Task], model: CostModel, exposed_by: dict[int, float],
-               solo: dict[int, float], end: float, keep_spans: bool) -> PhaseResult:
-    by_point: dict[str, list[Task]] = defaultdict(list)
-    for t in tasks:
-        if t.is_comm:
-            by_point[t.point.name].append(t)
-    points = []
-    for name, parts in by_point.items():
-        pt = parts[0].point
-        points.append(PointTiming(name, pt.key, pt.device, min(p.start for p in parts), max(p.end for p in parts),
-                                  sum(_solo(p, model, solo) for p in parts), sum(exposed_by[p.id] for p in parts)))
-    comm_tasks = [t for t in tasks if t.is_comm]
-    windows = []
-    for t in tasks:
-        if not t.is_comm:
-            beside = [c.name for c in comm_tasks if c.start < t.end and c.end > t.start and t.device in c.devices]
-            windows.append(WindowTiming(t.name, t.device, t.start, t.end, _solo(t, model, solo), beside))
-    compute_solo = max(sum(model.compute_solo(s) for s in segs) for segs in phase.segments.values())
-    peak: dict[tuple[int, str], float] = defaultdict(float)
-    for p in phase.points:
-        peak[(p.device, p.group.name)] += model.comm_peak_time(p.collective, p.group, p.bytes)
-    spans = [(t.device, t.stream, t.name, t.start, t.end) for t in tasks] if keep_spans else []
-    return PhaseResult(phase.name, phase.repeat, end, sum(exposed_by.values()), compute_solo,
-                       max(peak.values(), default=0.0), points, windows, spans)
+    def simulate(self, compute_solo: float, comm_peak: float, resume: tuple[_Checkpoint, list[tuple]] | None) -> PhaseResult:
+        lw, ix, model = self.lw, self.ix, self.model
+        queues, heads, tasks = lw.queues, self.heads, self.tasks
+        nq = len(queues)
+        devices = ix.devices
+        compute_on: dict[int, _Task | None] = {d: None for d in devices}
+        comms_on: dict[int, list[_Task]] = {d: [] for d in devices}
+        for queue in queues:  # a send's peer may be a device without compute
+            comms_on.setdefault(queue.device, [])
+            compute_on.setdefault(queue.device, None)
+        compute_queue = [lw.compute_queue[d] for d in devices]
+        heap: list[tuple[float, int, int, _Task]] = []
+        totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])  # time, solo, exposed, count
+        first_start = self.first_start
+        exposed_total = 0.0
+        longest = 0.0  # longest duration seen: how far past the next completion a DONE-close task may lie
+        counter = seq = 0
+        now = 0.0
+        woken = set(range(nq))
+        dirty: set[int] = set()
+        band_ref = next((q for q, queue in enumerate(queues) if queue.kind == COMPUTE and queue.shift), None)
+        check_every = queues[band_ref].shift if band_ref is not None else 0
+        seen: dict[tuple, _Seen] = {}
+        seen_units: dict[int, list[tuple]] = defaultdict(list)
+        watching = band_ref is not None
+        since_checkpoint = 0
+        event = 0
+        if resume is not None:
+            cp, records = resume
+            now, exposed_total, longest, seq = cp.now, cp.exposed, cp.longest, cp.seq
+            heads[:] = cp.heads
+            for key, row in cp.totals.items():
+                totals[key] = list(row)
+            first_start.update(cp.first_start)
+            self.records = records[:cp.records]
+            self.skipped, self.jumped, self.delta, self.periods = cp.skipped, dict(cp.jumped), cp.delta, cp.periods
+            self.simulated = cp.simulated
+            watching = False
+            for q, pos, t_seq, start, rem, dur, rate, exposed, solo in cp.running:
+                t = self.task(q, pos)
+                t.seq, t.start, t.rem, t.since, t.dur, t.rate, t.exposed, t.solo = t_seq, start, rem, now, dur, rate, exposed, solo
+                if t.comm:
+                    for d in t.devices:
+                        comms_on[d].append(t)
+                else:
+                    compute_on[t.device] = t
+                counter += 1
+                heapq.heappush(heap, (now + rem * dur, counter, t.version, t))
+            woken, dirty = set(cp.woken), set(cp.dirty)
+        live = sum(pos < END for pos in heads)
+        while live:
+            if not watching and since_checkpoint >= CHECKPOINT_EVERY and not self.keep_spans:
+                since_checkpoint = 0
+                self._checkpoint(now, seq, compute_on, comms_on, woken, dirty, totals, exposed_total, longest)
+            # Start every stream head whose dependencies are done, in queue order.
+            check = False
+            for q in sorted(woken):
+                pos = heads[q]
+                if pos >= END:
+                    continue
+                t = tasks[q].get(pos) or self.task(q, pos)
+                if t.start >= 0:
+                    continue
+                for dep in t.deps:
+                    if dep[1] >= heads[dep[0]]:
+                        break
+                else:
+                    t.start = t.since = now
+                    seq += 1
+                    t.seq = seq
+                    self.simulated += 1
+                    since_checkpoint += 1
+                    if t.comm:
+                        busy = False
+                        for d in t.devices:
+                            if compute_on[d] is not None:
+                                busy = True
+                        t.solo = self.solo(t)
+                        t.rem = 1.0 + (model.launch_wait(t.config) / max(EPS, t.solo) if busy else 0.0)  # type: ignore[arg-type]
+                        for d in t.devices:
+                            comms_on[d].append(t)
+                        row = totals[t.key]
+                        row[1] += t.solo
+                        if t.shape.first:
+                            row[0] -= now
+                            row[3] += 1
+                            if t.key not in first_start:
+                                first_start[t.key] = now
+                    else:
+                        compute_on[t.device] = t
+                        if q == band_ref and watching and pos % check_every == 0:
+                            check = True
+                    dirty.update(t.devices)
+                    t.dur = 0.0
+            woken.clear()
+            # Re-rate the tasks whose neighbours changed: comms first (their HBM rates feed compute).
+            event += 1
+            rate_dirty: set[int] = set()
+            for d in dirty:
+                for c in comms_on[d]:
+                    if c.rated == event:
+                        continue
+                    c.rated = event
+                    util = 0.0
+                    for dd in c.devices:
+                        ct = compute_on[dd]
+                        if ct is not None:
+                            u = self.util(ct)
+                            if u > util:
+                                util = u
+                    dur = self.comm_duration(c, util)
+                    if dur != c.dur:
+                        if c.dur:
+                            c.rem -= (now - c.since) / c.dur
+                        c.since, c.dur = now, dur
+                        c.version += 1
+                        counter += 1
+                        heapq.heappush(heap, (now + c.rem * dur, counter, c.version, c))
+                        if dur > longest:
+                            longest = dur
+                        rate = self.comm_rate(c)
+                        if rate != c.rate:
+                            c.rate = rate
+                            rate_dirty.update(c.devices)
+            for d in dirty | rate_dirty if rate_dirty else dirty:
+                ct = compute_on[d]
+                if ct is None:
+                    continue
+                dur = self.compute_duration(ct, comms_on[d])
+                if dur != ct.dur:
+                    if ct.dur:
+                        ct.rem -= (now - ct.since) / ct.dur
+                    ct.since, ct.dur = now, dur
+                    ct.version += 1
+                    counter += 1
+                    heapq.heappush(heap, (now + ct.rem * dur, counter, ct.version, ct))
+                    if dur > longest:
+                        longest = dur
+            dirty.clear()
+            while heap and heap[0][2] != heap[0][3].version:
+                heapq.heappop(heap)
+            if not heap:
+                stuck = [lw.name(q, heads[q]) for q in range(nq) if heads[q] < END]
+                raise LagomError(f"simulation deadlock in phase {ix.phase.name}: {stuck[:4]}")
+            # The steady state: compare with the state whole periods ago and skip the periods that repeat it.
+            if check:
+                jump = self._repeat(now, totals, exposed_total, seen, seen_units, band_ref)  # type: ignore[arg-type]
+                if jump is not None:
+                    watching = False
+                    periods, span, units, base = jump
+                    self.skipped = self.periods = periods
+                    for key, row in totals.items():
+                        old = base.totals.get(key, [0.0, 0.0, 0.0, 0.0])
+                        for n in range(4):
+                            row[n] += periods * (row[n] - old[n])
+                    exposed_total += periods * (exposed_total - base.exposed)
+                    now = self._shift(now, periods * span, periods * units, compute_on, comms_on)
+                    woken.update(range(nq))
+                    heap = []
+                    for d in devices:
+                        for t in [compute_on[d], *comms_on[d]]:
+                            if t is not None and t.device == d:
+                                counter += 1
+                                heap.append((t.since + t.rem * t.dur, counter, t.version, t))
+                    heapq.heapify(heap)
+                    seen.clear()
+            # Exposed communication: a compute stream idle while it waits on a released collective (one
+            # still waiting for another stage's compute is a pipeline bubble, not exposed comm).
+            blockers = []
+            for d, cq in zip(devices, compute_queue):
+                if compute_on[d] is not None:
+                    continue
+                blocker = None
+                pos = heads[cq]
+                if pos < END:
+                    for dep in (tasks[cq].get(pos) or self.task(cq, pos)).deps:
+                        if dep[1] < heads[dep[0]]:
+                            continue
+                        other = self.task(*dep)
+                        if other.comm:
+                            for x in other.deps:
+                                if x[1] >= heads[x[0]]:
+                                    break
+                            else:
+                                blocker = other
+                                break
+                elif comms_on[d]:  # compute finished: trailing collectives of this device
+                    blocker = comms_on[d][0]
+                if blocker is not None and blocker.start < 0:  # queued: blame what holds its communicator
+                    blocker = self.task(blocker.queue, heads[blocker.queue])
+                if blocker is not None:
+                    blockers.append(blocker)
+            end = heap[0][0]
+            if blockers:
+                dt = end - now
+                for b in blockers:
+                    b.exposed += dt
+                    totals[b.key][2] += dt
+                    exposed_total += dt
+            now = end
+            # Finish every task within DONE of its end.
+            limit = end + DONE * longest
+            finished, later = [], []
+            while heap and heap[0][0] <= limit:
+                entry = heapq.heappop(heap)
+                t = entry[3]
+                if entry[2] != t.version:
+                    continue
+                if t.rem - (now - t.since) / t.dur <= DONE:
+                    finished.append(t)
+                else:
+                    later.append(entry)
+            for entry in later:
+                heapq.heappush(heap, entry)
+            for t in finished:
+                q = t.queue
+                if t.comm:
+                    for d in t.devices:
+                        comms_on[d].remove(t)
+                    if t.shape.last:
+                        totals[t.key][0] += now
+                    self.records.append((q, t.pos, t.start, now, t.solo, t.exposed))
+                else:
+                    compute_on[t.device] = None
+                if self.keep_spans:
+                    self.spans.append((lw.creation_order(q, t.pos), (t.device, lw.stream_name(q), lw.name(q, t.pos), t.start, now)))
+                dirty.update(t.devices)
+                nxt = t.shape.next
+                heads[q] = nxt
+                del tasks[q][t.pos]
+                woken.add(q)
+                woken.update(t.shape.wakes)
+                t.version += 1  # no heap entry of it is live any more
+                if nxt >= END:
+                    live -= 1
+        return PhaseResult(ix.phase.name, ix.phase.repeat, now, exposed_total, compute_solo, comm_peak,
+                           {k: dict(zip(("time", "solo", "exposed", "count"), row)) for k, row in totals.items()},
+                           [span for _, span in sorted(self.spans, key=lambda s: s[0])], self.simulated, self.skipped,
+                           self._point_timings)
+
+    def _checkpoint(self, now, seq, compute_on, comms_on, woken, dirty, totals, exposed_total, longest) -> None:
+        running = {t.seq: t for t in compute_on.values() if t is not None}
+        running.update((t.seq, t) for ts in comms_on.values() for t in ts)
+        self.checkpoints.append(_Checkpoint(
+            now, list(self.heads),
+            [(t.queue, t.pos, t.seq, t.start, t.rem - (now - t.since) / t.dur, t.dur, t.rate, t.exposed, t.solo)
+             for _, t in sorted(running.items())],
+            set(woken), set(dirty), {k: list(v) for k, v in totals.items()}, exposed_total, len(self.records), longest,
+            dict(self.first_start), self.skipped, dict(self.jumped), self.delta, self.periods, self.simulated, seq))
+
+    # -- steady state
+
+    def _repeat(self, now: float, totals, exposed_total: float, seen, seen_units, ref: int):
+        """At a period boundary of the band's reference stream: the jump (periods, period seconds, units per
+        period, earlier state) if the state equals one seen whole periods ago, else None."""
+        queues, heads = self.lw.queues, self.heads
+        unit = heads[ref] // queues[ref].shift
+        key, spans, room = [], [], END
+        for q, queue in enumerate(queues):
+            pos = heads[q]
+            if queue.shift:
+                span = queue.span(pos)
+                if span is None or pos + queue.shift > span[1]:
+                    return None
+                spans.append(span)
+                room = min(room, (span[1] - pos) // queue.shift)
+                pos -= unit * queue.shift
+            else:
+                spans.append(None)
+            t = self.tasks[q].get(heads[q]) if heads[q] < END else None
+            key.append((pos, t is not None and t.start >= 0))
+        state = tuple(key)
+        running = [self.tasks[q][heads[q]] for q, (_, on) in enumerate(key) if on]
+        remaining = [t.rem - (now - t.since) / t.dur for t in running]
+        old = seen.get(state)
+        if old is not None and old.unit < unit and old.spans == spans \
+                and all(abs(a - b) <= REPEAT_TOLERANCE for a, b in zip(remaining, old.remaining)):
+            units = unit - old.unit
+            periods = room // units - 1
+            if periods >= 1:
+                return periods, now - old.now, units, old
+        seen[state] = _Seen(unit, now, remaining, spans, {k: list(v) for k, v in totals.items()}, exposed_total)
+        seen_units[unit].append(state)
+        for stale in [u for u in seen_units if u < unit - UNITS_KEPT]:
+            for s in seen_units.pop(stale):
+                if s in seen and seen[s].unit == stale:
+                    del seen[s]
+        return None
+
+    def _shift(self, now: float, delta: float, units: int, compute_on, comms_on) -> float:
+        """Move every stream of the band forward by ``units`` periods' positions and the clock by ``delta``:
+        each running task hands its progress to its image that many periods on."""
+        later = now + delta
+        moved: dict[int, _Task] = {}
+        for q, queue in enumerate(self.lw.queues):
+            if not queue.shift:
+                continue
+            pos, step = self.heads[q], units * queue.shift
+            old = self.tasks[q].get(pos)
+            self.jumped[q] = (pos, step, old is not None and old.start >= 0)
+            self.tasks[q] = {}
+            self.heads[q] = pos + step
+            if old is None or old.start < 0:
+                continue
+            t = self.task(q, pos + step)
+            t.seq, t.start, t.since = old.seq, old.start + delta, later
+            t.rem = old.rem - (now - old.since) / old.dur
+            t.dur, t.rate, t.exposed, t.solo = old.dur, old.rate, old.exposed, old.solo
+            moved[id(old)] = t
+        for d, t in compute_on.items():
+            if t is not None and id(t) in moved:
+                compute_on[d] = moved[id(t)]
+        for d, running in comms_on.items():
+            comms_on[d] = [moved.get(id(c), c) for c in running]
+        self.delta = delta
+        return later
+
+    # -- per-point timings, on demand
+
+    def _point_timings(self) -> list[PointTiming]:
+        """Every point's timing; a skipped period's collectives take theirs from the same collective whole
+        periods earlier (or, for one running at the jump, from its image after it)."""
+        records = {(q, pos): rec for q, pos, *rec in self.records}
+        lw, ix, out = self.lw, self.ix, []
+
+        def record(q: int, pos: int) -> tuple[float, float, float, float]:
+            rec = records.get((q, pos))
+            if rec is not None:
+                return rec
+            head, step, running = self.jumped[q]
+            if running and pos == head:  # it handed its progress over: it ends as its image, a jump earlier
+                start, end, solo, exposed = records[(q, pos + step)]
+                return start - self.delta, end - self.delta, solo, exposed
+            per = step // self.periods
+            back = -(-(pos - head + 1) // per)
+            start, end, solo, exposed = record(q, pos - back * per)
+            shift = back * self.delta / self.periods
+            return start + shift, end + shift, solo, exposed
+
+        split = sorted((ix.rank[ix.points[j].device], ix.fuse[j], j) for j in range(len(ix.points)) if lw.decomposed(j))
+        for _, i, j in split:
+            p = ix.points[j]
+            q = lw.p2p_queue[(p.device, p.group.name)]
+            out.append(self._timing(j, [record(q, i * SLOT + s) for s in range(lw.pieces(p.device, i)[1])]))
+        for j in ix.order:
+            if not lw.decomposed(j):
+                out.append(self._timing(j, [record(lw.stream_queue[ix.stream_of[j]], ix.slot[j])]))
+        return out
+
+    def _timing(self, j: int, parts: list[tuple[float, float, float, float]]) -> PointTiming:
+        p = self.ix.points[j]
+        return PointTiming(p.name, self.ix.key(j), p.device, min(r[0] for r in parts), max(r[1] for r in parts),
+                           sum(r[2] for r in parts), sum(r[3] for r in parts))

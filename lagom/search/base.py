@@ -10,7 +10,7 @@ from lagom.comm_config import SearchSpace, default_config, subspaces
 from lagom.cost_model import CostModel
 from lagom.hardware import Hardware
 from lagom.points import OverlapPoint, StepGraph
-from lagom.simulator import Configs, StepResult, simulate
+from lagom.simulator import Configs, Simulator, StepResult
 
 
 @dataclass
@@ -40,13 +40,17 @@ class Evaluator(Protocol):
 
 
 class SimulatedEvaluator:
+    """The simulator as evaluator: one Simulator per problem, so runs share the step graph's index and
+    resume from earlier runs where the changed keys cannot have mattered yet."""
+
     def __init__(self, problem: Problem) -> None:
         self.problem = problem
+        self.simulator = Simulator(problem.graph)
         self.evaluations = 0
 
     def evaluate(self, configs: Configs) -> StepResult:
         self.evaluations += 1
-        return simulate(self.problem.graph, configs, self.problem.model)
+        return self.simulator.run(configs, self.problem.model)
 
 
 @dataclass

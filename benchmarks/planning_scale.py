@@ -1,0 +1,170 @@
+"""How planning scales with micro-batches, layers and world size: one simulated step, a full `lagom tune`, memory.
+
+    python benchmarks/planning_scale.py                       # targets, then the whole grid (long)
+    python benchmarks/planning_scale.py --targets             # only the issue's target jobs
+    python benchmarks/planning_scale.py --grid --micro-batches 4 16 64 --layers 24 --world 8 64 --no-tune
+
+Grid: a GPT-3-13B-shaped model (hidden 5120, 40 heads, ffn 20480, seq 2048) with 24, 80 or 128 layers,
+micro-batch 1 and 4 ... 1024 micro-batches per step, on H100 nodes of 8 (h100-sxm-8x-400g with as many
+nodes as the world needs), laid out as Megatron would:
+    8 GPUs: TP2+SP x PP4 x DP1      64: TP4+SP x PP4 x DP4
+    1024:   TP8+SP x PP8 x DP16     8192: TP8+SP x PP8 x DP128
+with the distributed optimizer and overlapped gradient reduce and parameter gather.
+Targets: configs/workloads/gpt3-13b-pp4.yaml at 4, 8, 16 and 128 micro-batches and
+configs/workloads/llama3-70b-1024.yaml (256 micro-batches).
+
+Each cell runs in a fresh process (one core) and reports CPU seconds of that process (time.process_time:
+steady on a shared machine, and the same as wall time on an idle core, since planning is single-threaded):
+  graph   building the step graph (lagom.tune.problem_for)
+  step    one SimulatedEvaluator.evaluate of NCCL's configs on a fresh evaluator (cold) and again (warm)
+  tune    lagom.tune.make_plan(strategy lagom, bucket search on): what `lagom tune` computes
+  rss     the process's peak resident memory (ru_maxrss) after all of the above, in MB
+A cell that runs past --timeout seconds prints '>T'. After the table: per (layers, world), the ratio of
+the time at 1,024 micro-batches to the time at 16 (linear growth would be 64).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+MICRO_BATCHES = (4, 16, 64, 256, 1024)
+LAYERS = (24, 80, 128)
+WORLDS = (8, 64, 1024, 8192)
+LAYOUTS = {8: (2, 4, 1), 64: (4, 4, 4), 1024: (8, 8, 16), 8192: (8, 8, 128)}  # world -> (tp, pp, dp)
+TARGETS = [("gpt3-13b-pp4", m) for m in (4, 8, 16, 128)] + [("llama3-70b-1024", 256)]
+
+
+def grid_job(layers: int, world: int, micro_batches: int):
+    from lagom.hardware import load_hardware
+    from lagom.workload import Framework, Model, Parallel, Training, Workload
+
+    tp, pp, dp = LAYOUTS[world]
+    wl = Workload(
+        name=f"gpt-13b-shape-L{layers}-w{world}-m{micro_batches}",
+        model=Model(architecture="gpt", layers=layers, hidden=5120, ffn=20480, heads=40, seq_len=2048, vocab=51200),
+        training=Training(micro_batch=1, global_batch=micro_batches * dp),
+        parallel=Parallel(dp=dp, tp=tp, pp=pp, sequence_parallel=True, distributed_optimizer=True),
+        framework=Framework(name="megatron", overlap_grad_reduce=True, overlap_param_gather=True))
+    hw = load_hardware("h100-sxm-8x-400g")
+    hw = replace(hw, name=f"h100-sxm-{world // 8}x8-400g", cluster=replace(hw.cluster, nodes=world // 8))
+    return wl, hw
+
+
+def target_job(name: str, micro_batches: int):
+    from lagom.hardware import load_hardware
+    from lagom.workload import load_workload
+
+    wl = load_workload(name)
+    wl = replace(wl, training=replace(wl.training, global_batch=micro_batches * wl.training.micro_batch * wl.parallel.dp))
+    return wl, load_hardware(wl.hardware)
+
+
+def run_cell(spec: dict) -> dict:
+    """Runs in the child process: time the graph, two evaluations and (unless told not to) a tune."""
+    from lagom.search.base import SimulatedEvaluator, nccl_configs
+    from lagom.tune import make_plan, problem_for
+
+    wl, hw = target_job(spec["name"], spec["m"]) if "name" in spec else grid_job(spec["layers"], spec["world"], spec["m"])
+    out: dict = {}
+    t = time.process_time()
+    problem = problem_for(wl, hw)
+    out["graph"] = time.process_time() - t
+    configs = nccl_configs(problem)
+    evaluator = SimulatedEvaluator(problem)
+    t = time.process_time()
+    out["step_s"] = evaluator.evaluate(configs).step_s
+    out["cold"] = time.process_time() - t
+    t = time.process_time()
+    evaluator.evaluate(configs)
+    out["warm"] = time.process_time() - t
+    del problem, evaluator
+    if spec.get("tune", True):
+        t = time.process_time()
+        plan = make_plan(wl, hw, "lagom")
+        out["tune"] = time.process_time() - t
+        out["evaluations"] = plan.evaluations
+        out["speedup"] = plan.predicted_step_s["nccl"] / plan.predicted_step_s["lagom"]
+    out["rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return out
+
+
+def measure(spec: dict, timeout: float) -> dict | None:
+    """One cell in a fresh interpreter; None when it ran past the timeout."""
+    try:
+        done = subprocess.run([sys.executable, __file__, "--cell", json.dumps(spec)], capture_output=True, text=True,
+                              timeout=timeout, check=True)
+    except subprocess.TimeoutExpired:
+        return None
+    except subprocess.CalledProcessError as err:
+        raise SystemExit(f"cell {spec} failed:\n{err.stderr}") from None
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _fmt(value: float | None, timeout: float) -> str:
+    if value is None:
+        return f">{timeout:.0f}"
+    return f"{value:.3f}" if value < 10 else f"{value:.1f}"
+
+
+HEADER = f"{'job':<34} {'m':>5} {'graph s':>8} {'step s':>8} {'warm s':>8} {'tune s':>8} {'evals':>6} {'rss MB':>7}"
+
+
+def row(label: str, m: int, res: dict | None, timeout: float) -> str:
+    if res is None:
+        return f"{label:<34} {m:>5} {'>' + format(timeout, '.0f'):>8}"
+    tune = _fmt(res.get("tune"), timeout) if "tune" in res else "-"
+    return (f"{label:<34} {m:>5} {_fmt(res['graph'], timeout):>8} {_fmt(res['cold'], timeout):>8} "
+            f"{_fmt(res['warm'], timeout):>8} {tune:>8} {res.get('evaluations', '-'):>6} {res['rss_mb']:>7.0f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cell", help=argparse.SUPPRESS)
+    parser.add_argument("--targets", action="store_true", help="run the target jobs (default: targets and grid)")
+    parser.add_argument("--grid", action="store_true", help="run the grid (default: targets and grid)")
+    parser.add_argument("--micro-batches", type=int, nargs="+", default=list(MICRO_BATCHES))
+    parser.add_argument("--layers", type=int, nargs="+", default=list(LAYERS))
+    parser.add_argument("--world", type=int, nargs="+", default=list(WORLDS), choices=list(WORLDS))
+    parser.add_argument("--no-tune", action="store_true", help="time the step only, not `lagom tune`")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per cell (default 600)")
+    args = parser.parse_args()
+    if args.cell:
+        print(json.dumps(run_cell(json.loads(args.cell))))
+        return
+    both = not args.targets and not args.grid
+    tune = not args.no_tune
+    print(HEADER, flush=True)
+    if args.targets or both:
+        for name, m in TARGETS:
+            print(row(name, m, measure({"name": name, "m": m, "tune": tune}, args.timeout), args.timeout), flush=True)
+    if not (args.grid or both):
+        return
+    results: dict[tuple[int, int, int], dict | None] = {}
+    for world in args.world:
+        for layers in args.layers:
+            for m in args.micro_batches:
+                res = measure({"layers": layers, "world": world, "m": m, "tune": tune}, args.timeout)
+                results[(layers, world, m)] = res
+                tp, pp, dp = LAYOUTS[world]
+                print(row(f"L{layers} w{world} (tp{tp} pp{pp} dp{dp})", m, res, args.timeout), flush=True)
+    print("\nratio of time at 1024 micro-batches to 16 (linear = 64):")
+    for world in args.world:
+        for layers in args.layers:
+            lo, hi = results.get((layers, world, 16)), results.get((layers, world, 1024))
+            if lo is None or hi is None:
+                continue
+            ratios = [f"{what} {hi[what] / lo[what]:.2f}" for what in ("cold", "warm", "tune") if what in lo and what in hi]
+            print(f"  L{layers} w{world}: " + ", ".join(ratios))
+
+
+if __name__ == "__main__":
+    main()
