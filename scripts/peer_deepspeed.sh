@@ -14,6 +14,7 @@
 #                      against an earlier PEER_OUT/without.xml
 #   PEER_SELECTION     file of pytest node ids, one per line, relative to the checkout's tests/
 #                      (default: scripts/peer/deepspeed_selection.txt)
+#   PEER_RANKS         CPU "devices" DeepSpeed may use (default 2): tests needing more ranks are skipped
 #   PEER_TEST_TIMEOUT  seconds one test phase may run before it fails and its ranks are killed (default 300)
 # The tests use DeepSpeed's CPU accelerator (gloo); the checkout should match the installed deepspeed.
 set -euo pipefail
@@ -35,6 +36,9 @@ main() {
   mapfile -t tests < <(grep -v -e '^\s*#' -e '^\s*$' "$selection")
 
   export DS_ACCELERATOR=cpu
+  # The CPU accelerator counts NUMA nodes as devices (1 here), so the harness would skip every
+  # 2-rank test; LOCAL_SIZE is the device count it honours instead.
+  export LOCAL_SIZE=${PEER_RANKS:-2}
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
   export PYTHONPATH="$repo/scripts/peer${PYTHONPATH:+:$PYTHONPATH}"
   # DeepSpeed's harness ends the whole session when a test outlives this; ours fails just the test first.
@@ -66,13 +70,19 @@ main() {
 
   for run in $runs; do
     plugins=(-p peer_timeout -p deepspeed_preload)
-    [ "$run" = with ] && plugins+=(-p lagom_deepspeed_inject)
+    if [ "$run" = with ]; then
+      plugins+=(-p lagom_deepspeed_inject)
+      rm -f "$out/initialize-calls.jsonl"
+    fi
     start=$SECONDS
-    (cd "$checkout/tests" && "$python" -m pytest "${plugins[@]}" -p no:cacheprovider --peer-timeout "$test_timeout" \
+    (cd "$checkout/tests" && LAGOM_PEER_LOG="$out/initialize-calls.jsonl" "$python" -m pytest "${plugins[@]}" -p no:cacheprovider --peer-timeout "$test_timeout" \
         --junitxml="$out/$run.xml" "${tests[@]}") >"$out/$run.log" 2>&1 || true
     echo "run '$run Lagom' (Lagom $(lagom_state) at its end): $((SECONDS - start)) s, log $out/$run.log"
   done
 
+  if [ -f "$out/initialize-calls.jsonl" ]; then  # how often Lagom was really on in the ranks, and how it ended
+    "$python" "$repo/scripts/peer/lagom_deepspeed_inject.py" "$out/initialize-calls.jsonl"
+  fi
   if [ -f "$out/without.xml" ] && [ -f "$out/with.xml" ]; then
     "$python" "$repo/scripts/peer/compare_runs.py" "$out/without.xml" "$out/with.xml"
   else

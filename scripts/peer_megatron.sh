@@ -39,6 +39,7 @@ main() {
 
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
   export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
+  unset LAGOM_PEER_INJECT  # scripts/peer/sitecustomize.py is for DeepSpeed runs only
   "$python" -c 'import torch, lagom_megatron.patching' 2>/dev/null \
     || { echo "error: $python cannot import torch and lagom_megatron (run scripts/bootstrap.sh)" >&2; exit 2; }
   checkout_rev=$(git -C "$checkout" rev-parse --short HEAD 2>/dev/null || echo "no git")
