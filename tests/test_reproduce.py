@@ -6,8 +6,8 @@ import argparse
 
 import pytest
 
-from lagom import reproduce
 from lagom.errors import ConfigError
+from lagom_experiments import reproduce
 from lagom_experiments.reproduce import (
     COLUMNS,
     Outcome,
