@@ -1,0 +1,56 @@
+"""Compiles the tuner plugin with the system C compiler: no CUDA, no NCCL headers, no Python API.
+
+setup.py loads this file by path (the package is not importable while it is being built) and calls
+``compile_plugin`` for every install; the tests call it for sanitizer builds. Only the standard
+library is imported here.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sysconfig
+from collections.abc import Sequence
+from pathlib import Path
+
+# NCCL's naming for tuner plugins (libnccl-tuner-<name>.so), in a folder without __init__.py: a .so
+# beside the package's modules would look like a Python extension module to pkgutil and importlib.
+LIBRARY_NAME = "libnccl-tuner-lagom.so"
+LIBRARY_DIR = "lib"
+SOURCE_DIR = Path(__file__).resolve().parent
+SOURCES = ("plugin.c", "rules.c")
+HEADERS = ("lagom_nccl_tuner.h", "rules.h")
+# Only the three ncclTunerPlugin_v* structs are exported (EXPORT in plugin.c).
+FLAGS = ("-std=c11", "-O2", "-fPIC", "-shared", "-fvisibility=hidden", "-Wall", "-Wextra")
+
+
+class BuildError(RuntimeError):
+    """The plugin could not be built; the message says why (no compiler, or the compiler's error)."""
+
+
+def c_compiler() -> list[str] | None:
+    """The compiler command: $CC, else the one Python was built with, else cc, gcc or clang on PATH."""
+    candidates = [os.environ.get("CC", ""), str(sysconfig.get_config_var("CC") or ""), "cc", "gcc", "clang"]
+    for candidate in candidates:
+        words = shlex.split(candidate)
+        if words and shutil.which(words[0]):
+            return words
+    return None
+
+
+def compile_plugin(output: Path, extra_flags: Sequence[str] = ()) -> Path:
+    """Builds the shared library at ``output`` (flags such as ``-fsanitize=address`` go in ``extra_flags``)."""
+    compiler = c_compiler()
+    if compiler is None:
+        raise BuildError("no C compiler found (set CC, or install gcc or clang)")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    command = [*compiler, *FLAGS, *extra_flags, *(str(SOURCE_DIR / name) for name in SOURCES), "-o", str(output)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+    except OSError as err:
+        raise BuildError(f"{compiler[0]} could not run ({err})") from None
+    if done.returncode != 0:
+        raise BuildError(f"{shlex.join(command)} failed:\n{done.stderr.strip()}")
+    return output

@@ -1,0 +1,46 @@
+/*
+ * The rules file `lagom tune --emit` and lagom.runtime.init write (nccl_tuner.lagom): plain text,
+ * one rule per line, `#` starts a comment.
+ *
+ *   lagom-nccl-tuner 1
+ *   world 16
+ *   # collective min_bytes max_bytes ranks nodes algorithm protocol channels chunk_bytes
+ *   allreduce 996147 1101005 8 1 ring simple 8 2097152  # dp/all_reduce/1048576
+ *
+ * A rule applies to a communicator of `ranks` ranks on `nodes` nodes, to calls of `collective`
+ * (broadcast, reduce, allgather, reducescatter, allreduce) of min_bytes..max_bytes bytes (both
+ * included, counted as NCCL counts them: the whole buffer). algorithm is one of tree, ring,
+ * collnet_direct, collnet_chain, nvls, nvls_tree, pat; protocol one of ll, ll128, simple (any case).
+ * `world` is the job's rank count the plan was made for. The first rule that covers a call wins;
+ * the files Lagom writes never overlap.
+ */
+#ifndef LAGOM_NCCL_TUNER_RULES_H
+#define LAGOM_NCCL_TUNER_RULES_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define LAGOM_RULES_VERSION 1
+
+typedef struct {
+  int collective; /* lagom_nccl_func */
+  uint64_t min_bytes, max_bytes;
+  uint64_t ranks, nodes;
+  int algorithm, protocol; /* cost-table row and column */
+  int channels;
+  uint64_t chunk_bytes;
+} lagom_rule;
+
+typedef struct {
+  uint64_t world;
+  lagom_rule* rules;
+  size_t count;
+} lagom_rule_set;
+
+/* Reads a rules file. On success fills *out (free it with lagom_rules_free) and returns 0. On any
+ * problem returns -1, leaves *out empty and writes one line saying where and what into reason. */
+int lagom_rules_read(const char* path, lagom_rule_set* out, char* reason, size_t reason_len);
+
+void lagom_rules_free(lagom_rule_set* set);
+
+#endif
