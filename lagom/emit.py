@@ -1,17 +1,21 @@
-"""Turn a plan into what frameworks and NCCL read: communicator configs, env, tuner CSV, buckets, TE."""
+"""Turn a plan into what frameworks and NCCL read: communicator configs, env, tuner rules and CSV, buckets, TE."""
 
 from __future__ import annotations
 
 import math
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import yaml
 
+from lagom import nccl_tuner
 from lagom.calls import SIZE_TOLERANCE  # a tuner row covers the sizes the runtime matches to its key
 from lagom.errors import ConfigError
 from lagom.hardware import Hardware
+from lagom.nccl_tuner import RULES_FILE_ENV
 from lagom.plan import Plan, PlanEntry
 
 TUNER_COLL = {"all_reduce": "allreduce", "all_gather": "allgather", "reduce_scatter": "reducescatter"}
@@ -69,10 +73,21 @@ PLAN_ENV_VARS = ("NCCL_BUFFSIZE", "NCCL_NTHREADS", "NCCL_MIN_NCHANNELS", "NCCL_M
 
 
 def env_conflicts(plan: Plan, hw: Hardware, environ: Mapping[str, str]) -> list[str]:
-    """NCCL variables already set that override what the plan sets (env beats communicator config)."""
+    """NCCL variables already set that override what the plan sets (env beats communicator config),
+    and a tuner plugin or rules file other than the plan's."""
     wanted = nccl_env(plan, hw)
-    return [f"{var}={environ[var]} overrides the plan" + (f" (plan: {wanted[var]})" if var in wanted else "")
-            for var in PLAN_ENV_VARS if var in environ and environ[var] != wanted.get(var)]
+    conflicts = [f"{var}={environ[var]} overrides the plan" + (f" (plan: {wanted[var]})" if var in wanted else "")
+                 for var in PLAN_ENV_VARS if var in environ and environ[var] != wanted.get(var)]
+    plugin = nccl_tuner.path()
+    if plugin is None or not tuner_entries(plan):
+        return conflicts
+    if TUNER_PLUGIN_ENV in environ and environ[TUNER_PLUGIN_ENV] != str(plugin):
+        conflicts.append(f"{TUNER_PLUGIN_ENV}={environ[TUNER_PLUGIN_ENV]} overrides the plan's per-size algorithm, "
+                         f"protocol, channels and chunk (plan: {plugin})")
+    if RULES_FILE_ENV in environ and not _holds_rules(environ[RULES_FILE_ENV], plan):
+        conflicts.append(f"{RULES_FILE_ENV}={environ[RULES_FILE_ENV]} overrides the plan's tuner rules "
+                         "(that file is not this plan's)")
+    return conflicts
 
 
 def check_env(plan: Plan, hw: Hardware, environ: Mapping[str, str]) -> None:
@@ -94,6 +109,105 @@ def tuner_csv(plan: Plan) -> str:
             e.config.algorithm, e.config.protocol.lower(),
             e.config.channels, e.group_nodes, e.group_size, -1, -1)))
     return "\n".join(lines) + "\n"
+
+
+TUNER_RULES_HEADER = "lagom-nccl-tuner 1"  # format and version that lagom/nccl_tuner/rules.h reads
+TUNER_PLUGIN_ENV = "NCCL_TUNER_PLUGIN"
+ALGO_PROTO_ENV = ("NCCL_ALGO", "NCCL_PROTO")  # the user's choice for every size: the plugin stays off
+
+
+def tuner_entries(plan: Plan) -> list[PlanEntry]:
+    """Entries NCCL consults a tuner for: the planned all-reduces, all-gathers and reduce-scatters."""
+    return [e for e in plan.entries if e.collective in TUNER_COLL and e.config.decomposition == "collective"]
+
+
+def _tuner_settings(entry: PlanEntry) -> tuple[str, str, int, int]:
+    """algorithm, protocol, channels, chunk_bytes as the plugin spells them."""
+    c = entry.config
+    return (str(c.algorithm), str(c.protocol).lower(), c.channels, c.chunk_bytes)
+
+
+@dataclass
+class _TunerRule:
+    """A planned size as the plugin sees it: NCCL's collective name, the byte range it covers."""
+
+    entry: PlanEntry
+    low: int
+    high: int
+
+    def line(self) -> str:
+        e = self.entry
+        fields = (TUNER_COLL[e.collective], self.low, self.high, e.group_size, e.group_nodes, *_tuner_settings(e))
+        return " ".join(str(v) for v in fields) + f"  # {e.key}"
+
+
+def _tuner_rules_for(entries: list[PlanEntry]) -> tuple[list[_TunerRule], list[str]]:
+    """Non-overlapping rules for one (ranks, nodes, collective), and a note per conflict resolved.
+
+    Each size gets the byte range ``lagom.calls.KeyIndex`` matches to it; where two ranges overlap they
+    are cut where a call is equally near both sizes (KeyIndex takes the nearest). Equal sizes from
+    communicators the plugin cannot tell apart keep the settings of the one with more communication time.
+    """
+    by_size: dict[int, list[PlanEntry]] = {}
+    for e in entries:
+        by_size.setdefault(e.bytes, []).append(e)
+    rules: list[_TunerRule] = []
+    notes: list[str] = []
+    for size in sorted(by_size):
+        heaviest, *others = sorted(by_size[size], key=lambda e: -(e.predicted_comm_s or e.count))
+        differing = [e.key for e in others if _tuner_settings(e) != _tuner_settings(heaviest)]
+        if differing:
+            notes.append(f"{', '.join(differing)}: settings of {heaviest.key} used (same size and counts, more time)")
+        reach = math.floor(SIZE_TOLERANCE * max(size, 1))  # the integer form of TuningKey.within
+        rule = _TunerRule(heaviest, max(0, size - reach), size + reach)
+        if rules and rules[-1].high >= rule.low:
+            cut = (rules[-1].entry.bytes + size) // 2
+            rules[-1].high = min(rules[-1].high, cut)
+            rule.low = max(rule.low, cut + 1)
+        rules.append(rule)
+    return rules, notes
+
+
+def tuner_rules(plan: Plan) -> str:
+    """The rules file of Lagom's NCCL tuner plugin (lagom/nccl_tuner/rules.h has the format).
+
+    One rule per planned collective size that NCCL asks a tuner about. The plugin knows a communicator
+    only by its rank and node counts, so communicators that share both share rules.
+    """
+    groups: dict[tuple[int, int, str], list[PlanEntry]] = {}
+    for e in tuner_entries(plan):
+        groups.setdefault((e.group_size, e.group_nodes, e.collective), []).append(e)
+    lines = [TUNER_RULES_HEADER,
+             f"# plan: {plan.workload} on {plan.hardware} ({plan.strategy}), {plan.created}",
+             f"world {plan.world_size}"]
+    sharing: dict[tuple[int, int], set[str]] = {}
+    for (ranks, nodes, _), entries in groups.items():
+        sharing.setdefault((ranks, nodes), set()).update(e.group for e in entries)
+    for (ranks, nodes), names in sorted(sharing.items()):
+        if len(names) > 1:
+            lines.append(f"# {', '.join(sorted(names))} have {ranks} ranks on {nodes} node(s): NCCL cannot tell "
+                         "them apart, they share these rules")
+    lines.append("# collective min_bytes max_bytes ranks nodes algorithm protocol channels chunk_bytes")
+    for group in sorted(groups):
+        rules, notes = _tuner_rules_for(groups[group])
+        lines += [f"# {note}" for note in notes] + [rule.line() for rule in rules]
+    return "\n".join(lines) + "\n"
+
+
+def _holds_rules(rules_file: str, plan: Plan) -> bool:
+    try:
+        return Path(rules_file).read_text() == tuner_rules(plan)
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def tuner_env(plan: Plan, rules_file: str | Path) -> dict[str, str]:
+    """What turns Lagom's tuner plugin on for a plan whose rules are in ``rules_file``: nothing when the
+    plan has no size for it or the plugin is not built."""
+    plugin = nccl_tuner.path()
+    if plugin is None or not tuner_entries(plan):
+        return {}
+    return {TUNER_PLUGIN_ENV: str(plugin), RULES_FILE_ENV: str(Path(rules_file).resolve())}
 
 
 # Transformer Engine userbuffers: which GEMM a tensor-parallel point feeds, by the point's name.
