@@ -1,8 +1,9 @@
 """A plan applied to NCCL for this process: ``init(plan)`` and the ``Runtime`` it returns.
 
 ``init`` checks the NCCL environment against the plan, exports the plan's process-wide NCCL
-variables and wraps ``torch.distributed.new_group`` so that communicators created afterwards get the
-plan's per-group options (CTAs, stream priority). The runtime's ``Recorder`` times every collective
+variables, turns on Lagom's NCCL tuner plugin with the plan's rules (per-size algorithm, protocol,
+channels, chunk) and wraps ``torch.distributed.new_group`` so that communicators created afterwards get
+the plan's per-group options (CTAs, stream priority). The runtime's ``Recorder`` times every collective
 the adapters report.
 """
 
@@ -11,13 +12,25 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
-from lagom.emit import check_env, communicator_configs, env_conflicts, nccl_env
+from lagom import nccl_tuner
+from lagom.emit import (
+    ALGO_PROTO_ENV,
+    TUNER_PLUGIN_ENV,
+    check_env,
+    communicator_configs,
+    env_conflicts,
+    nccl_env,
+    tuner_entries,
+    tuner_env,
+    tuner_rules,
+)
 from lagom.errors import ConfigError
 from lagom.hardware import Hardware, load_hardware
 from lagom.plan import Plan
@@ -79,7 +92,9 @@ class Runtime:
         self.plan, self.hw, self.recorder = plan, hw, recorder
         self.group_options: dict[str, Any] = {}
         self.applied_groups: set[str] = set()
-        self.env_set: dict[str, str] = {}
+        self.env_set: dict[str, str] = {}  # the plan's process-wide NCCL variables
+        self.tuner_env_set: dict[str, str] = {}  # NCCL_TUNER_PLUGIN and the plugin's rules file
+        self.tuner_rules_file: Path | None = None
         self._comm_cfgs = communicator_configs(plan) if plan is not None else {}
         self._original_new_group: Callable[..., Any] | None = None
         self._closed = False
@@ -114,11 +129,50 @@ class Runtime:
             if var not in os.environ:
                 os.environ[var] = value
                 self.env_set[var] = value
+        self._export_tuner()
         if self.env_set:
             log.info("exported %s (read by NCCL when a communicator is created)",
                      ", ".join(f"{k}={v}" for k, v in self.env_set.items()))
             if dist.is_initialized() and "nccl" in str(dist.get_backend()).lower():
                 log.warning("NCCL communicators created before lagom.runtime.init keep their old settings")
+
+    def _export_tuner(self) -> None:
+        """Point NCCL at Lagom's tuner plugin and a rules file written for the plan. A tuner, algorithm or
+        protocol the user set wins (env_conflicts reports it); so does a rules file the user named."""
+        if self.plan is None or not tuner_entries(self.plan):
+            return
+        plugin = nccl_tuner.path()
+        if plugin is None:
+            log.warning(nccl_tuner.UNAVAILABLE)
+            return
+        overriding = [var for var in ALGO_PROTO_ENV if var in os.environ]
+        if os.environ.get(TUNER_PLUGIN_ENV, str(plugin)) != str(plugin):
+            overriding.insert(0, TUNER_PLUGIN_ENV)
+        if overriding:
+            log.info("NCCL tuner plugin left off: %s set in the environment", ", ".join(overriding))
+            return
+        rules_file = os.environ.get(nccl_tuner.RULES_FILE_ENV) or self._write_tuner_rules(self.plan)
+        if rules_file is None:
+            return
+        self.tuner_env_set = {var: value for var, value in tuner_env(self.plan, rules_file).items()
+                              if var not in os.environ}
+        os.environ.update(self.tuner_env_set)
+        log.info("NCCL tuner plugin on: %s reads %s", plugin, rules_file)
+
+    def _write_tuner_rules(self, plan: Plan) -> str | None:
+        """The plan's rules in a file of this process's own (removed by ``close``), or None if it cannot be written."""
+        try:
+            handle, name = tempfile.mkstemp(prefix=f"lagom-nccl-tuner-{os.getpid()}-", suffix=".lagom")
+            self.tuner_rules_file = Path(name)
+            with os.fdopen(handle, "w") as out:
+                out.write(tuner_rules(plan))
+        except OSError as err:
+            log.warning("NCCL tuner plugin left off: cannot write its rules file (%s)", err)
+            if self.tuner_rules_file is not None:
+                self.tuner_rules_file.unlink(missing_ok=True)
+                self.tuner_rules_file = None
+            return None
+        return name
 
     # -- group creation
     def _install(self) -> None:
@@ -160,7 +214,7 @@ class Runtime:
             log.debug("group %s: options built but not passed (backend %s is not NCCL)", name, backend)
 
     def close(self) -> None:
-        """Put ``new_group`` back and remove the NCCL variables ``init`` exported."""
+        """Put ``new_group`` back, remove the NCCL variables ``init`` exported and the tuner rules file."""
         global _current
         if self._closed:
             return
@@ -171,9 +225,12 @@ class Runtime:
                     owner.new_group = self._original_new_group  # type: ignore[attr-defined]
                 else:
                     log.warning("%s.new_group was re-wrapped after lagom.runtime.init; left as it is", owner.__name__)
-        for var, value in self.env_set.items():
+        for var, value in {**self.env_set, **self.tuner_env_set}.items():
             if os.environ.get(var) == value:
                 del os.environ[var]
+        if self.tuner_rules_file is not None:
+            self.tuner_rules_file.unlink(missing_ok=True)
+            self.tuner_rules_file = None
         if _current is self:
             _current = None
 
