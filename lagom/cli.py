@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import shlex
 import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -28,6 +29,7 @@ def _load(args: argparse.Namespace):
 
 def cmd_tune(args: argparse.Namespace) -> int:
     from lagom import emit
+    from lagom.nccl_tuner import UNAVAILABLE
     from lagom.report import plan_markdown, plan_table, print_table
     from lagom.tune import make_plan
 
@@ -41,7 +43,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
         emit_dir.mkdir(exist_ok=True)
         (emit_dir / "nccl_comm_cfgs.yaml").write_text(emit.megatron_nccl_yaml(plan))
         (emit_dir / "nccl_tuner.csv").write_text(emit.tuner_csv(plan))
-        (emit_dir / "nccl.env").write_text("".join(f"export {k}={v}\n" for k, v in emit.nccl_env(plan, hw).items()))
+        (emit_dir / "nccl_tuner.lagom").write_text(emit.tuner_rules(plan))
+        env = {**emit.nccl_env(plan, hw), **emit.tuner_env(plan, emit_dir / "nccl_tuner.lagom")}
+        (emit_dir / "nccl.env").write_text("".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items()))
+        if emit.tuner_entries(plan) and emit.TUNER_PLUGIN_ENV not in env:
+            print(f"lagom: {UNAVAILABLE}; nccl.env does not set NCCL_TUNER_PLUGIN", file=sys.stderr)
         (emit_dir / "buckets.json").write_text(json.dumps(plan.framework, indent=2) + "\n")
         (emit_dir / "te_ub_cfgs.yaml").write_text(emit.te_ub_yaml(plan))
         (emit_dir / "plan.md").write_text(plan_markdown(plan))
