@@ -182,7 +182,11 @@ int lagom_rules_read(const char* path, lagom_rule_set* out, char* reason, size_t
   reader rd = {path, 0, reason, reason_len};
   lagom_rule_set set = {0, NULL, 0};
   FILE* file = fopen(path, "r");
-  if (file == NULL) return fail(&rd, "cannot open (%s)", strerror(errno));
+  if (file == NULL) {
+    char why[128] = "unknown error";
+    strerror_r(errno, why, sizeof why); /* XSI form: communicators may be created from several threads */
+    return fail(&rd, "cannot open (%s)", why);
+  }
   int status = read_lines(&rd, file, &set);
   fclose(file);
   if (status != 0) lagom_rules_free(&set);
