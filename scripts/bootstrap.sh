@@ -19,8 +19,9 @@ if [ ! -x .venv/bin/python ]; then
   "$py" -m venv .venv
 fi
 stamp=.venv/.lagom-installed
-if [ ! -f "$stamp" ] || ! cmp -s pyproject.toml "$stamp"; then
+# reinstall when the install recipe changes (setup.py builds the NCCL tuner plugin)
+if [ ! -f "$stamp" ] || ! cat pyproject.toml setup.py | cmp -s - "$stamp"; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q -e ".[test,megatron,deepspeed]"
-  cp pyproject.toml "$stamp"
+  cat pyproject.toml setup.py > "$stamp"
 fi

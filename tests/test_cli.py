@@ -34,8 +34,8 @@ def test_tune_writes_a_plan_and_the_framework_files(wl, tmp_path, capsys):
     out = tmp_path / "emit"
     assert main(["tune", wl, "--hardware", "a100-8x-100g", "--out", str(tmp_path / "plan.json"), "--emit", str(out)]) == 0
     assert json.loads((tmp_path / "plan.json").read_text())["strategy"] == "lagom"
-    assert {p.name for p in out.iterdir()} == {"nccl_comm_cfgs.yaml", "nccl_tuner.csv", "nccl.env", "buckets.json",
-                                                "te_ub_cfgs.yaml", "plan.md"}
+    assert {p.name for p in out.iterdir()} == {"nccl_comm_cfgs.yaml", "nccl_tuner.csv", "nccl_tuner.lagom", "nccl.env",
+                                                "buckets.json", "te_ub_cfgs.yaml", "plan.md"}
     assert "plan: tiny-gpt on a100-8x-100g" in capsys.readouterr().out
 
 
