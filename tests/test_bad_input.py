@@ -275,8 +275,9 @@ def test_os_errors_of_a_plugged_command_are_one_line(capsys):
     if not Path("/sys").is_dir():
         pytest.skip("needs Linux /sys, a folder even root cannot write")
     line = refused(["reproduce", "--quick", "--out", "/sys/lagom-reproduce"], capsys)
-    assert line.startswith("lagom: error: /sys/lagom-reproduce: ")  # EPERM or EACCES, as the kernel says
-    assert line.endswith(" (check the path and its permissions)")
+    # checked (by writing a probe file) before any simulation; EPERM or EACCES, as the kernel says
+    assert line.startswith("lagom: error: --out: cannot write into /sys: ")
+    assert line.endswith(" (pick a folder you can write to)")
 
 
 # ---------------------------------------------------------------------------------------------
