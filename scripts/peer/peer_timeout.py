@@ -7,21 +7,30 @@ Here SIGALRM fires first: every process this pytest process started (pool worker
 compilers) is killed, so the harness's wait returns, and the phase fails with ``PeerTimeout``.
 multiprocessing's own helpers (the forkserver and the resource tracker) are spared: a pool's worker
 thread needs the forkserver to replace the killed workers when the harness closes the pool.
-The alarm is re-armed after firing, so a teardown that waits on the killed workers fails as well.
+After the first expiry the alarm repeats every ``REPEAT_S`` seconds until the phase ends, so a
+cleanup that waits on the killed workers (DeepSpeed closes its pool in a ``finally``) fails too.
 A test blocked inside C code (no Python bytecode runs) is only interrupted when it returns to Python.
+A pool whose result thread died (a worker's exception that cannot be unpickled) also hangs the
+interpreter's exit in multiprocessing's finalizers; so once a phase has expired, the session ends
+with ``os._exit`` after every other plugin has finished (junit XML and the summary are written).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 
 
+REPEAT_S = 30.0
 MULTIPROCESSING_HELPERS = (b"multiprocessing.forkserver", b"multiprocessing.resource_tracker")
+
+
+_session: dict[str, Any] = {"expired": False, "exitstatus": 0}
 
 
 class PeerTimeout(Exception):
@@ -81,43 +90,60 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: Any) -> Iterator[None]:
     if not seconds:
         yield
         return
-    phase_seconds = max(1, int(seconds))
 
     def expired(signum: int, frame: Any) -> None:
+        _session["expired"] = True
         killed = _kill_descendants()
-        signal.alarm(phase_seconds)  # whatever waits on the killed processes gets the same limit
         raise PeerTimeout(f"{item.nodeid} ran past --peer-timeout {seconds:g} s; killed child processes {killed}")
 
     previous = signal.signal(signal.SIGALRM, expired)
     try:
         yield
     finally:
-        signal.alarm(0)
+        _disarm()
         signal.signal(signal.SIGALRM, previous)
 
 
 def _arm(item: pytest.Item) -> None:
     seconds = item.config.getoption("--peer-timeout")
     if seconds:
-        signal.alarm(max(1, int(seconds)))
+        signal.setitimer(signal.ITIMER_REAL, seconds, REPEAT_S)
+
+
+def _disarm() -> None:
+    signal.setitimer(signal.ITIMER_REAL, 0)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
     _arm(item)
     yield
-    signal.alarm(0)
+    _disarm()
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
     _arm(item)
     yield
-    signal.alarm(0)
+    _disarm()
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: Any) -> Iterator[None]:
     _arm(item)
     yield
-    signal.alarm(0)
+    _disarm()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    _session["exitstatus"] = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if not _session["expired"]:
+        return
+    _kill_descendants()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(_session["exitstatus"])
