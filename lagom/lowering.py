@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from lagom.comm_config import CommConfig, Decomposition
 from lagom.phase_index import END, NONE, SLOT, PhaseIndex
-from lagom.points import Collective, ComputeSegment
+from lagom.points import Collective
 
 COMPUTE, P2P, STREAM = 0, 1, 2  # kinds of task queue
 
@@ -45,7 +45,7 @@ class Queue:
         return None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Shape:
     """A task apart from its timing: where it runs, what it waits for, what it costs."""
 
@@ -53,7 +53,7 @@ class Shape:
     device: int
     devices: tuple[int, ...]  # GPUs whose resources it uses
     deps: tuple[tuple[int, int], ...]  # (queue, position) of the tasks it waits for, in lowering order
-    seg: ComputeSegment | None  # compute
+    cost: tuple  # what its durations depend on: compute (flops, bytes, ctas); comm (key, a P2P step or not)
     point: int  # comm: index of its overlap point
     coll: Collective | None  # comm: the collective, or SEND_RECV for one P2P step
     nbytes: float
@@ -209,7 +209,7 @@ class Lowering:
             j = ix.streams[queue.stream].points[pos]
             p = ix.points[j]
             before = ix.before[j]
-            return Shape(True, d, ix.streams[queue.stream].devices, self.released(j), None, j, p.collective,
+            return Shape(True, d, ix.streams[queue.stream].devices, self.released(j), (ix.key(j), False), j, p.collective,
                          float(p.bytes), True, True, nxt, (self.compute_queue[before[0]],) if before else ())
         i, piece = divmod(pos, SLOT)
         seg = ix.segments[d][i]
@@ -218,10 +218,11 @@ class Lowering:
             p = ix.points[j]
             _, steps, k = self.pieces(d, i)
             deps = self.released(j) if p.collective == Collective.ALL_GATHER else ((self.compute_queue[d], i * SLOT + piece),)
-            return Shape(True, d, (d,), deps, None, j, Collective.SEND_RECV, p.bytes / (p.group.size * k),
+            return Shape(True, d, (d,), deps, (ix.key(j), True), j, Collective.SEND_RECV, p.bytes / (p.group.size * k),
                          piece == 0, piece == steps - 1, nxt, (self.compute_queue[d],))
         if j == NONE:
-            return Shape(False, d, (d,), self.waits(d, i), seg, NONE, None, 0.0, True, True, nxt, self._ending(d, i))
+            return Shape(False, d, (d,), self.waits(d, i), (seg.flops, seg.bytes, seg.ctas), NONE, None, 0.0, True, True, nxt,
+                         self._ending(d, i))
         p = ix.points[j]
         count, steps, k = self.pieces(d, i)
         n = p.group.size
@@ -241,12 +242,11 @@ class Lowering:
                 wakes += (self.compute_queue[before[0]],)
         elif p.collective != Collective.ALL_GATHER and piece < steps:  # a peer's partial: its send waits
             wakes = (self.p2p_queue[(d, p.group.name)],)
-        if p.collective != Collective.ALL_GATHER and piece == count - 1:
-            piece_seg = ComputeSegment(f"{seg.name}[reduce]", 0.0, p.bytes / n * (n + 1), max(1, p.bytes // n // 4096), d)
+        if p.collective != Collective.ALL_GATHER and piece == count - 1:  # the reduce
+            cost: tuple = (0.0, p.bytes / n * (n + 1), max(1, p.bytes // n // 4096))
         else:
-            piece_seg = ComputeSegment(f"{seg.name}[{label(p.collective, piece, n, k)}]", seg.flops / (n * k),
-                                       seg.bytes / (n * k), max(1, seg.ctas // (n * k)), seg.device)
-        return Shape(False, d, (d,), deps, piece_seg, NONE, None, 0.0, True, True, nxt, wakes)
+            cost = (seg.flops / (n * k), seg.bytes / (n * k), max(1, seg.ctas // (n * k)))
+        return Shape(False, d, (d,), deps, cost, NONE, None, 0.0, True, True, nxt, wakes)
 
     def _ending(self, d: int, i: int) -> tuple[int, ...]:
         """Queues whose tasks wait for the end of segment (d, i): the collectives it releases (a split
@@ -273,7 +273,16 @@ class Lowering:
     def name(self, q: int, pos: int) -> str:
         shape = self.shape(q, pos)
         if not shape.comm:
-            return shape.seg.name  # type: ignore[union-attr]
+            i, piece = divmod(pos, SLOT)
+            seg = self.ix.segments[shape.device][i]
+            j = self.fused(shape.device, i)
+            if j == NONE:
+                return seg.name
+            p = self.ix.points[j]
+            count, _, k = self.pieces(shape.device, i)
+            if p.collective != Collective.ALL_GATHER and piece == count - 1:
+                return f"{seg.name}[reduce]"
+            return f"{seg.name}[{label(p.collective, piece, p.group.size, k)}]"
         p = self.ix.points[shape.point]
         if self.queues[q].kind == STREAM:
             return p.name

@@ -13,7 +13,10 @@ skip whole periods once it sees its state repeat (see ``lagom.simulator``).
 
 from __future__ import annotations
 
+import gc
 from bisect import bisect_left
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from operator import attrgetter
 
@@ -52,10 +55,29 @@ class Band:
     slots: list[tuple[int, list[tuple[int, int]]]]  # per stream: (points per period, [lo, hi) slot spans)
 
 
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Building an index allocates hundreds of thousands of small containers that all stay alive; the
+    cyclic garbage collector would rescan the growing heap again and again (nearly half the time on a
+    1,024-GPU job) for nothing to free. Paused only while building, and only if it was on."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 class PhaseIndex:
     """Positions, dependencies and the periodic band of one phase (independent of configs and model)."""
 
     def __init__(self, phase: Phase) -> None:
+        with _collector_paused():
+            self._build(phase)
+
+    def _build(self, phase: Phase) -> None:
         self.phase = phase
         self.devices = list(phase.segments)
         self.rank = {d: r for r, d in enumerate(self.devices)}
@@ -138,7 +160,8 @@ class PhaseIndex:
     @property
     def band(self) -> Band | None:
         if self._band is False:
-            self._band = _find_band(self)
+            with _collector_paused():
+                self._band = _find_band(self)
         return self._band  # type: ignore[return-value]
 
 

@@ -46,6 +46,7 @@ EPS = 1e-12
 DONE = 1e-9  # a task whose remaining fraction falls to this is finished
 REPEAT_TOLERANCE = 1e-9  # remaining fractions this close count as the same state
 UNITS_KEPT = 4  # states remembered for this many periods back (a state may repeat every few periods)
+RANK_ONE = 1e-7  # how closely successive differences must be one geometric series to extrapolate its limit
 CHECKPOINT_EVERY = 400  # tasks started between checkpoints
 TRAILS_KEPT = 3  # earlier runs whose checkpoints a Simulator keeps
 LOWERINGS_KEPT = 8  # decomposition choices whose task shapes a Simulator keeps
@@ -77,6 +78,7 @@ class PhaseResult:
     spans: list[tuple[int, str, str, float, float]]  # (device, stream, name, start, end), with keep_spans
     tasks_simulated: int = 0  # tasks run event by event (a resumed run counts those before its checkpoint)
     periods_skipped: int = 0  # steady-state periods advanced without simulating them
+    resumed_at: float | None = None  # the checkpoint this run resumed an earlier one's from (None: from the start)
     _timings: Callable[[], list[PointTiming]] | None = field(default=None, repr=False, compare=False)
 
     @cached_property
@@ -113,6 +115,26 @@ class StepResult:
 
 
 @dataclass
+class _Jump:
+    """Periods skipped in one go, and where what they held would have been.
+
+    After the last simulated period the period lengths converge to ``period`` geometrically (ratio
+    ``ratio``, first excess ``excess``; both 0 when the state repeated exactly)."""
+
+    queues: dict[int, tuple[int, int, bool]]  # band queue -> (head, positions skipped, head was running)
+    periods: int
+    period: float
+    excess: float
+    ratio: float
+
+    def shift(self, n: int) -> float:
+        """Seconds from a task to its image n periods on."""
+        if not self.excess:
+            return n * self.period
+        return n * self.period + self.excess * self.ratio * (1 - self.ratio ** n) / (1 - self.ratio)
+
+
+@dataclass
 class _Checkpoint:
     """A run's state just before the tasks of one instant start: enough to continue it."""
 
@@ -126,10 +148,7 @@ class _Checkpoint:
     records: int  # how many records the run had
     longest: float
     first_start: dict[str, float]
-    skipped: int
-    jumped: dict[int, tuple[int, int, bool]]
-    delta: float
-    periods: int
+    jumps: list[_Jump]
     simulated: int
     seq: int
 
@@ -185,9 +204,9 @@ class Simulator:
                 if t == INF:  # no changed key has a collective in this phase: nothing in it changes
                     reuse = done
                     break
-                cp = next((c for c in reversed(checkpoints) if c.now <= t), None)
-                if cp is not None and (start is None or cp.now > start[0].now):
-                    start = (cp, records)
+                at = next((n for n in range(len(checkpoints) - 1, -1, -1) if checkpoints[n].now <= t), None)
+                if at is not None and (start is None or checkpoints[at].now > start[0].now):
+                    start = (checkpoints[at], records, checkpoints[:at + 1])
             if reuse is not None:
                 phases.append(reuse[0])
                 left.append(reuse)
@@ -265,15 +284,12 @@ class _Task:
 
     def __init__(self, queue: int, pos: int, shape: Shape, run: "_PhaseRun") -> None:
         self.queue, self.pos, self.shape = queue, pos, shape
-        self.comm, self.device, self.devices, self.deps = shape.comm, shape.device, shape.devices, shape.deps
+        self.comm, self.device, self.devices, self.deps, self.cost = shape.comm, shape.device, shape.devices, shape.deps, shape.cost
         if shape.comm:
-            self.key = run.ix.key(shape.point)
+            self.key = shape.cost[0]
             self.config = run.config(self.key)
-            self.cost = (self.key, shape.coll != run.ix.points[shape.point].collective)  # (key, a P2P step)
         else:
             self.key, self.config = "", None
-            seg = shape.seg
-            self.cost = (seg.flops, seg.bytes, seg.ctas)  # type: ignore[union-attr]
         self.seq = 0
         self.start = -1.0
         self.rem = 1.0  # remaining fraction at time ``since``
@@ -288,14 +304,32 @@ class _Task:
 
 @dataclass
 class _Seen:
-    """The state at one check, to compare with the state whole periods later."""
+    """The state at a period boundary of the band, to compare with the state whole periods later."""
 
-    unit: int
+    unit: int  # periods of the reference stream so far
+    key: tuple  # stream positions less ``unit`` periods, and which heads run
+    remaining: list[float]  # remaining fraction of each running head, in queue order
+    spans: list[tuple[int, int] | None]  # the band span each stream is in
     now: float
-    remaining: list[float]
-    spans: list[tuple[int, int] | None]
     totals: dict[str, list[float]]
     exposed: float
+    room: int  # periods left before a stream leaves its span
+
+
+@dataclass
+class _Plan:
+    """A jump: per period ``period`` seconds and ``increments`` of the sums, plus a geometric transient."""
+
+    units: int  # reference periods per period
+    period: float
+    increments: dict[str, list[float]]
+    exposed: float
+    excess: float  # last simulated period less the steady one (0: exact repetition)
+    excess_increments: dict[str, list[float]]
+    excess_exposed: float
+    ratio: float
+    fixed: list[float]  # remaining fractions at the fixed point
+    remaining: list[float]  # remaining fractions now
 
 
 class _PhaseRun:
@@ -316,10 +350,9 @@ class _PhaseRun:
         self.first_start: dict[str, float] = {}  # key -> when its first collective started
         self.checkpoints: list[_Checkpoint] = []
         self.simulated = 0
-        self.jumped: dict[int, tuple[int, int, bool]] = {}  # band queue -> (head, positions skipped, head was running)
-        self.delta = 0.0  # seconds skipped
-        self.periods = 1
-        self.skipped = 0
+        self.jumps: list[_Jump] = []
+        self.history: list[_Seen] = []  # the last few period boundaries of the band
+        self.probe_unit: int | None = None  # a probe: stop at this period boundary and report the state
 
     def config(self, key: str) -> CommConfig:
         cfg = self.config_memo.get(key)
@@ -362,7 +395,7 @@ class _PhaseRun:
         dur = self.compute_memo.get(key)
         if dur is None:
             running = tuple(RunningComm(c.config, c.rate) for c in beside)  # type: ignore[arg-type]
-            dur = self.compute_memo[key] = max(EPS, self.model.compute_time(t.shape.seg, running))  # type: ignore[arg-type]
+            dur = self.compute_memo[key] = max(EPS, self.model.compute_time(_segment(t.cost), running))
         return dur
 
     def solo(self, t: _Task) -> float:
@@ -373,18 +406,19 @@ class _PhaseRun:
                 self.comm_duration(t, 0.0)
                 s = self.solo_memo[t.cost]
             else:
-                s = self.solo_memo[t.cost] = self.model.compute_time(t.shape.seg, ())  # type: ignore[arg-type]
+                s = self.solo_memo[t.cost] = self.model.compute_time(_segment(t.cost), ())
         return s
 
     def util(self, t: _Task) -> float:
         u = self.util_memo.get(t.cost)
         if u is None:
-            u = self.util_memo[t.cost] = self.model.hbm_util(t.shape.seg)  # type: ignore[arg-type]
+            u = self.util_memo[t.cost] = self.model.hbm_util(_segment(t.cost))
         return u
 
     # -- the event loop
 
-    def simulate(self, compute_solo: float, comm_peak: float, resume: tuple[_Checkpoint, list[tuple]] | None) -> PhaseResult:
+    def simulate(self, compute_solo: float, comm_peak: float,
+                 resume: tuple[_Checkpoint, list[tuple], list[_Checkpoint]] | None = None) -> PhaseResult:
         lw, ix, model = self.lw, self.ix, self.model
         queues, heads, tasks = lw.queues, self.heads, self.tasks
         nq = len(queues)
@@ -406,22 +440,20 @@ class _PhaseRun:
         dirty: set[int] = set()
         band_ref = next((q for q, queue in enumerate(queues) if queue.kind == COMPUTE and queue.shift), None)
         check_every = queues[band_ref].shift if band_ref is not None else 0
-        seen: dict[tuple, _Seen] = {}
-        seen_units: dict[int, list[tuple]] = defaultdict(list)
         watching = band_ref is not None
         since_checkpoint = 0
         event = 0
         if resume is not None:
-            cp, records = resume
+            cp, records, earlier = resume
             now, exposed_total, longest, seq = cp.now, cp.exposed, cp.longest, cp.seq
             heads[:] = cp.heads
             for key, row in cp.totals.items():
                 totals[key] = list(row)
             first_start.update(cp.first_start)
             self.records = records[:cp.records]
-            self.skipped, self.jumped, self.delta, self.periods = cp.skipped, dict(cp.jumped), cp.delta, cp.periods
-            self.simulated = cp.simulated
-            watching = False
+            self.checkpoints = list(earlier)  # the run it resumes is this run up to here
+            self.jumps, self.simulated = list(cp.jumps), cp.simulated
+            watching = self.probe_unit is not None
             for q, pos, t_seq, start, rem, dur, rate, exposed, solo in cp.running:
                 t = self.task(q, pos)
                 t.seq, t.start, t.rem, t.since, t.dur, t.rate, t.exposed, t.solo = t_seq, start, rem, now, dur, rate, exposed, solo
@@ -530,26 +562,28 @@ class _PhaseRun:
                 raise LagomError(f"simulation deadlock in phase {ix.phase.name}: {stuck[:4]}")
             # The steady state: compare with the state whole periods ago and skip the periods that repeat it.
             if check:
-                jump = self._repeat(now, totals, exposed_total, seen, seen_units, band_ref)  # type: ignore[arg-type]
-                if jump is not None:
-                    watching = False
-                    periods, span, units, base = jump
-                    self.skipped = self.periods = periods
-                    for key, row in totals.items():
-                        old = base.totals.get(key, [0.0, 0.0, 0.0, 0.0])
-                        for n in range(4):
-                            row[n] += periods * (row[n] - old[n])
-                    exposed_total += periods * (exposed_total - base.exposed)
-                    now = self._shift(now, periods * span, periods * units, compute_on, comms_on)
-                    woken.update(range(nq))
-                    heap = []
-                    for d in devices:
-                        for t in [compute_on[d], *comms_on[d]]:
-                            if t is not None and t.device == d:
-                                counter += 1
-                                heap.append((t.since + t.rem * t.dur, counter, t.version, t))
-                    heapq.heapify(heap)
-                    seen.clear()
+                seen = self._observe(now, totals, exposed_total, band_ref)  # type: ignore[arg-type]
+                if self.probe_unit is not None:
+                    if heads[band_ref] // check_every >= self.probe_unit:  # type: ignore[index]
+                        return seen  # type: ignore[return-value]
+                elif seen is None:
+                    watching = not self._band_over()
+                else:
+                    plan = self._steady(seen, compute_on, comms_on, longest)
+                    self.history = [h for h in self.history if h.unit > seen.unit - UNITS_KEPT] + [seen]
+                    if plan is not None:
+                        periods = seen.room // plan.units - 1
+                        if periods >= 1:
+                            now, exposed_total = self._jump(plan, periods, now, totals, exposed_total, compute_on, comms_on)
+                            woken.update(range(nq))
+                            heap = []
+                            for d in devices:
+                                for t in [compute_on[d], *comms_on[d]]:
+                                    if t is not None and t.device == d:
+                                        counter += 1
+                                        heap.append((t.since + t.rem * t.dur, counter, t.version, t))
+                            heapq.heapify(heap)
+                            self.history = []
             # Exposed communication: a compute stream idle while it waits on a released collective (one
             # still waiting for another stage's compute is a pipeline bubble, not exposed comm).
             blockers = []
@@ -621,8 +655,8 @@ class _PhaseRun:
                     live -= 1
         return PhaseResult(ix.phase.name, ix.phase.repeat, now, exposed_total, compute_solo, comm_peak,
                            {k: dict(zip(("time", "solo", "exposed", "count"), row)) for k, row in totals.items()},
-                           [span for _, span in sorted(self.spans, key=lambda s: s[0])], self.simulated, self.skipped,
-                           self._point_timings)
+                           [span for _, span in sorted(self.spans, key=lambda s: s[0])], self.simulated,
+                           sum(j.periods for j in self.jumps), resume[0].now if resume else None, self._point_timings)
 
     def _checkpoint(self, now, seq, compute_on, comms_on, woken, dirty, totals, exposed_total, longest) -> None:
         running = {t.seq: t for t in compute_on.values() if t is not None}
@@ -632,13 +666,12 @@ class _PhaseRun:
             [(t.queue, t.pos, t.seq, t.start, t.rem - (now - t.since) / t.dur, t.dur, t.rate, t.exposed, t.solo)
              for _, t in sorted(running.items())],
             set(woken), set(dirty), {k: list(v) for k, v in totals.items()}, exposed_total, len(self.records), longest,
-            dict(self.first_start), self.skipped, dict(self.jumped), self.delta, self.periods, self.simulated, seq))
+            dict(self.first_start), list(self.jumps), self.simulated, seq))
 
     # -- steady state
 
-    def _repeat(self, now: float, totals, exposed_total: float, seen, seen_units, ref: int):
-        """At a period boundary of the band's reference stream: the jump (periods, period seconds, units per
-        period, earlier state) if the state equals one seen whole periods ago, else None."""
+    def _observe(self, now: float, totals, exposed_total: float, ref: int) -> _Seen | None:
+        """The state at a period boundary of the reference stream; None when a stream is outside the band."""
         queues, heads = self.lw.queues, self.heads
         unit = heads[ref] // queues[ref].shift
         key, spans, room = [], [], END
@@ -655,42 +688,107 @@ class _PhaseRun:
                 spans.append(None)
             t = self.tasks[q].get(heads[q]) if heads[q] < END else None
             key.append((pos, t is not None and t.start >= 0))
-        state = tuple(key)
         running = [self.tasks[q][heads[q]] for q, (_, on) in enumerate(key) if on]
         remaining = [t.rem - (now - t.since) / t.dur for t in running]
-        old = seen.get(state)
-        if old is not None and old.unit < unit and old.spans == spans \
-                and all(abs(a - b) <= REPEAT_TOLERANCE for a, b in zip(remaining, old.remaining)):
-            units = unit - old.unit
-            periods = room // units - 1
-            if periods >= 1:
-                return periods, now - old.now, units, old
-        seen[state] = _Seen(unit, now, remaining, spans, {k: list(v) for k, v in totals.items()}, exposed_total)
-        seen_units[unit].append(state)
-        for stale in [u for u in seen_units if u < unit - UNITS_KEPT]:
-            for s in seen_units.pop(stale):
-                if s in seen and seen[s].unit == stale:
-                    del seen[s]
-        return None
+        return _Seen(unit, tuple(key), remaining, spans, now, {k: list(v) for k, v in totals.items()}, exposed_total, room)
 
-    def _shift(self, now: float, delta: float, units: int, compute_on, comms_on) -> float:
-        """Move every stream of the band forward by ``units`` periods' positions and the clock by ``delta``:
-        each running task hands its progress to its image that many periods on."""
+    def _band_over(self) -> bool:
+        """Whether every stream of the band is past its last span (no jump can come any more)."""
+        return all(self.heads[q] + queue.shift > queue.spans[-1][1]
+                   for q, queue in enumerate(self.lw.queues) if queue.shift and queue.spans)
+
+    def _steady(self, now: _Seen, compute_on, comms_on, longest: float) -> _Plan | None:
+        """A jump from this period boundary: where the state repeats one seen whole periods ago, or where
+        the last periods' states converge geometrically (one mode, checked over three periods) to a
+        fixed point that a probe period confirms."""
+        alike = [h for h in self.history if h.key == now.key and h.spans == now.spans]
+        for old in reversed(alike):
+            if _close(now.remaining, old.remaining):
+                return _Plan(now.unit - old.unit, now.now - old.now, _minus(now.totals, old.totals),
+                             now.exposed - old.exposed, 0.0, {}, 0.0, 0.0, now.remaining, now.remaining)
+        by_unit = {h.unit: h for h in alike}
+        chain = [by_unit.get(now.unit - n) for n in (1, 2, 3)]
+        if None in chain:
+            return None
+        states = [now, *chain]  # newest first
+        diffs = [[a - b for a, b in zip(x.remaining, y.remaining)] for x, y in zip(states, states[1:])]
+        periods = [x.now - y.now for x, y in zip(states, states[1:])]
+        exposed = [x.exposed - y.exposed for x, y in zip(states, states[1:])]
+        increments = [_minus(x.totals, y.totals) for x, y in zip(states, states[1:])]
+        biggest = max(range(len(diffs[1])), key=lambda i: abs(diffs[1][i]), default=None)
+        if biggest is None or not diffs[1][biggest]:
+            return None
+        ratio = diffs[0][biggest] / diffs[1][biggest]
+        if not -0.999 < ratio < 0.999:
+            return None
+        series = [diffs[0], [periods[0] - periods[1]], [exposed[0] - exposed[1]]]
+        earlier = [diffs[1], [periods[1] - periods[2]], [exposed[1] - exposed[2]]]
+        for key in increments[0]:
+            rows = [inc.get(key, [0.0] * 4) for inc in increments]
+            series.append([a - b for a, b in zip(rows[0], rows[1])])
+            earlier.append([a - b for a, b in zip(rows[1], rows[2])])
+        for new, old in zip(series, earlier):
+            scale = max(map(abs, new + old), default=0.0)
+            if any(abs(a - ratio * b) > RANK_ONE * scale + 1e-15 for a, b in zip(new, old)):
+                return None
+        fixed = [x + d * ratio / (1 - ratio) for x, d in zip(now.remaining, diffs[0])]
+        if min(fixed, default=1.0) <= DONE:
+            return None
+        probe = self._probe(now, fixed, compute_on, comms_on, longest)
+        if probe is None or probe.key != now.key or not _close(probe.remaining, fixed):
+            return None
+        period = probe.now - now.now
+        steady = _minus(probe.totals, now.totals)
+        return _Plan(1, period, steady, probe.exposed - now.exposed, periods[0] - period, _minus(increments[0], steady),
+                     exposed[0] - (probe.exposed - now.exposed), ratio, fixed, now.remaining)
+
+    def _probe(self, now: _Seen, fixed: list[float], compute_on, comms_on, longest: float) -> _Seen | None:
+        """Simulate one period from this boundary with the running heads at ``fixed``: the next boundary."""
+        running = sorted({t.seq: t for t in [*compute_on.values(), *(c for ts in comms_on.values() for c in ts)]
+                          if t is not None}.values(), key=lambda t: t.seq)
+        heads_running = [self.tasks[q][self.heads[q]] for q, (_, on) in enumerate(now.key) if on]
+        at = {id(t): r for t, r in zip(heads_running, fixed)}
+        cp = _Checkpoint(now.now, list(self.heads),
+                         [(t.queue, t.pos, t.seq, t.start, at.get(id(t), t.rem - (now.now - t.since) / t.dur), t.dur,
+                           t.rate, t.exposed, t.solo) for t in running],
+                         set(), set(), now.totals, now.exposed, len(self.records), longest, dict(self.first_start),
+                         list(self.jumps), self.simulated, max((t.seq for t in running), default=0))
+        probe = _PhaseRun(self.lw, self.configs, self.model, self.default, False)
+        probe.probe_unit = now.unit + 1
+        seen = probe.simulate(0.0, 0.0, resume=(cp, self.records, []))
+        return seen if isinstance(seen, _Seen) else None  # None: the period left the band
+
+    def _jump(self, plan: _Plan, periods: int, now: float, totals, exposed_total: float, compute_on, comms_on):
+        """Skip ``periods`` periods: the clock and the sums advance by the steady period's and the transient's;
+        every stream of the band moves on by as many periods' positions, and each running head hands its
+        progress (where the transient has brought it) to its image."""
+        ratio = plan.ratio
+        transient = ratio * (1 - ratio ** periods) / (1 - ratio) if plan.excess or ratio else 0.0
+        for key, row in totals.items():
+            steady, excess = plan.increments.get(key, [0.0] * 4), plan.excess_increments.get(key, [0.0] * 4)
+            for n in range(4):
+                row[n] += periods * steady[n] + transient * excess[n]
+        exposed_total += periods * plan.exposed + transient * plan.excess_exposed
+        delta = periods * plan.period + transient * plan.excess
         later = now + delta
+        heads_running = [self.tasks[q][self.heads[q]] for q in range(len(self.lw.queues))
+                         if self.heads[q] < END and self.heads[q] in self.tasks[q] and self.tasks[q][self.heads[q]].start >= 0]
+        where = {id(t): f + ratio ** periods * (r - f) for t, f, r in zip(heads_running, plan.fixed, plan.remaining)}
         moved: dict[int, _Task] = {}
+        skipped: dict[int, tuple[int, int, bool]] = {}
         for q, queue in enumerate(self.lw.queues):
             if not queue.shift:
                 continue
-            pos, step = self.heads[q], units * queue.shift
+            pos, step = self.heads[q], periods * plan.units * queue.shift
             old = self.tasks[q].get(pos)
-            self.jumped[q] = (pos, step, old is not None and old.start >= 0)
+            skipped[q] = (pos, step, old is not None and old.start >= 0)
             self.tasks[q] = {}
             self.heads[q] = pos + step
             if old is None or old.start < 0:
                 continue
             t = self.task(q, pos + step)
             t.seq, t.start, t.since = old.seq, old.start + delta, later
-            t.rem = old.rem - (now - old.since) / old.dur
+            t.rem = where.get(id(old), old.rem - (now - old.since) / old.dur)
             t.dur, t.rate, t.exposed, t.solo = old.dur, old.rate, old.exposed, old.solo
             moved[id(old)] = t
         for d, t in compute_on.items():
@@ -698,8 +796,8 @@ class _PhaseRun:
                 compute_on[d] = moved[id(t)]
         for d, running in comms_on.items():
             comms_on[d] = [moved.get(id(c), c) for c in running]
-        self.delta = delta
-        return later
+        self.jumps.append(_Jump(skipped, periods * plan.units, plan.period / plan.units, plan.excess, ratio))
+        return later, exposed_total
 
     # -- per-point timings, on demand
 
@@ -713,15 +811,19 @@ class _PhaseRun:
             rec = records.get((q, pos))
             if rec is not None:
                 return rec
-            head, step, running = self.jumped[q]
-            if running and pos == head:  # it handed its progress over: it ends as its image, a jump earlier
-                start, end, solo, exposed = records[(q, pos + step)]
-                return start - self.delta, end - self.delta, solo, exposed
-            per = step // self.periods
-            back = -(-(pos - head + 1) // per)
-            start, end, solo, exposed = record(q, pos - back * per)
-            shift = back * self.delta / self.periods
-            return start + shift, end + shift, solo, exposed
+            for jump in self.jumps:
+                head, step, running = jump.queues.get(q, (0, 0, False))
+                if not head <= pos < head + step:
+                    continue
+                if running and pos == head:  # it handed its progress over: it ends as its image, a jump earlier
+                    start, end, solo, exposed = record(q, pos + step)
+                    delta = jump.shift(jump.periods)
+                    return start - delta, end - delta, solo, exposed
+                per = step // jump.periods
+                back = -(-(pos - head + 1) // per)
+                start, end, solo, exposed = record(q, pos - back * per)
+                return start + jump.shift(back), end + jump.shift(back), solo, exposed
+            raise LagomError(f"no timing for task {pos} of stream {lw.stream_name(q)} in phase {ix.phase.name}")
 
         split = sorted((ix.rank[ix.points[j].device], ix.fuse[j], j) for j in range(len(ix.points)) if lw.decomposed(j))
         for _, i, j in split:
@@ -737,3 +839,16 @@ class _PhaseRun:
         p = self.ix.points[j]
         return PointTiming(p.name, self.ix.key(j), p.device, min(r[0] for r in parts), max(r[1] for r in parts),
                            sum(r[2] for r in parts), sum(r[3] for r in parts))
+
+
+def _close(a: list[float], b: list[float]) -> bool:
+    return all(abs(x - y) <= REPEAT_TOLERANCE for x, y in zip(a, b))
+
+
+def _minus(a: dict[str, list[float]], b: dict[str, list[float]]) -> dict[str, list[float]]:
+    return {key: [x - y for x, y in zip(row, b.get(key, [0.0] * 4))] for key, row in a.items()}
+
+
+def _segment(cost: tuple) -> ComputeSegment:
+    """A segment with these (flops, bytes, ctas): all the cost model reads of one."""
+    return ComputeSegment("", *cost)

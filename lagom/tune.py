@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from lagom.errors import ConfigError
 from lagom.hardware import Hardware
 from lagom.plan import Plan, PlanEntry
 from lagom.points import points_for
-from lagom.search import Problem, SearchResult, run_strategy
+from lagom.search import STRATEGIES, Problem, SearchResult, exhaustive, priority
 from lagom.search.base import SimulatedEvaluator
-from lagom.search import exhaustive
 from lagom.search.exhaustive import MAX_EVALUATIONS
+from lagom.simulator import Simulator, StepResult
 from lagom.workload import Workload, validate
 
 MAX_POINT_NAMES = 12
@@ -66,29 +68,90 @@ class Tuned:
     result: SearchResult
 
 
-def search_with_buckets(wl: Workload, hw: Hardware, strategy: str, search_buckets: bool = True) -> Tuned:
-    """Run a strategy; lagom also tries bucket sizes around the workload's (one search per size) unless
-    ``search_buckets`` is off (the user pinned them)."""
-    problem = problem_for(wl, hw)
+@dataclass
+class Progress:
+    """Where a planning call stands, after every simulated step."""
+
+    strategy: str  # the strategy being searched
+    evaluations: int  # steps simulated so far, all strategies of the call together
+    best_step_s: float  # the best step this strategy has found so far
+
+
+ProgressCallback = Callable[[Progress], None]
+
+
+class _Planner:
+    """What the searches of one call share: one problem and one simulator per workload (so a step
+    simulated once is not simulated again, whichever strategy asks), and the progress report."""
+
+    def __init__(self, hw: Hardware, progress: ProgressCallback | None) -> None:
+        self.hw, self.progress = hw, progress
+        self.evaluations = 0
+        self.best: dict[str, float] = {}
+        self._problems: dict[str, tuple[Problem, Simulator]] = {}
+
+    def problem(self, wl: Workload) -> Problem:
+        return self._shared(wl)[0]
+
+    def _shared(self, wl: Workload) -> tuple[Problem, Simulator]:
+        key = _with_buckets(wl, 1.0).fingerprint()  # a default bucket size and the same one set explicitly
+        if key not in self._problems:
+            problem = problem_for(wl, self.hw)
+            self._problems[key] = (problem, Simulator(problem.graph))
+        return self._problems[key]
+
+    def evaluator(self, wl: Workload, strategy: str) -> SimulatedEvaluator:
+        problem, simulator = self._shared(wl)
+
+        def report(result: StepResult) -> None:
+            self.evaluations += 1
+            self.best[strategy] = min(self.best.get(strategy, result.step_s), result.step_s)
+            if self.progress is not None:
+                self.progress(Progress(strategy, self.evaluations, self.best[strategy]))
+
+        return SimulatedEvaluator(problem, simulator, report)
+
+    def run(self, wl: Workload, strategy: str) -> Tuned:
+        if strategy not in STRATEGIES:
+            raise ConfigError("strategy", f"unknown '{strategy}'", f"use one of {', '.join(STRATEGIES)}")
+        problem = self.problem(wl)
+        return Tuned(wl, problem, STRATEGIES[strategy](problem, self.evaluator(wl, strategy)))
+
+
+def search_with_buckets(wl: Workload, hw: Hardware, strategy: str, search_buckets: bool = True,
+                        progress: ProgressCallback | None = None) -> Tuned:
+    """Run a strategy; lagom also tries bucket sizes around the workload's unless ``search_buckets`` is
+    off (the user pinned them). ``progress`` hears after every simulated step."""
+    return _search_with_buckets(_Planner(hw, progress), wl, strategy, search_buckets)
+
+
+def _search_with_buckets(planner: _Planner, wl: Workload, strategy: str, search_buckets: bool) -> Tuned:
+    """At the workload's own bucket size the search tunes every key; at the other sizes only the keys the
+    size changes (gradient buckets, parameter gathers), the rest keeping the first search's choice."""
+    problem = planner.problem(wl)
     if strategy != "lagom" or not search_buckets or not _has_buckets(problem):
-        return Tuned(wl, problem, run_strategy(strategy, problem))
-    best: Tuned | None = None
-    evaluations = 0
+        return planner.run(wl, strategy)
+    central = planner.run(_with_buckets(wl, 1.0), strategy)
+    best, evaluations = central, central.result.evaluations
     for scale in BUCKET_SCALES:
+        if scale == 1.0:
+            continue
         cand = _with_buckets(wl, scale)
-        prob = problem_for(cand, hw)
-        res = run_strategy(strategy, prob, SimulatedEvaluator(prob))
+        prob = planner.problem(cand)
+        changed = {k for k, pts in prob.keys.items() if len(central.problem.keys.get(k, ())) != len(pts)}
+        res = priority.search(prob, planner.evaluator(cand, strategy), central.result, changed)
         evaluations += res.evaluations
-        if best is None or res.result.step_s < best.result.result.step_s:
+        if res.result.step_s < best.result.result.step_s:
             best = Tuned(cand, prob, res)
-    assert best is not None
     best.result.evaluations = evaluations
     return best
 
 
-def make_plan(wl: Workload, hw: Hardware, strategy: str = "lagom", search_buckets: bool = True) -> Plan:
-    tuned = search_with_buckets(wl, hw, strategy, search_buckets)
-    baseline = run_strategy("nccl", problem_for(wl, hw)).result.step_s
+def make_plan(wl: Workload, hw: Hardware, strategy: str = "lagom", search_buckets: bool = True,
+              progress: ProgressCallback | None = None) -> Plan:
+    planner = _Planner(hw, progress)
+    tuned = _search_with_buckets(planner, wl, strategy, search_buckets)
+    baseline = planner.run(wl, "nccl").result.result.step_s
     return plan_from(tuned, wl, hw, {"nccl": baseline, strategy: tuned.result.result.step_s})
 
 
@@ -110,10 +173,12 @@ def plan_from(tuned: Tuned, wl: Workload, hw: Hardware, predicted: dict[str, flo
                 framework=framework_knobs(tuned.workload))
 
 
-def compare_strategies(wl: Workload, hw: Hardware, exhaustive_limit: int = MAX_EVALUATIONS) -> dict[str, Tuned | None]:
+def compare_strategies(wl: Workload, hw: Hardware, exhaustive_limit: int = MAX_EVALUATIONS,
+                       progress: ProgressCallback | None = None) -> dict[str, Tuned | None]:
     """Every strategy on the simulator; exhaustive is None where it needs more than the limit's evaluations."""
-    out: dict[str, Tuned | None] = {s: search_with_buckets(wl, hw, s) for s in ("nccl", "autoccl", "lagom")}
-    problem = problem_for(wl, hw)
-    out["exhaustive"] = (Tuned(wl, problem, exhaustive.search(problem, SimulatedEvaluator(problem), exhaustive_limit))
+    planner = _Planner(hw, progress)
+    out: dict[str, Tuned | None] = {s: _search_with_buckets(planner, wl, s, True) for s in ("nccl", "autoccl", "lagom")}
+    problem = planner.problem(wl)
+    out["exhaustive"] = (Tuned(wl, problem, exhaustive.search(problem, planner.evaluator(wl, "exhaustive"), exhaustive_limit))
                          if exhaustive.feasible(problem, exhaustive_limit) else None)
     return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Protocol
@@ -40,17 +41,23 @@ class Evaluator(Protocol):
 
 
 class SimulatedEvaluator:
-    """The simulator as evaluator: one Simulator per problem, so runs share the step graph's index and
-    resume from earlier runs where the changed keys cannot have mattered yet."""
+    """The simulator as evaluator. Its Simulator keeps the step graph's index and earlier runs, so runs
+    resume where the changed keys cannot have mattered yet; searches of one problem may share one
+    (``simulator``). ``on_result`` sees every result (progress reports)."""
 
-    def __init__(self, problem: Problem) -> None:
+    def __init__(self, problem: Problem, simulator: Simulator | None = None,
+                 on_result: Callable[[StepResult], None] | None = None) -> None:
         self.problem = problem
-        self.simulator = Simulator(problem.graph)
+        self.simulator = simulator or Simulator(problem.graph)
+        self.on_result = on_result
         self.evaluations = 0
 
     def evaluate(self, configs: Configs) -> StepResult:
         self.evaluations += 1
-        return self.simulator.run(configs, self.problem.model)
+        result = self.simulator.run(configs, self.problem.model)
+        if self.on_result is not None:
+            self.on_result(result)
+        return result
 
 
 @dataclass

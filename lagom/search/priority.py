@@ -12,7 +12,8 @@ best few on the whole step, so the evaluation count grows linearly with the numb
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from operator import attrgetter
 
 from lagom.comm_config import CommConfig, can_decompose, candidates
 from lagom.cost_model import CostModel, RunningComm
@@ -20,6 +21,7 @@ from lagom.points import ComputeSegment, OverlapPoint, StepGraph
 from lagom.search.base import Evaluator, Problem, SearchResult, nccl_configs
 
 CHECKED_PER_KEY = 4  # candidates per collective confirmed with the evaluator
+_SIGNATURE = attrgetter("flops", "bytes", "ctas")
 WINDOW_CHECKS = 2  # extra checks for a comm-bound collective, from the window ranking
 MAX_CHECKS_PER_KEY = CHECKED_PER_KEY + WINDOW_CHECKS
 
@@ -32,6 +34,40 @@ class Window:
     repeat: int  # occurrences per step
     segments: list[ComputeSegment]  # compute between release and need, in stream order
     fused: list[ComputeSegment]  # the GEMM a Flash-Overlap decomposition would split (empty if none)
+    _costs: dict[bool, "_WindowCost"] = field(default_factory=dict, repr=False, compare=False)
+
+    def costs(self, decomposed: bool, model: CostModel) -> "_WindowCost":
+        """What every candidate's estimate needs of the part it hides under, worked out once (a search
+        uses one model throughout)."""
+        if decomposed not in self._costs:
+            self._costs[decomposed] = _WindowCost.of(self.fused if decomposed else self.segments, model)
+        return self._costs[decomposed]
+
+
+@dataclass
+class _WindowCost:
+    """A window's segments as indices into its distinct ones (layers repeat), each alone, the highest HBM
+    share and the sum alone."""
+
+    distinct: list[ComputeSegment]
+    kinds: list[int]
+    alone: list[float]
+    util: float
+    hide: float
+
+    @staticmethod
+    def of(segments: list[ComputeSegment], model: CostModel) -> "_WindowCost":
+        index: dict[tuple, int] = {}
+        distinct: list[ComputeSegment] = []
+        kinds = []
+        for seg in segments:
+            sig = (seg.flops, seg.bytes, seg.ctas)
+            if sig not in index:
+                index[sig] = len(distinct)
+                distinct.append(seg)
+            kinds.append(index[sig])
+        alone = [model.compute_solo(s) for s in segments]
+        return _WindowCost(distinct, kinds, alone, max((model.hbm_util(s) for s in segments), default=0.0), sum(alone))
 
 
 def windows(graph: StepGraph) -> dict[str, list[Window]]:
@@ -40,21 +76,31 @@ def windows(graph: StepGraph) -> dict[str, list[Window]]:
     Identical layers give identical windows, so a 48-layer model has a handful per key, not hundreds.
     """
     out: dict[str, dict[tuple, Window]] = {}
+    keys: dict[tuple, str] = {}
+    ids: dict[tuple, int] = {}  # equal segments, equal ids
     for phase in graph.phases:
-        pos = {s.name: i for segs in phase.segments.values() for i, s in enumerate(segs)}  # names are unique
+        pos, kinds = {}, {}
+        for d, segs in phase.segments.items():
+            pos.update(zip([s.name for s in segs], range(len(segs))))
+            kinds[d] = [ids.setdefault(sig, len(ids)) for sig in map(_SIGNATURE, segs)]
         for p in phase.points:
-            segs = phase.segments[p.device]
+            segs, kind = phase.segments[p.device], kinds[p.device]
             if p.peer_device is not None:  # a pipeline send: another stage waits for it, nothing here hides it
-                between, fused = [], []
+                lo = hi = f_lo = f_hi = 0
             else:
-                between = segs[pos[p.after] + 1 if p.after else 0:pos[p.before] if p.before else len(segs)]
-                fused = segs[pos[p.fuse_with]:pos[p.fuse_with] + 1] if p.fuse_with and can_decompose(p) else []
-            sig = (p.collective, p.group, p.bytes, *(tuple((s.flops, s.bytes, s.ctas) for s in part) for part in (between, fused)))
-            known = out.setdefault(p.key, {})
+                lo, hi = pos[p.after] + 1 if p.after else 0, pos[p.before] if p.before else len(segs)
+                f_lo = pos[p.fuse_with] if p.fuse_with and can_decompose(p) else 0
+                f_hi = f_lo + 1 if p.fuse_with and can_decompose(p) else 0
+            what = (p.group.name, p.collective, p.bytes)
+            key = keys.get(what)
+            if key is None:
+                key = keys[what] = p.key
+            sig = (p.collective, p.group, p.bytes, tuple(kind[lo:hi]), tuple(kind[f_lo:f_hi]))
+            known = out.setdefault(key, {})
             if sig in known:
                 known[sig].repeat += phase.repeat
             else:
-                known[sig] = Window(p, phase.repeat, between, fused)
+                known[sig] = Window(p, phase.repeat, segs[lo:hi], segs[f_lo:f_hi])
     return {key: list(wins.values()) for key, wins in out.items()}
 
 
@@ -65,13 +111,16 @@ class Estimate:
     added: float  # seconds the windows take beyond their compute alone: exposed comm plus slowdown
 
 
-def _inflation(comm_s: float, segments: list[ComputeSegment], running: tuple[RunningComm, ...], model: CostModel) -> float:
+def _inflation(comm_s: float, window: _WindowCost, running: tuple[RunningComm, ...], model: CostModel) -> float:
     """Extra compute seconds while a collective runs from the window's start for comm_s seconds."""
     extra, left = 0.0, comm_s
-    for seg in segments:
+    slowed_by_kind: list[float | None] = [None] * len(window.distinct)
+    for kind, solo in zip(window.kinds, window.alone):
         if left <= 0:
             break
-        solo, slowed = model.compute_solo(seg), model.compute_time(seg, running)
+        slowed = slowed_by_kind[kind]
+        if slowed is None:
+            slowed = slowed_by_kind[kind] = model.compute_time(window.distinct[kind], running)
         if slowed <= left:
             extra, left = extra + slowed - solo, left - slowed
         else:  # the collective ends inside this segment
@@ -90,8 +139,8 @@ def estimate(cfg: CommConfig, wins: list[Window], model: CostModel) -> Estimate:
     for w in wins:
         p = w.point
         decomposed = cfg.decomposition == "p2p" and bool(w.fused)
-        segs = w.fused if decomposed else w.segments
-        util = max((model.hbm_util(s) for s in segs), default=0.0)
+        cost = w.costs(decomposed, model)
+        util, hide = cost.util, cost.hide
         if decomposed:
             n = p.group.size * cfg.num_chunks
             step = model.p2p_step_time(p.group, p.bytes / n, cfg, util)
@@ -99,8 +148,7 @@ def estimate(cfg: CommConfig, wins: list[Window], model: CostModel) -> Estimate:
         else:
             x, first = model.comm_time(p.collective, p.group, p.bytes, cfg, util), 0.0
         rate = model.comm_hbm_rate(p.collective, p.group, p.bytes, x) if x > 0 else 0.0
-        slow = _inflation(x, segs, (RunningComm(cfg, rate),), model)
-        hide = sum(model.compute_solo(s) for s in segs)
+        slow = _inflation(x, cost, (RunningComm(cfg, rate),), model)
         X += x * w.repeat
         Y += slow * w.repeat
         added += (first + max(x - hide, slow)) * w.repeat
@@ -137,7 +185,15 @@ def _checks(key: str, cur: Estimate, exposed: float, problem: Problem, wins: lis
     but hidden).
     """
     model = problem.model
-    scored = [(estimate(c, wins, model), c) for c in candidates(problem.keys[key][0], problem.hw, problem.space)]
+    # Priority only changes when a kernel gets SMs, which the window model leaves to the evaluator:
+    # candidates differing only in it share one estimate.
+    estimates: dict[CommConfig, Estimate] = {}
+    scored = []
+    for c in candidates(problem.keys[key][0], problem.hw, problem.space):
+        plain = replace(c, priority=0)
+        if plain not in estimates:
+            estimates[plain] = estimate(plain, wins, model)
+        scored.append((estimates[plain], c))
     by_window = sorted(scored, key=lambda ec: (ec[0].added, ec[0].comm))
     seen = {(round(cur.comm, 12), round(cur.compute, 12))}
     if exposed <= 0:
@@ -146,21 +202,27 @@ def _checks(key: str, cur: Estimate, exposed: float, problem: Problem, wins: lis
     return _distinct(by_speed, CHECKED_PER_KEY, seen) + _distinct(by_window, WINDOW_CHECKS, seen)
 
 
-def search(problem: Problem, evaluator: Evaluator) -> SearchResult:
+def search(problem: Problem, evaluator: Evaluator, start: SearchResult | None = None,
+           only: set[str] | None = None) -> SearchResult:
+    """Tune every key (or only those in ``only``, the rest keeping ``start``'s configs, else NCCL's)."""
     model = problem.model
     configs = nccl_configs(problem)
+    notes: dict[str, str] = {}
+    if start is not None:
+        kept = {k: cfg for k, cfg in start.configs.items() if k in configs and (only is None or k not in only)}
+        configs.update(kept)
+        notes.update({k: start.notes[k] for k in kept if k in start.notes})
     best = evaluator.evaluate(configs)
     wins = windows(problem.graph)
     per_key = best.per_key()
     plans = []
-    for key in problem.keys:
+    for key in problem.keys if only is None else [k for k in problem.keys if k in only]:
         cur = estimate(configs[key], wins[key], model)
         exposed = per_key[key]["exposed"]
         checks = _checks(key, cur, best.exposed_comm_s if exposed > 0 else 0.0, problem, wins[key])
         h = priority(cur, checks[0][0]) if checks else math.inf
         # Comm-bound first, smallest H first; then compute-bound, largest compute saving per comm added.
         plans.append(((0, h) if exposed > 0 else (1, -h if math.isfinite(h) else 0.0), key, cur, checks, exposed > 0))
-    notes: dict[str, str] = {}
     for _, key, cur, checks, comm_bound in sorted(plans, key=lambda p: p[0]):
         chosen = None
         for est, cfg in checks:

@@ -1,0 +1,77 @@
+"""The simulator against the pre-issue-11 one (tests/reference_simulator.py) on every shipped workload.
+
+For NCCL's, AutoCCL's and Lagom's configs of each configs/workloads/*.yaml, the step, the exposed comm
+and every per-key figure agree to 1e-9 relative, with and without steady-state extrapolation. The
+reference re-rates every running task at every event, so on the two cluster-scale jobs it would take
+minutes: those run with fewer micro-batches here (same layers, layout and machine);
+test_simulator_steady.py checks their full size against the simulator's own full simulation.
+"""
+
+from dataclasses import replace
+from functools import lru_cache
+
+import pytest
+
+from lagom.hardware import load_hardware
+from lagom.search import run_strategy
+from lagom.simulator import Simulator
+from lagom.tune import problem_for
+from lagom.workload import load_workload, workload_names
+from tests.reference_simulator import reference_simulate
+
+REL = 1e-9
+STRATEGIES = ("nccl", "autoccl", "lagom")
+REFERENCE_TASKS = 60_000  # above this many tasks the reference is too slow for the suite: fewer micro-batches
+
+
+def _reduced(wl):
+    """The job with as many micro-batches as the reference can simulate quickly (at least 2 x pp + 6)."""
+    problem = problem_for(wl, load_hardware(wl.hardware))
+    tasks = sum(len(segs) for ph in problem.graph.phases for segs in ph.segments.values()) + len(problem.graph.points)
+    if tasks <= REFERENCE_TASKS:
+        return wl, problem
+    per_micro = tasks / wl.microbatches
+    micro = max(2 * wl.parallel.pp + 6, int(REFERENCE_TASKS / per_micro))
+    wl = replace(wl, training=replace(wl.training, global_batch=micro * wl.training.micro_batch * wl.parallel.dp))
+    return wl, problem_for(wl, load_hardware(wl.hardware))
+
+
+@lru_cache(maxsize=None)
+def _job(name: str):
+    wl, problem = _reduced(load_workload(name))
+    configs = {s: run_strategy(s, problem).configs for s in STRATEGIES}
+    return problem, configs
+
+
+def _close(a: float, b: float) -> bool:
+    return a == pytest.approx(b, rel=REL, abs=1e-15)
+
+
+@pytest.mark.parametrize("name", workload_names())
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_step_matches_the_reference_simulator(name, strategy):
+    problem, configs = _job(name)
+    ref = reference_simulate(problem.graph, configs[strategy], problem.model)
+    sim = Simulator(problem.graph)
+    for extrapolate in (False, True):
+        res = sim.run(configs[strategy], problem.model, extrapolate=extrapolate)
+        assert _close(res.step_s, ref.step_s), (extrapolate, res.step_s, ref.step_s)
+        assert _close(res.exposed_comm_s, ref.exposed_comm_s), (extrapolate, res.exposed_comm_s, ref.exposed_comm_s)
+        assert [ph.time for ph in res.phases] == pytest.approx(ref.phase_times, rel=REL)
+        per_key = res.per_key()
+        assert set(per_key) == set(ref.per_key)
+        for key, row in ref.per_key.items():
+            for field, value in row.items():
+                assert _close(per_key[key][field], value), (extrapolate, key, field, per_key[key][field], value)
+
+
+def test_the_reference_check_covers_decompositions_and_pipelines():
+    """The equivalence above is only as strong as the configs it runs: some must split collectives into
+    P2P steps (Flash-Overlap) and some jobs must be pipelines with extrapolated steady states."""
+    decomposed = pipelines = extrapolated = 0
+    for name in workload_names():
+        problem, configs = _job(name)
+        decomposed += any(c.decomposition == "p2p" for s in STRATEGIES for c in configs[s].values())
+        pipelines += problem.graph.devices > 1
+        extrapolated += any(ph.periods_skipped for ph in Simulator(problem.graph).run(configs["lagom"], problem.model).phases)
+    assert decomposed >= 3 and pipelines >= 3 and extrapolated >= 3

@@ -1,0 +1,86 @@
+"""Incremental runs: a Simulator resumes a run from an earlier one's checkpoint when the configs differ
+only in keys whose first collective started later, and reuses a phase none of the changed keys is in.
+Both must give exactly what a fresh simulator gives."""
+
+from dataclasses import replace
+
+import pytest
+
+from lagom.hardware import load_hardware
+from lagom.search.base import nccl_configs
+from lagom.simulator import Simulator
+from lagom.tune import problem_for
+from lagom.workload import load_workload
+
+
+def job(name: str, micro_batches: int | None = None):
+    wl = load_workload(name)
+    if micro_batches:
+        wl = replace(wl, training=replace(wl.training, global_batch=micro_batches * wl.training.micro_batch * wl.parallel.dp))
+    return problem_for(wl, load_hardware(wl.hardware))
+
+
+def same(a, b) -> None:
+    assert a.step_s == pytest.approx(b.step_s, rel=1e-12)
+    assert a.exposed_comm_s == pytest.approx(b.exposed_comm_s, rel=1e-12, abs=1e-15)
+    pa, pb = a.per_key(), b.per_key()
+    for key, row in pb.items():
+        for field, value in row.items():
+            assert pa[key][field] == pytest.approx(value, rel=1e-12, abs=1e-15), (key, field)
+
+
+def test_changing_a_late_key_resumes_from_a_checkpoint():
+    """Gradient reduce-scatters start in the cool-down of a pipeline: the run resumes there."""
+    problem = job("gpt3-13b-pp4", 32)
+    base = nccl_configs(problem)
+    sim = Simulator(problem.graph)
+    first = sim.run(base, problem.model)
+    late = [k for k in base if k.startswith("dp/reduce_scatter/")]
+    assert late
+    for key, channels in zip(late, (2, 4, 16)):
+        configs = {**base, key: replace(base[key], channels=channels)}
+        resumed = sim.run(configs, problem.model)
+        fresh = Simulator(problem.graph).run(configs, problem.model)
+        assert resumed.phases[0].resumed_at is not None and resumed.phases[0].resumed_at > 0.8 * first.step_s
+        assert fresh.phases[0].resumed_at is None
+        same(resumed, fresh)
+
+
+def test_changing_an_early_key_simulates_from_the_start():
+    problem = job("gpt3-13b-pp4", 24)
+    base = nccl_configs(problem)
+    sim = Simulator(problem.graph)
+    sim.run(base, problem.model)
+    key = next(k for k in base if k.startswith("tp/"))
+    configs = {**base, key: replace(base[key], channels=4)}
+    again = sim.run(configs, problem.model)
+    assert again.phases[0].resumed_at is None
+    same(again, Simulator(problem.graph).run(configs, problem.model))
+
+
+def test_a_phase_without_changed_keys_is_reused_and_identical_configs_cost_nothing():
+    """Data-parallel jobs: gradient buckets only in the last micro-batch's phase."""
+    problem = job("llama3-8b-tp8")
+    base = nccl_configs(problem)
+    sim = Simulator(problem.graph)
+    first = sim.run(base, problem.model)
+    assert [ph.name for ph in first.phases] == ["micro", "last"]
+    assert sim.run(dict(base), problem.model).phases == first.phases  # same configs: the same results
+    last_only = [k for k in base if not any(p.key == k for p in problem.graph.phases[0].points)]
+    assert last_only
+    configs = {**base, last_only[0]: replace(base[last_only[0]], channels=2)}
+    second = sim.run(configs, problem.model)
+    assert second.phases[0] is first.phases[0] and second.phases[1] is not first.phases[1]
+    same(second, Simulator(problem.graph).run(configs, problem.model))
+
+
+def test_a_changed_model_is_not_resumed():
+    """Checkpoints belong to the model they were simulated with."""
+    problem = job("gpt3-13b-pp4", 24)
+    base = nccl_configs(problem)
+    sim = Simulator(problem.graph)
+    sim.run(base, problem.model)
+    other = type(problem.model)(replace(problem.hw, gpu=replace(problem.hw.gpu, gemm_efficiency=0.5)))
+    slower = sim.run(base, other)
+    assert slower.phases[0].resumed_at is None
+    same(slower, Simulator(problem.graph).run(base, other))
