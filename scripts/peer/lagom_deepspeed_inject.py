@@ -27,7 +27,8 @@ import os
 import sys
 import tempfile
 from collections import Counter
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 ENV = "LAGOM_PEER_INJECT"
 LOG_ENV = "LAGOM_PEER_LOG"  # optional: a file that gets one line per deepspeed.initialize call

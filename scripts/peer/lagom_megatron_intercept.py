@@ -12,7 +12,8 @@ per group and collective, which shows the wrappers were really on the path.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
