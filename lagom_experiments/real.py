@@ -200,20 +200,26 @@ def train(arch: str, rank: int, lagom: dict[str, Any] | None) -> tuple[list[floa
 
 def deepspeed_run(arch: str, rank: int, out: Path, hardware: Path) -> dict[str, Any]:
     """Plain DeepSpeed, then DeepSpeed with the lagom section; what Lagom found, applied and saw."""
-    from lagom_deepspeed.report import as_dict
-
     plain, _ = train(arch, rank, None)
     tuned, engine = train(arch, rank, lagom_section(arch, out, hardware))
     session = engine.lagom
-    data = as_dict(session)
+    found = _found(session)
     session.close()
-    applied = [f"zero_optimization.{c['key']}: {c['before']} -> {c['after']} ({c['why']})"
-               for c in data["applied_at_start"]]
-    applied += [f"group {g}: {o}" for g, o in data["group_options"].items()]
-    return {"plain": plain, "lagom": tuned, "points": _points(session.plan), "applied": applied,
-            "seen": {k: v["calls_per_step"] for k, v in data["measured"].items()},
-            "decomposed": dict(data["decomposed_calls"]), "predicted": dict(session.plan.predicted_step_s),
-            "plan_source": session.plan_source, "report": f"{session.section.report}.md", "notes": data["inferred"]}
+    return {"plain": plain, "lagom": tuned, **found}
+
+
+def _found(session: Any) -> dict[str, Any]:
+    """What a run's session (either adapter: one report schema) planned, applied and measured."""
+    data = session.report()
+    steps = max(1, data["measured"]["tuned_steps"])
+    seen = {p["key"]: p["measured_calls_per_step"] for p in data["points"] if p["measured_calls_per_step"]}
+    seen |= {k: n / steps for k, n in data["unplanned_calls"].items()}
+    applied = [f"{c['key']}: {c['before']} -> {c['after']} ({c['why']})" for c in data["applied_at_start"]]
+    return {"points": _points(session.plan), "applied": applied + data["applied_now"], "seen": seen,
+            "decomposed": {p["key"]: p["flash_overlap_calls"] for p in data["points"] if p["flash_overlap_calls"]},
+            "predicted": dict(session.plan.predicted_step_s), "plan_source": session.plan_source,
+            "report": str(session.options.report_files[1]),
+            "notes": data["details"].get("inferred") or [f"workload {session.workload.name}"]}
 
 
 def _points(plan: Any) -> list[dict[str, Any]]:
@@ -337,7 +343,7 @@ def megatron_argv(arch: str, out: Path, hardware: Path, lagom: bool) -> list[str
         argv += ["--decoder-num-layers", str(LAYERS), "--decoder-seq-length", str(SEQ)]
     if lagom:
         argv += ["--lagom", "--lagom-mode", "offline", "--lagom-hardware", str(hardware),
-                 "--lagom-plan", str(out / f"megatron-{arch}-plan.json"),
+                 "--lagom-out", str(out / f"megatron-{arch}"),
                  "--lagom-report", str(out / f"megatron-{arch}-lagom.json")]
     return argv
 
@@ -382,17 +388,10 @@ def megatron_train(arch: str, rank: int, argv: list[str]) -> tuple[list[float], 
 def megatron_run(arch: str, rank: int, out: Path, hardware: Path) -> dict[str, Any]:
     """With --lagom first (its session is closed when the plain run parses its arguments), then without."""
     tuned, session = megatron_train(arch, rank, megatron_argv(arch, out, hardware, lagom=True))
-    data = session.report()
     session.write_report()
+    found = _found(session)
     plain, _ = megatron_train(arch, rank, megatron_argv(arch, out, hardware, lagom=False))
-    seen = {p["key"]: p["measured_calls_per_step"] for p in data["points"] if p["measured_calls_per_step"]}
-    seen |= {k: n / STEPS for k, n in data["unplanned_calls"].items()}
-    plan = session.plan
-    return {"plain": plain, "lagom": tuned, "points": _points(plan), "applied": data["applied_now"],
-            "seen": seen, "decomposed": {p["key"]: p["flash_overlap_calls"] for p in data["points"]
-                                         if p["flash_overlap_calls"]},
-            "predicted": dict(plan.predicted_step_s), "plan_source": "searched with the cost model at start-up",
-            "report": str(out / f"megatron-{arch}-lagom.md"), "notes": [f"workload {session.workload.name}"]}
+    return {"plain": plain, "lagom": tuned, **found}
 
 
 # ---------------------------------------------------------------------------------------------
