@@ -16,7 +16,9 @@ configs/workloads/llama3-70b-1024.yaml (256 micro-batches).
 Each cell runs in a fresh process (one core) and reports CPU seconds of that process (time.process_time:
 steady on a shared machine, and the same as wall time on an idle core, since planning is single-threaded):
   graph   building the step graph (lagom.tune.problem_for)
-  step    one SimulatedEvaluator.evaluate of NCCL's configs on a fresh evaluator (cold) and again (warm)
+  step    one SimulatedEvaluator.evaluate of NCCL's configs on a fresh evaluator (cold: includes preparing
+          the step graph for simulation), then of NCCL's configs with the first key's channels halved on
+          the same evaluator (warm: a whole new step, the graph already prepared, nothing to reuse)
   tune    lagom.tune.make_plan(strategy lagom, bucket search on): what `lagom tune` computes
   rss     the process's peak resident memory (ru_maxrss) after all of the above, in MB
 A cell that runs past --timeout seconds prints '>T'. After the table: per (layers, world), the ratio of
@@ -83,8 +85,10 @@ def run_cell(spec: dict) -> dict:
     t = time.process_time()
     out["step_s"] = evaluator.evaluate(configs).step_s
     out["cold"] = time.process_time() - t
+    first = next(iter(configs))
+    other = {**configs, first: replace(configs[first], channels=max(1, configs[first].channels // 2))}
     t = time.process_time()
-    evaluator.evaluate(configs)
+    evaluator.evaluate(other)
     out["warm"] = time.process_time() - t
     del problem, evaluator
     if spec.get("tune", True):

@@ -217,8 +217,8 @@ class Lowering:
         if queue.kind == P2P:
             p = ix.points[j]
             _, steps, k = self.pieces(d, i)
-            deps = self.released(j) if p.collective == Collective.ALL_GATHER else ((self.compute_queue[d], i * SLOT + piece),)
-            return Shape(True, d, (d,), deps, (ix.key(j), True), j, Collective.SEND_RECV, p.bytes / (p.group.size * k),
+            step_deps = self.released(j) if p.collective == Collective.ALL_GATHER else ((self.compute_queue[d], i * SLOT + piece),)
+            return Shape(True, d, (d,), step_deps, (ix.key(j), True), j, Collective.SEND_RECV, p.bytes / (p.group.size * k),
                          piece == 0, piece == steps - 1, nxt, (self.compute_queue[d],))
         if j == NONE:
             return Shape(False, d, (d,), self.waits(d, i), (seg.flops, seg.bytes, seg.ctas), NONE, None, 0.0, True, True, nxt,

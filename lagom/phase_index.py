@@ -22,7 +22,7 @@ from operator import attrgetter
 
 from lagom.comm_config import can_decompose
 from lagom.errors import LagomError
-from lagom.points import OverlapPoint, Phase
+from lagom.points import Phase
 
 SLOT = 1 << 32  # compute and P2P positions: segment index * SLOT + piece (pieces of one segment < SLOT)
 NONE = -1

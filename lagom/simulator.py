@@ -30,16 +30,17 @@ cannot depend on those keys. A phase none of the changed keys started in is reus
 from __future__ import annotations
 
 import heapq
-from collections import defaultdict
+from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Callable
+from operator import attrgetter
 
 from lagom.comm_config import CommConfig, default_config
 from lagom.cost_model import CostModel, RunningComm
 from lagom.errors import LagomError
-from lagom.lowering import COMPUTE, END, STREAM, Lowering, Shape, split_of
-from lagom.phase_index import NONE, SLOT, PhaseIndex
+from lagom.lowering import COMPUTE, END, Lowering, Shape, split_of
+from lagom.phase_index import SLOT, PhaseIndex
 from lagom.points import ComputeSegment, StepGraph
 
 EPS = 1e-12
@@ -53,6 +54,8 @@ LOWERINGS_KEPT = 8  # decomposition choices whose task shapes a Simulator keeps
 INF = float("inf")
 
 Configs = dict[str, CommConfig]
+_SIGNATURE = attrgetter("flops", "bytes", "ctas")
+_DEVICE, _COLLECTIVE, _BYTES = attrgetter("device"), attrgetter("collective"), attrgetter("bytes")
 
 
 @dataclass
@@ -153,6 +156,9 @@ class _Checkpoint:
     seq: int
 
 
+_PhaseTrail = tuple["PhaseResult", dict[str, float], list[_Checkpoint], list[tuple]]
+
+
 @dataclass
 class _Trail:
     """What a finished run leaves for later runs to resume from."""
@@ -160,7 +166,7 @@ class _Trail:
     configs: Configs
     model: CostModel
     extrapolate: bool
-    phases: list[tuple[PhaseResult, dict[str, float], list[_Checkpoint], list[tuple]] | None]
+    phases: list[_PhaseTrail | None]
 
 
 class Simulator:
@@ -191,7 +197,8 @@ class Simulator:
         default = default_config(model.hw)
         extrapolate = extrapolate and not keep_spans
         split = split_of(configs)
-        phases, left = [], []
+        phases: list[PhaseResult] = []
+        left: list[_PhaseTrail | None] = []
         resume = [] if keep_spans else self._resumable(configs, model, extrapolate, default)
         for i in range(len(self.graph.phases)):
             reuse, start = None, None
@@ -249,15 +256,14 @@ class Simulator:
         per distinct segment and collective once, then costed with this run's model."""
         if i not in self._statics:
             phase = self.graph.phases[i]
-            segs: dict = {}
-            for d, seg_list in phase.segments.items():
-                counts: dict = defaultdict(int)
-                for s in seg_list:
-                    counts[(s.flops, s.bytes, s.ctas)] += 1
-                segs[d] = counts
-            comms: dict = defaultdict(lambda: defaultdict(int))
-            for p in phase.points:
-                comms[(p.device, p.group.name)][(p.collective, p.group, p.bytes)] += 1
+            pts = phase.points
+            segs = {d: Counter(map(_SIGNATURE, seg_list)) for d, seg_list in phase.segments.items()}
+            groups = {id(p.group): p.group for p in pts}
+            comms: dict = defaultdict(dict)
+            counted = Counter(zip(map(_DEVICE, pts), [p.group.name for p in pts], map(_COLLECTIVE, pts),
+                                  [id(p.group) for p in pts], map(_BYTES, pts)))
+            for (d, name, coll, group, nbytes), n in counted.items():
+                comms[(d, name)][(coll, groups[group], nbytes)] = n
             self._statics[i] = (segs, comms)
         segs, comms = self._statics[i]
         compute = max((sum(n * model.compute_solo(ComputeSegment("", *sig)) for sig, n in counts.items())
@@ -282,14 +288,11 @@ class _Task:
     __slots__ = ("queue", "pos", "shape", "comm", "device", "devices", "deps", "config", "cost", "key", "seq", "start",
                  "rem", "since", "dur", "rate", "version", "exposed", "solo", "rated")
 
-    def __init__(self, queue: int, pos: int, shape: Shape, run: "_PhaseRun") -> None:
+    def __init__(self, queue: int, pos: int, shape: Shape, run: _PhaseRun) -> None:
         self.queue, self.pos, self.shape = queue, pos, shape
         self.comm, self.device, self.devices, self.deps, self.cost = shape.comm, shape.device, shape.devices, shape.deps, shape.cost
-        if shape.comm:
-            self.key = shape.cost[0]
-            self.config = run.config(self.key)
-        else:
-            self.key, self.config = "", None
+        self.key: str = shape.cost[0] if shape.comm else ""
+        self.config: CommConfig | None = run.config(self.key) if shape.comm else None
         self.seq = 0
         self.start = -1.0
         self.rem = 1.0  # remaining fraction at time ``since``
@@ -578,10 +581,10 @@ class _PhaseRun:
                             woken.update(range(nq))
                             heap = []
                             for d in devices:
-                                for t in [compute_on[d], *comms_on[d]]:
-                                    if t is not None and t.device == d:
+                                for held in [compute_on[d], *comms_on[d]]:
+                                    if held is not None and held.device == d:
                                         counter += 1
-                                        heap.append((t.since + t.rem * t.dur, counter, t.version, t))
+                                        heap.append((held.since + held.rem * held.dur, counter, held.version, held))
                             heapq.heapify(heap)
                             self.history = []
             # Exposed communication: a compute stream idle while it waits on a released collective (one
@@ -674,7 +677,9 @@ class _PhaseRun:
         """The state at a period boundary of the reference stream; None when a stream is outside the band."""
         queues, heads = self.lw.queues, self.heads
         unit = heads[ref] // queues[ref].shift
-        key, spans, room = [], [], END
+        key: list[tuple[int, bool]] = []
+        spans: list[tuple[int, int] | None] = []
+        room = END
         for q, queue in enumerate(queues):
             pos = heads[q]
             if queue.shift:
@@ -707,10 +712,9 @@ class _PhaseRun:
                 return _Plan(now.unit - old.unit, now.now - old.now, _minus(now.totals, old.totals),
                              now.exposed - old.exposed, 0.0, {}, 0.0, 0.0, now.remaining, now.remaining)
         by_unit = {h.unit: h for h in alike}
-        chain = [by_unit.get(now.unit - n) for n in (1, 2, 3)]
-        if None in chain:
+        if any(now.unit - n not in by_unit for n in (1, 2, 3)):
             return None
-        states = [now, *chain]  # newest first
+        states = [now, *(by_unit[now.unit - n] for n in (1, 2, 3))]  # newest first
         diffs = [[a - b for a, b in zip(x.remaining, y.remaining)] for x, y in zip(states, states[1:])]
         periods = [x.now - y.now for x, y in zip(states, states[1:])]
         exposed = [x.exposed - y.exposed for x, y in zip(states, states[1:])]
@@ -727,9 +731,9 @@ class _PhaseRun:
             rows = [inc.get(key, [0.0] * 4) for inc in increments]
             series.append([a - b for a, b in zip(rows[0], rows[1])])
             earlier.append([a - b for a, b in zip(rows[1], rows[2])])
-        for new, old in zip(series, earlier):
-            scale = max(map(abs, new + old), default=0.0)
-            if any(abs(a - ratio * b) > RANK_ONE * scale + 1e-15 for a, b in zip(new, old)):
+        for later, sooner in zip(series, earlier):
+            scale = max(map(abs, later + sooner), default=0.0)
+            if any(abs(a - ratio * b) > RANK_ONE * scale + 1e-15 for a, b in zip(later, sooner)):
                 return None
         fixed = [x + d * ratio / (1 - ratio) for x, d in zip(now.remaining, diffs[0])]
         if min(fixed, default=1.0) <= DONE:
@@ -804,8 +808,9 @@ class _PhaseRun:
     def _point_timings(self) -> list[PointTiming]:
         """Every point's timing; a skipped period's collectives take theirs from the same collective whole
         periods earlier (or, for one running at the jump, from its image after it)."""
-        records = {(q, pos): rec for q, pos, *rec in self.records}
-        lw, ix, out = self.lw, self.ix, []
+        records = {(q, pos): (start, end, solo, exposed) for q, pos, start, end, solo, exposed in self.records}
+        lw, ix = self.lw, self.ix
+        out: list[PointTiming] = []
 
         def record(q: int, pos: int) -> tuple[float, float, float, float]:
             rec = records.get((q, pos))

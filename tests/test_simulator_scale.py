@@ -2,7 +2,6 @@
 simulation depends on the pipeline, not on dp or the node count; and a 1,024-GPU job is compared end
 to end (with fewer layers and micro-batches than configs/workloads/llama3-70b-1024.yaml)."""
 
-import json
 from dataclasses import replace
 
 import pytest

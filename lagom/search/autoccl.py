@@ -9,8 +9,8 @@ All collectives are tuned at once: every evaluation tries the next candidate of 
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import replace
-from typing import Generator
 
 from lagom.comm_config import CommConfig, channel_choices, default_config, subspaces
 from lagom.points import OverlapPoint
@@ -33,7 +33,7 @@ def _descend(start: CommConfig, start_t: float, dims: dict[str, list[int]]) -> G
                     i = values.index(getattr(cur, knob)) + step
                     if not 0 <= i < len(values):
                         break
-                    cand = replace(cur, **{knob: values[i]})
+                    cand = replace(cur, **{knob: values[i]})  # type: ignore[arg-type]  # an int knob
                     t = yield cand
                     if t >= cur_t:
                         break
@@ -46,7 +46,7 @@ def _tune(point: OverlapPoint, problem: Problem) -> Tuner:
     base = default_config(hw)
     dims = {"channels": channel_choices(hw, space), "threads": list(space.threads), "chunk_bytes": list(space.chunks)}
     for knob, values in dims.items():  # start on the grid
-        base = replace(base, **{knob: min(values, key=lambda v: abs(v - getattr(base, knob)))})
+        base = replace(base, **{knob: min(values, key=lambda v: abs(v - getattr(base, knob)))})  # type: ignore[arg-type]
     starts = []
     for algo, proto, transport in subspaces(point, hw, space):
         cfg = replace(base, algorithm=algo, protocol=proto, transport=transport)

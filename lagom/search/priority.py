@@ -34,9 +34,9 @@ class Window:
     repeat: int  # occurrences per step
     segments: list[ComputeSegment]  # compute between release and need, in stream order
     fused: list[ComputeSegment]  # the GEMM a Flash-Overlap decomposition would split (empty if none)
-    _costs: dict[bool, "_WindowCost"] = field(default_factory=dict, repr=False, compare=False)
+    _costs: dict[bool, _WindowCost] = field(default_factory=dict, repr=False, compare=False)
 
-    def costs(self, decomposed: bool, model: CostModel) -> "_WindowCost":
+    def costs(self, decomposed: bool, model: CostModel) -> _WindowCost:
         """What every candidate's estimate needs of the part it hides under, worked out once (a search
         uses one model throughout)."""
         if decomposed not in self._costs:
@@ -56,7 +56,7 @@ class _WindowCost:
     hide: float
 
     @staticmethod
-    def of(segments: list[ComputeSegment], model: CostModel) -> "_WindowCost":
+    def of(segments: list[ComputeSegment], model: CostModel) -> _WindowCost:
         index: dict[tuple, int] = {}
         distinct: list[ComputeSegment] = []
         kinds = []
@@ -79,7 +79,8 @@ def windows(graph: StepGraph) -> dict[str, list[Window]]:
     keys: dict[tuple, str] = {}
     ids: dict[tuple, int] = {}  # equal segments, equal ids
     for phase in graph.phases:
-        pos, kinds = {}, {}
+        pos: dict[str, int] = {}
+        kinds: dict[int, list[int]] = {}
         for d, segs in phase.segments.items():
             pos.update(zip([s.name for s in segs], range(len(segs))))
             kinds[d] = [ids.setdefault(sig, len(ids)) for sig in map(_SIGNATURE, segs)]
@@ -164,7 +165,7 @@ def priority(cur: Estimate, new: Estimate) -> float:
 def _distinct(ranked: list[tuple[Estimate, CommConfig]], k: int, seen: set) -> list[tuple[Estimate, CommConfig]]:
     """The first k candidates whose predictions differ from each other and from ``seen``: checks go to
     distinct predictions, not to knobs the model says are moot."""
-    out = []
+    out: list[tuple[Estimate, CommConfig]] = []
     for est, cfg in ranked:
         if len(out) == k:
             break
