@@ -100,6 +100,10 @@ class _Planner:
             self._problems[key] = (problem, Simulator(problem.graph))
         return self._problems[key]
 
+    def forget(self, wl: Workload) -> None:
+        """Drop a workload's problem (a step graph can take gigabytes at cluster scale)."""
+        self._problems.pop(_with_buckets(wl, 1.0).fingerprint(), None)
+
     def evaluator(self, wl: Workload, strategy: str) -> SimulatedEvaluator:
         problem, simulator = self._shared(wl)
 
@@ -142,7 +146,11 @@ def _search_with_buckets(planner: _Planner, wl: Workload, strategy: str, search_
         res = priority.search(prob, planner.evaluator(cand, strategy), central.result, changed)
         evaluations += res.evaluations
         if res.result.step_s < best.result.result.step_s:
+            if best is not central:
+                planner.forget(best.workload)
             best = Tuned(cand, prob, res)
+        else:
+            planner.forget(cand)
     best.result.evaluations = evaluations
     return best
 
