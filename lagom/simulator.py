@@ -165,15 +165,23 @@ class _Trail:
 
     configs: Configs
     model: CostModel
+    state: tuple  # the model's settings then (a calibrated model's scales change between runs)
     extrapolate: bool
     phases: list[_PhaseTrail | None]
+
+
+def _model_state(model: CostModel) -> tuple:
+    """What a model's costs depend on besides its hardware: its own settings (a calibrated model's comm
+    and compute scales). Runs resume only from runs under the same."""
+    return tuple(sorted((name, tuple(sorted(value.items())) if isinstance(value, dict) else value)
+                        for name, value in vars(model).items() if name != "hw" and not callable(value)))
 
 
 class Simulator:
     """A step graph prepared for many runs (what a search does): phase indexes, periodic bands and task
     shapes are built on first use and kept, and runs resume from earlier runs' checkpoints where the
-    changed configs cannot have mattered yet. The model may change between runs (a run resumes only
-    from runs with the same model object, which must not be mutated meanwhile)."""
+    changed configs cannot have mattered yet. The model may change between runs: a run resumes only
+    from runs under the same model object with the same settings. The graph must not change."""
 
     def __init__(self, graph: StepGraph) -> None:
         self.graph = graph
@@ -222,7 +230,7 @@ class Simulator:
             phases.append(run.simulate(*self._static(i, model), resume=start))
             left.append(None if keep_spans else (phases[-1], run.first_start, run.checkpoints, run.records))
         if not keep_spans:
-            self._trails.insert(0, _Trail(dict(configs), model, extrapolate, left))
+            self._trails.insert(0, _Trail(dict(configs), model, _model_state(model), extrapolate, left))
             del self._trails[TRAILS_KEPT:]
         return StepResult(
             step_s=sum(p.time * p.repeat for p in phases),
@@ -236,8 +244,10 @@ class Simulator:
                    default: CommConfig) -> list[tuple[set[str], _Trail]]:
         """Earlier runs this one may resume from, with the keys whose configs differ."""
         out = []
+        state = _model_state(model)
         for trail in self._trails:
-            if trail.model is not model or trail.extrapolate != extrapolate or split_of(trail.configs) != split_of(configs):
+            if trail.model is not model or trail.state != state or trail.extrapolate != extrapolate \
+                    or split_of(trail.configs) != split_of(configs):
                 continue
             keys = set(trail.configs) | set(configs)
             out.append(({k for k in keys if trail.configs.get(k, default) != configs.get(k, default)}, trail))
@@ -274,7 +284,8 @@ class Simulator:
 
 
 def simulate(graph: StepGraph, configs: Configs, model: CostModel, *, keep_spans: bool = False) -> StepResult:
-    """Simulate one step with the given per-key configs (missing keys get NCCL's defaults)."""
+    """Simulate one step with the given per-key configs (missing keys get NCCL's defaults). Callers that
+    simulate one graph many times (a search, a calibration) keep a Simulator instead."""
     return Simulator(graph).run(configs, model, keep_spans=keep_spans)
 
 

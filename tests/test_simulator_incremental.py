@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 
+from lagom.cost_model import CostModel
 from lagom.hardware import load_hardware
 from lagom.search.base import nccl_configs
 from lagom.simulator import Simulator
@@ -84,3 +85,31 @@ def test_a_changed_model_is_not_resumed():
     slower = sim.run(base, other)
     assert slower.phases[0].resumed_at is None
     same(slower, Simulator(problem.graph).run(base, other))
+
+
+class _Scaled(CostModel):
+    """Compute scaled by a factor set between runs, as the online tuner's calibrated model is."""
+
+    def __init__(self, hw) -> None:
+        super().__init__(hw)
+        self.scale = 1.0
+
+    def compute_solo(self, seg):
+        return super().compute_solo(seg) * self.scale
+
+    def compute_time(self, seg, running=()):
+        return self.compute_solo(seg) if not running else super().compute_time(seg, running) * self.scale
+
+
+def test_a_model_whose_settings_changed_is_not_reused():
+    """The same model object with another scale: nothing of the earlier run is reused."""
+    problem = job("llama3-8b-tp8")
+    base = nccl_configs(problem)
+    model = _Scaled(problem.hw)
+    sim = Simulator(problem.graph)
+    first = sim.run(base, model)
+    model.scale = 1.3
+    second = sim.run(base, model)
+    assert second.step_s > 1.1 * first.step_s
+    assert all(a is not b for a, b in zip(second.phases, first.phases))
+    same(second, Simulator(problem.graph).run(base, model))
