@@ -11,4 +11,6 @@ demo: venv
 	$(VENV)/bin/lagom reproduce --quick --out out/demo
 
 test: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 	$(PY) -m pytest tests
