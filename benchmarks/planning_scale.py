@@ -21,7 +21,8 @@ steady on a shared machine, and the same as wall time on an idle core, since pla
           the same evaluator (warm: a whole new step, the graph already prepared, nothing to reuse)
   tune    lagom.tune.make_plan(strategy lagom, bucket search on): what `lagom tune` computes
   rss     the process's peak resident memory (ru_maxrss) after all of the above, in MB
-A cell that runs past --timeout seconds prints '>T'. After the table: per (layers, world), the ratio of
+A cell that runs past --timeout seconds prints '>T'; one whose step graph Lagom refuses to build (more than
+lagom.workload's limit of segments and collectives) prints why. After the table: per (layers, world), the ratio of
 the time at 1,024 micro-batches to the time at 16 (linear growth would be 64).
 """
 
@@ -109,7 +110,10 @@ def measure(spec: dict, timeout: float) -> dict | None:
     except subprocess.TimeoutExpired:
         return None
     except subprocess.CalledProcessError as err:
-        raise SystemExit(f"cell {spec} failed:\n{err.stderr}") from None
+        last = err.stderr.strip().splitlines()[-1] if err.stderr.strip() else f"exit {err.returncode}"
+        if "ConfigError" not in last:
+            raise SystemExit(f"cell {spec} failed:\n{err.stderr}") from None
+        return {"refused": last.split(": ", 1)[-1]}  # e.g. a step graph larger than Lagom builds
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -125,6 +129,8 @@ HEADER = f"{'job':<34} {'m':>5} {'graph s':>8} {'step s':>8} {'warm s':>8} {'tun
 def row(label: str, m: int, res: dict | None, timeout: float) -> str:
     if res is None:
         return f"{label:<34} {m:>5} {'>' + format(timeout, '.0f'):>8}"
+    if "refused" in res:
+        return f"{label:<34} {m:>5}   refused: {res['refused'][:90]}"
     tune = _fmt(res.get("tune"), timeout) if "tune" in res else "-"
     return (f"{label:<34} {m:>5} {_fmt(res['graph'], timeout):>8} {_fmt(res['cold'], timeout):>8} "
             f"{_fmt(res['warm'], timeout):>8} {tune:>8} {res.get('evaluations', '-'):>6} {res['rss_mb']:>7.0f}")
@@ -164,7 +170,7 @@ def main() -> None:
     for world in args.world:
         for layers in args.layers:
             lo, hi = results.get((layers, world, 16)), results.get((layers, world, 1024))
-            if lo is None or hi is None:
+            if lo is None or hi is None or "refused" in lo or "refused" in hi:
                 continue
             ratios = [f"{what} {hi[what] / lo[what]:.2f}" for what in ("cold", "warm", "tune") if what in lo and what in hi]
             print(f"  L{layers} w{world}: " + ", ".join(ratios))

@@ -297,7 +297,7 @@ class _Task:
     """A task of this run: its shape and where it stands."""
 
     __slots__ = ("queue", "pos", "shape", "comm", "device", "devices", "deps", "config", "cost", "key", "seq", "start",
-                 "rem", "since", "dur", "rate", "version", "exposed", "solo", "rated")
+                 "rem", "since", "dur", "rate", "version", "exposed", "solo", "rated", "util")
 
     def __init__(self, queue: int, pos: int, shape: Shape, run: _PhaseRun) -> None:
         self.queue, self.pos, self.shape = queue, pos, shape
@@ -314,6 +314,7 @@ class _Task:
         self.exposed = 0.0
         self.solo = 0.0
         self.rated = 0  # the event it was last re-rated in
+        self.util = 0.0  # compute: the HBM share it uses alone (what slows the comm beside it)
 
 
 @dataclass
@@ -457,6 +458,7 @@ class _PhaseRun:
         watching = band_ref is not None
         since_checkpoint = 0
         event = 0
+        comm_memo, rate_memo, compute_memo = self.comm_memo, self.rate_memo, self.compute_memo
         if resume is not None:
             cp, records, earlier = resume
             now, exposed_total, longest, seq = cp.now, cp.exposed, cp.longest, cp.seq
@@ -471,6 +473,7 @@ class _PhaseRun:
             for q, pos, t_seq, start, rem, dur, rate, exposed, solo in cp.running:
                 t = self.task(q, pos)
                 t.seq, t.start, t.rem, t.since, t.dur, t.rate, t.exposed, t.solo = t_seq, start, rem, now, dur, rate, exposed, solo
+                t.util = 0.0 if t.comm else self.util(t)
                 if t.comm:
                     for d in t.devices:
                         comms_on[d].append(t)
@@ -519,6 +522,7 @@ class _PhaseRun:
                             if t.key not in first_start:
                                 first_start[t.key] = now
                     else:
+                        t.util = self.util(t)
                         compute_on[t.device] = t
                         if q == band_ref and watching and pos % check_every == 0:
                             check = True
@@ -536,11 +540,9 @@ class _PhaseRun:
                     util = 0.0
                     for dd in c.devices:
                         ct = compute_on[dd]
-                        if ct is not None:
-                            u = self.util(ct)
-                            if u > util:
-                                util = u
-                    dur = self.comm_duration(c, util)
+                        if ct is not None and ct.util > util:
+                            util = ct.util
+                    dur = comm_memo.get((c.cost, util)) or self.comm_duration(c, util)
                     if dur != c.dur:
                         if c.dur:
                             c.rem -= (now - c.since) / c.dur
@@ -550,7 +552,9 @@ class _PhaseRun:
                         heapq.heappush(heap, (now + c.rem * dur, counter, c.version, c))
                         if dur > longest:
                             longest = dur
-                        rate = self.comm_rate(c)
+                        rate = rate_memo.get((c.cost, dur))
+                        if rate is None:
+                            rate = self.comm_rate(c)
                         if rate != c.rate:
                             c.rate = rate
                             rate_dirty.update(c.devices)
@@ -558,7 +562,8 @@ class _PhaseRun:
                 ct = compute_on[d]
                 if ct is None:
                     continue
-                dur = self.compute_duration(ct, comms_on[d])
+                beside = comms_on[d]
+                dur = compute_memo.get((ct.cost, tuple([(c.cost, c.rate) for c in beside]))) or self.compute_duration(ct, beside)
                 if dur != ct.dur:
                     if ct.dur:
                         ct.rem -= (now - ct.since) / ct.dur
@@ -770,7 +775,10 @@ class _PhaseRun:
                          list(self.jumps), self.simulated, max((t.seq for t in running), default=0))
         probe = _PhaseRun(self.lw, self.configs, self.model, self.default, False)
         probe.probe_unit = now.unit + 1
-        seen = probe.simulate(0.0, 0.0, resume=(cp, self.records, []))
+        try:
+            seen = probe.simulate(0.0, 0.0, resume=(cp, self.records, []))
+        except LagomError:  # the extrapolated state is not one the step can be in: no jump, simulate on
+            return None
         return seen if isinstance(seen, _Seen) else None  # None: the period left the band
 
     def _jump(self, plan: _Plan, periods: int, now: float, totals, exposed_total: float, compute_on, comms_on):
@@ -804,7 +812,7 @@ class _PhaseRun:
             t = self.task(q, pos + step)
             t.seq, t.start, t.since = old.seq, old.start + delta, later
             t.rem = where.get(id(old), old.rem - (now - old.since) / old.dur)
-            t.dur, t.rate, t.exposed, t.solo = old.dur, old.rate, old.exposed, old.solo
+            t.dur, t.rate, t.exposed, t.solo, t.util = old.dur, old.rate, old.exposed, old.solo, old.util
             moved[id(old)] = t
         for d, t in compute_on.items():
             if t is not None and id(t) in moved:
