@@ -30,13 +30,15 @@ def _load(args: argparse.Namespace):
 def cmd_tune(args: argparse.Namespace) -> int:
     from lagom import emit
     from lagom.nccl_tuner import UNAVAILABLE
+    from lagom.progress import PlanningProgress
     from lagom.report import plan_markdown, plan_table, print_table
     from lagom.tune import make_plan
 
     plan_file = output_file(args.out, "--out") if args.out else None
     emit_dir = output_folder(args.emit, "--emit") if args.emit else None
     wl, hw = _load(args)
-    plan = make_plan(wl, hw, args.strategy)
+    with PlanningProgress(f"tuning {wl.name}") as progress:
+        plan = make_plan(wl, hw, args.strategy, progress=progress)
     if plan_file:
         plan.save(plan_file)
     if emit_dir:
@@ -61,11 +63,13 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
+    from lagom.progress import PlanningProgress
     from lagom.report import compare_json, compare_table, print_table
     from lagom.tune import compare_strategies
 
     wl, hw = _load(args)
-    tuned = compare_strategies(wl, hw)
+    with PlanningProgress(f"comparing strategies on {wl.name}") as progress:
+        tuned = compare_strategies(wl, hw, progress=progress)
     data = compare_json(wl.name, hw.name, {k: (t.result.result, t.result.evaluations) if t else None for k, t in tuned.items()})
     if args.json:
         print(json.dumps(data))
