@@ -98,7 +98,9 @@ def markdown(report: dict[str, Any]) -> str:
     lines.append(line)
     sections = (
         ("Applied at start-up", [f"`{c['key']}`: {c['before']} -> {c['after']} ({c['why']})"
-                                 for c in report["applied_at_start"]]),
+                                 for c in report["applied_at_start"]]
+         or ["nothing: the framework's own settings are what the plan wants" if report["plan"] else
+             "nothing: no plan is in force"]),
         ("Applied now", report["applied_now"]), ("Applies on next start", report["applies_on_next_start"]),
         ("NCCL environment overriding the plan", report["env_conflicts"]), ("Events", report["events"]),
     )
