@@ -15,6 +15,7 @@ from lagom.points import Collective, OverlapPoint
 class Algorithm(StrEnum):
     RING = "ring"
     TREE = "tree"
+    NVLS = "nvls"  # NVLink SHARP: reduction in the NVSwitch (H100/H200 SXM nodes)
 
 
 class Protocol(StrEnum):
@@ -31,16 +32,21 @@ class Transport(StrEnum):
     NET = "net"
 
 
+class CTAPolicy(StrEnum):
+    """The communicator's ``ncclConfig_t.CTAPolicy`` (NCCL >= 2.27)."""
+
+    DEFAULT = "default"
+    EFFICIENCY = "efficiency"  # the fewest CTAs that keep decent speed
+    ZERO = "zero"  # copy engines, no SMs: all-gather / all-to-all on symmetric buffers (NCCL >= 2.28)
+
+
 class Decomposition(StrEnum):
     COLLECTIVE = "collective"
     P2P = "p2p"  # Flash-Overlap P2P steps fused with compute
 
 
-ALGORITHMS = tuple(Algorithm)
-PROTOCOLS = tuple(Protocol)
-TRANSPORTS = tuple(Transport)
-DECOMPOSITIONS = tuple(Decomposition)
-_ENUM_FIELDS = {"algorithm": Algorithm, "protocol": Protocol, "transport": Transport, "decomposition": Decomposition}
+_ENUM_FIELDS = {"algorithm": Algorithm, "protocol": Protocol, "transport": Transport, "decomposition": Decomposition,
+                "cta_policy": CTAPolicy}
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,7 @@ class CommConfig:
     priority: int = 0  # 1: high-priority stream
     decomposition: Decomposition = Decomposition.COLLECTIVE
     num_chunks: int = 1
+    cta_policy: CTAPolicy = CTAPolicy.DEFAULT
 
     def __post_init__(self) -> None:
         """Plain strings (plans read from JSON, tests) become the typed values; unknown ones stay for ``check``."""

@@ -53,6 +53,7 @@ class Cluster:
     nodes: int = 0
     intra: Link = field(default_factory=Link)
     inter: Link = field(default_factory=Link)
+    nvls: bool = False  # NVSwitch with NVLink SHARP (in-switch reduction) joins a node's GPUs
 
     @property
     def world_size(self) -> int:
@@ -69,6 +70,7 @@ class Protocol:
 class Nccl:
     """NCCL's defaults and the constants of its per-channel pipeline."""
 
+    version: str = "2.30.7"  # the NCCL a plan is made for: it decides which knobs can be applied
     default_channels: int = 0
     max_channels: int = 0
     default_threads: int = 512
