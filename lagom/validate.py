@@ -1,0 +1,552 @@
+"""`lagom validate`: the cost model against published measurements (the fidelity suite).
+
+Each file under ``configs/fidelity/`` is one group of points; each point is a published figure (with its
+source), the setup it was measured on, and the role it plays here: ``fit`` (a hardware constant was set
+from it) or ``check`` (never used to set anything). The model's figure for a point is worked out only
+through the planning API (``CostModel``, ``nccl_configs``, the step graph, priority windows, the
+simulator), so what is validated is what ``lagom tune`` uses. Errors are relative: |predicted -
+measured| / measured, or, for a published range, the distance to its nearer end (zero inside it).
+
+Setups (``setup.kind``):
+- ``busbw``: nccl-tests bus bandwidth (GB/s) of one collective on one group, NCCL's own choice of
+  algorithm and protocol unless the point forces them (``NCCL_ALGO=Ring`` runs);
+- ``latency``: the same collective's time in microseconds;
+- ``slowdown``: compute kernels' time beside a running collective over their time alone (a ratio),
+  one kernel, or the mean or max over several kernels and GPUs;
+- ``window``: a collective of a workload's step at a given setting against NCCL's: the speed-up of the
+  compute windows it hides under (``local``), of the whole step (``step``), or the largest slowdown
+  any setting of the space causes to the compute beside it (``max_slowdown``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from lagom.comm_config import CommConfig, SearchSpace, candidates
+from lagom.config_file import read_mapping
+from lagom.cost_model import CostModel, RunningComm
+from lagom.errors import ConfigError
+from lagom.hardware import Hardware, gpu_family, load_hardware
+from lagom.outputs import output_folder
+from lagom.points import Collective, ComputeSegment, Group, OverlapPoint, Phase, StepGraph, points_for
+from lagom.search.base import Problem, nccl_configs
+from lagom.search.priority import Window, estimate, windows
+from lagom.simulator import simulate
+from lagom.workload import load_workload
+
+FIDELITY_DIR = Path(__file__).resolve().parent.parent / "configs" / "fidelity"
+ROLES = ("fit", "check")
+BF16 = 2  # bytes per element of the kernels a point describes by shape
+
+
+# ---------------------------------------------------------------------------------------------
+# The suite's schema: one dataclass per part; unknown keys are refused with the known ones named
+
+
+@dataclass
+class Source:
+    ref: str = "???"  # paper / issue, e.g. "NVIDIA/nccl issue #1047"
+    url: str = "???"
+    where: str = "???"  # table, figure, comment: where in the source the figure is
+
+
+@dataclass
+class Comm:
+    """A collective on a group of ranks within one node, at NCCL's choice unless a knob is given."""
+
+    collective: str = "???"
+    ranks: int = 0
+    bytes: int = 0  # nccl-tests' size: the whole buffer (gathered output, unreduced input)
+    algorithm: str | None = None
+    protocol: str | None = None
+    channels: int | None = None
+    threads: int | None = None
+    chunk_bytes: int | None = None
+
+
+@dataclass
+class Kernel:
+    """A compute kernel by shape: a bf16 GEMM (m x k times k x n) or an elementwise pass over elements."""
+
+    gemm: list[int] | None = None  # [m, n, k]
+    elements: int | None = None  # read once and written once
+
+
+@dataclass
+class Setup:
+    kind: str = "???"  # busbw | latency | slowdown | window
+    hardware: list[str] = field(default_factory=list)  # preset names or files; slowdown may average several
+    comm: Comm | None = None  # busbw, latency, slowdown (the collective running beside)
+    kernels: list[Kernel] = field(default_factory=list)  # slowdown
+    aggregate: str = "one"  # slowdown over several kernels x hardware: one | mean | max
+    workload: str | None = None  # window
+    collective: str | None = None  # window: which of the step's collectives
+    channels: int | None = None  # window: the setting compared with NCCL's
+    chunk_bytes: int | None = None
+    measure: str | None = None  # window: local | step | max_slowdown
+
+
+@dataclass
+class PointSpec:
+    id: str = "???"
+    role: str = "check"
+    what: str = "???"  # what was measured
+    unit: str = "???"
+    measured: Any = None  # a number, or [low, high] where the source gives a range
+    source: Source = field(default_factory=Source)
+    setup: Setup = field(default_factory=Setup)
+    note: str = ""  # proxies and assumptions: what of the setup the source does not give
+    constants: list[str] = field(default_factory=list)  # fit points: the hardware constants set from them
+
+
+@dataclass
+class SuiteFile:
+    group: str = "???"
+    description: str = ""
+    points: list[PointSpec] = field(default_factory=list)
+
+
+@dataclass
+class FidelityPoint:
+    """One point as validated: its group (the file's) and its spec."""
+
+    group: str
+    spec: PointSpec
+    file: str
+
+
+_KINDS = ("busbw", "latency", "slowdown", "window")
+_AGGREGATES = ("one", "mean", "max")
+_MEASURES = ("local", "step", "max_slowdown")
+
+
+def _check_keys(data: Any, schema: Any, where: str) -> None:
+    """Every key of ``data`` (and of its nested parts) is a field of the dataclass ``schema``."""
+    if not isinstance(data, dict):
+        return
+    known = [f.name for f in fields(schema)]
+    for key, value in data.items():
+        if key not in known:
+            raise ConfigError(f"{where}.{key}", "unknown key", f"known keys: {', '.join(known)}")
+        nested = {"source": Source, "setup": Setup, "comm": Comm, "points": PointSpec, "kernels": Kernel}.get(key)
+        if nested is None:
+            continue
+        items = value if isinstance(value, list) else [value]
+        for i, item in enumerate(items):
+            _check_keys(item, nested, f"{where}.{key}[{i}]" if isinstance(value, list) else f"{where}.{key}")
+
+
+def _require(value: Any, where: str, fix: str) -> None:
+    if value is None or value == "???" or value == [] or value == 0:
+        raise ConfigError(where, "is missing", fix)
+
+
+def _check_point(spec: PointSpec, where: str) -> None:
+    """What the schema's types cannot say: roles, kinds, the fields each kind needs, a sane measurement."""
+    if spec.role not in ROLES:
+        raise ConfigError(f"{where}.role", f"'{spec.role}' is not one of {', '.join(ROLES)}")
+    for key in ("id", "what", "unit"):
+        _require(getattr(spec, key), f"{where}.{key}", "every point says what it is")
+    for key in ("ref", "url", "where"):
+        _require(getattr(spec.source, key), f"{where}.source.{key}", "every point names its source")
+    m = spec.measured
+    numbers = m if isinstance(m, list) else [m]
+    if not (1 <= len(numbers) <= 2 and all(isinstance(x, int | float) and not isinstance(x, bool) and x > 0 for x in numbers)):
+        raise ConfigError(f"{where}.measured", f"must be a positive number or [low, high], got {m!r}")
+    if len(numbers) == 2 and numbers[0] > numbers[1]:
+        raise ConfigError(f"{where}.measured", f"range {m} is reversed", "write [low, high]")
+    if spec.role == "fit" and not spec.constants:
+        raise ConfigError(f"{where}.constants", "a fit point names the constants set from it",
+                          "list them, e.g. [nccl.channel_gbps.nvlink], or make the point role: check")
+    s = spec.setup
+    if s.kind not in _KINDS:
+        raise ConfigError(f"{where}.setup.kind", f"'{s.kind}' is not one of {', '.join(_KINDS)}")
+    _require(s.hardware, f"{where}.setup.hardware", "name a preset or a hardware file")
+    if s.kind in ("busbw", "latency", "slowdown"):
+        _check_comm(_needed(s.comm, f"{where}.setup.comm"), f"{where}.setup.comm")
+    if s.kind == "slowdown":
+        _require(s.kernels, f"{where}.setup.kernels", "list the kernels, by gemm: [m, n, k] or elements")
+        if s.aggregate not in _AGGREGATES:
+            raise ConfigError(f"{where}.setup.aggregate", f"'{s.aggregate}' is not one of {', '.join(_AGGREGATES)}")
+        if s.aggregate == "one" and len(s.kernels) * len(s.hardware) != 1:
+            raise ConfigError(f"{where}.setup.aggregate", "several kernels or hardware need mean or max")
+        for i, k in enumerate(s.kernels):
+            if (k.gemm is None) == (k.elements is None) or (k.gemm is not None and (len(k.gemm) != 3 or min(k.gemm) <= 0)):
+                raise ConfigError(f"{where}.setup.kernels[{i}]", "needs one of gemm: [m, n, k] or elements: N")
+    if s.kind == "window":
+        for key in ("workload", "collective", "measure"):
+            _require(getattr(s, key), f"{where}.setup.{key}", "a window point names the workload, collective and measure")
+        if s.measure not in _MEASURES:
+            raise ConfigError(f"{where}.setup.measure", f"'{s.measure}' is not one of {', '.join(_MEASURES)}")
+        if s.measure != "max_slowdown":
+            _require(s.channels, f"{where}.setup.channels", "give the setting compared with NCCL's")
+
+
+def _needed[T](value: T | None, where: str) -> T:
+    """A part a setup kind needs (the schema makes every part optional, one kind needs what another does not)."""
+    if value is None:
+        raise ConfigError(where, "is missing", "see configs/fidelity/README.md")
+    return value
+
+
+def _check_comm(comm: Comm, where: str) -> None:
+    """The collective is one the model knows, on at least two ranks, with a positive size."""
+    if comm.collective not in Collective._value2member_map_:
+        raise ConfigError(f"{where}.collective", f"'{comm.collective}' is not one of {', '.join(Collective)}")
+    if comm.ranks < 2 or comm.bytes <= 0:
+        raise ConfigError(where, f"needs ranks >= 2 and bytes > 0, got {comm.ranks} ranks, {comm.bytes} bytes")
+
+
+def load_suite(folder: str | Path = FIDELITY_DIR) -> list[FidelityPoint]:
+    """Every point of every ``*.yaml`` in ``folder``, strictly: unknown keys, missing sources, duplicate
+    ids and impossible setups are errors naming the file and key."""
+    folder = Path(folder)
+    files = sorted(folder.glob("*.yaml")) if folder.is_dir() else []
+    if not files:
+        raise ConfigError("--suite", f"{folder} holds no fidelity files (*.yaml)", "pass the folder of the suite")
+    points: list[FidelityPoint] = []
+    seen: dict[str, str] = {}
+    for path in files:
+        raw = OmegaConf.to_container(read_mapping(path))
+        _check_keys(raw, SuiteFile, path.name)
+        try:
+            suite: SuiteFile = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(SuiteFile), raw))  # type: ignore[assignment]
+        except OmegaConfBaseException as err:
+            key = getattr(err, "full_key", None) or "points"
+            raise ConfigError(f"{path.name}: {key}", str(err).splitlines()[0], "see configs/fidelity/README.md") from None
+        _require(suite.group, f"{path.name}: group", "name the group of points this file holds")
+        for i, spec in enumerate(suite.points):
+            where = f"{path.name}: points[{i}]"
+            _check_point(spec, where)
+            if spec.id in seen:
+                raise ConfigError(f"{where}.id", f"'{spec.id}' is also a point of {seen[spec.id]}", "ids are unique")
+            seen[spec.id] = path.name
+            points.append(FidelityPoint(suite.group, spec, path.name))
+    return points
+
+
+# ---------------------------------------------------------------------------------------------
+# The model's figure for each kind of setup
+
+
+class Machines:
+    """Hardware profiles by reference, with the user's replacements: a profile given with --hardware stands
+    in for every preset of the same GPU model (a calibrated A100 file for the a100 presets)."""
+
+    def __init__(self, overrides: list[str]) -> None:
+        self._by_family = {gpu_family(hw.gpu.name): hw for hw in map(load_hardware, overrides)}
+        self._cache: dict[str, Hardware] = {}
+
+    def get(self, ref: str) -> Hardware:
+        if ref not in self._cache:
+            hw = load_hardware(ref)
+            self._cache[ref] = self._by_family.get(gpu_family(hw.gpu.name), hw)
+        return self._cache[ref]
+
+
+def _nccl_choice(hw: Hardware, comm: Comm) -> tuple[OverlapPoint, CommConfig]:
+    """The collective as an overlap point, at NCCL's setting (its algorithm and protocol pick), with the
+    knobs the point forces."""
+    group = Group("fidelity", comm.ranks, comm.ranks, 1)
+    point = OverlapPoint("fidelity", Collective(comm.collective), group, comm.bytes, None, None)
+    graph = StepGraph("fidelity", hw.name, 1, [Phase("fidelity", 1, {0: []}, [point])], {"fidelity": group})
+    cfg = nccl_configs(Problem(graph, hw))[point.key]
+    forced = {k: getattr(comm, k) for k in ("algorithm", "protocol", "channels", "threads", "chunk_bytes")
+              if getattr(comm, k) is not None}
+    return point, replace(cfg, **forced)
+
+
+def bus_factor(collective: Collective, ranks: int) -> float:
+    """nccl-tests' bus bandwidth correction: busbw = algbw x this."""
+    if collective == Collective.ALL_REDUCE:
+        return 2 * (ranks - 1) / ranks
+    if collective in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER, Collective.ALL_TO_ALL):
+        return (ranks - 1) / ranks
+    return 1.0
+
+
+def _comm_seconds(hw: Hardware, comm: Comm) -> float:
+    point, cfg = _nccl_choice(hw, comm)
+    return CostModel(hw).comm_time(point.collective, point.group, point.bytes, cfg)
+
+
+def _segment(hw: Hardware, kernel: Kernel) -> ComputeSegment:
+    if kernel.gemm is not None:
+        m, n, k = kernel.gemm
+        tile_m, tile_n = hw.gpu.gemm_tile
+        ctas = math.ceil(m / tile_m) * math.ceil(n / tile_n)
+        return ComputeSegment("gemm", 2.0 * m * n * k, BF16 * (m * k + k * n + m * n), ctas)
+    elements = kernel.elements or 0
+    return ComputeSegment("elementwise", 0.0, 2.0 * BF16 * elements, max(1, elements // 1024))
+
+
+def _slowdown(hw: Hardware, comm: Comm, kernel: Kernel) -> float:
+    """A kernel's time beside the collective (running for its whole duration) over its time alone."""
+    model = CostModel(hw)
+    point, cfg = _nccl_choice(hw, comm)
+    seg = _segment(hw, kernel)
+    seconds = model.comm_time(point.collective, point.group, point.bytes, cfg, model.hbm_util(seg))
+    rate = model.comm_hbm_rate(point.collective, point.group, point.bytes, seconds)
+    return model.compute_time(seg, (RunningComm(cfg, rate),)) / model.compute_solo(seg)
+
+
+@dataclass
+class _Step:
+    """A workload's step on one machine, with NCCL's configs, built once per (workload, hardware)."""
+
+    hw: Hardware
+    graph: StepGraph
+    model: CostModel
+    nccl: dict[str, CommConfig]
+    wins: dict[str, list[Window]]
+
+    def key(self, collective: str, where: str) -> str:
+        keys = [k for k, pts in self.graph.keys().items() if pts[0].collective == collective]
+        if len(keys) != 1:
+            raise ConfigError(where, f"the step has {len(keys)} {collective} keys, not one", "pick a workload with one")
+        return keys[0]
+
+    def window_time(self, key: str, cfg: CommConfig) -> float:
+        """Seconds the key's windows take per step: the compute they hide under plus what they add."""
+        wins = self.wins[key]
+        hide = sum(w.costs(False, self.model).hide * w.repeat for w in wins)
+        return hide + estimate(cfg, wins, self.model).added
+
+
+class Evaluator:
+    """Works out the model's figure for each point; steps and machines are built once per suite."""
+
+    def __init__(self, overrides: list[str] | None = None) -> None:
+        self.machines = Machines(overrides or [])
+        self._steps: dict[tuple[str, str], _Step] = {}
+
+    def step(self, workload: str, hardware: str) -> _Step:
+        if (workload, hardware) not in self._steps:
+            hw = self.machines.get(hardware)
+            graph = points_for(load_workload(workload), hw)
+            problem = Problem(graph, hw)
+            self._steps[(workload, hardware)] = _Step(hw, graph, problem.model, nccl_configs(problem), windows(graph))
+        return self._steps[(workload, hardware)]
+
+    def predict(self, point: FidelityPoint) -> float:
+        s = point.spec.setup
+        where = f"{point.file}: {point.spec.id}.setup"
+        if s.kind in ("busbw", "latency"):
+            comm = _needed(s.comm, f"{where}.comm")
+            seconds = _comm_seconds(self.machines.get(s.hardware[0]), comm)
+            if s.kind == "latency":
+                return seconds * 1e6
+            return comm.bytes * bus_factor(Collective(comm.collective), comm.ranks) / seconds / 1e9
+        if s.kind == "slowdown":
+            comm = _needed(s.comm, f"{where}.comm")
+            ratios = [_slowdown(self.machines.get(h), comm, k) for h in s.hardware for k in s.kernels]
+            return max(ratios) if s.aggregate == "max" else statistics.fmean(ratios)
+        return self._window(s, where)
+
+    def _window(self, s: Setup, where: str) -> float:
+        step = self.step(_needed(s.workload, f"{where}.workload"), s.hardware[0])
+        key = step.key(_needed(s.collective, f"{where}.collective"), f"{where}.collective")
+        nccl = step.nccl[key]
+        if s.measure == "max_slowdown":
+            return self._max_slowdown(step, key)
+        cfg = replace(nccl, channels=s.channels or nccl.channels, chunk_bytes=s.chunk_bytes or nccl.chunk_bytes)
+        if s.measure == "local":
+            return step.window_time(key, nccl) / step.window_time(key, cfg)
+        base = simulate(step.graph, step.nccl, step.model).step_s
+        return base / simulate(step.graph, {**step.nccl, key: cfg}, step.model).step_s
+
+    @staticmethod
+    def _max_slowdown(step: _Step, key: str) -> float:
+        """The most any setting of the search space slows the compute segments beside the key's collective."""
+        model, worst = step.model, 1.0
+        point = step.graph.keys()[key][0]
+        segments = {(seg.flops, seg.bytes, seg.ctas): seg for w in step.wins[key] for seg in w.segments if seg.flops > 0}
+        for cfg in candidates(point, step.hw, SearchSpace()):
+            if cfg.decomposition != "collective":
+                continue
+            for seg in segments.values():
+                seconds = model.comm_time(point.collective, point.group, point.bytes, cfg, model.hbm_util(seg))
+                rate = model.comm_hbm_rate(point.collective, point.group, point.bytes, seconds)
+                worst = max(worst, model.compute_time(seg, (RunningComm(cfg, rate),)) / model.compute_solo(seg))
+        return worst
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors and the summary
+
+
+def relative_error(measured: float | list[float], predicted: float) -> float:
+    """|predicted - measured| / measured; for a range, to its nearer end (zero inside it)."""
+    if isinstance(measured, list):
+        low, high = measured
+        if low <= predicted <= high:
+            return 0.0
+        nearer = low if predicted < low else high
+        return abs(predicted - nearer) / nearer
+    return abs(predicted - measured) / measured
+
+
+@dataclass
+class Result:
+    id: str
+    group: str
+    role: str
+    measured: float | list[float]
+    predicted: float
+    error: float
+    unit: str
+    what: str
+    source: str
+
+    def row(self) -> dict[str, Any]:
+        return {"id": self.id, "group": self.group, "role": self.role, "measured": self.measured,
+                "predicted": self.predicted, "error": self.error}
+
+
+def summarize(results: list[Result]) -> dict[str, dict[str, dict[str, float | None]]]:
+    """Per group, per role: median and max relative error (None where a group has no point of that role)."""
+    out: dict[str, dict[str, dict[str, float | None]]] = {}
+    for group in sorted({r.group for r in results}):
+        out[group] = {}
+        for role in ROLES:
+            errors = [r.error for r in results if r.group == group and r.role == role]
+            out[group][role] = {"median": statistics.median(errors) if errors else None,
+                                "max": max(errors) if errors else None}
+    return out
+
+
+def validate(points: list[FidelityPoint], overrides: list[str] | None = None) -> list[Result]:
+    evaluator = Evaluator(overrides)
+    results = []
+    for p in points:
+        predicted = evaluator.predict(p)
+        results.append(Result(p.spec.id, p.group, p.spec.role, p.spec.measured, predicted,
+                              relative_error(p.spec.measured, predicted), p.spec.unit, p.spec.what,
+                              f"{p.spec.source.ref} ({p.spec.source.where})"))
+    return results
+
+
+def report(results: list[Result]) -> dict[str, Any]:
+    """The JSON object ``lagom validate --json`` prints."""
+    return {"points": [r.row() for r in results], "summary": summarize(results)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Output: terminal table, validate.md, plot
+
+
+def _num(value: float | list[float]) -> str:
+    if isinstance(value, list):
+        return "-".join(f"{v:.4g}" for v in value)
+    return f"{value:.4g}"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def markdown(results: list[Result]) -> str:
+    lines = ["# Cost model against published measurements", "",
+             "Relative error |predicted - measured| / measured (for a published range: to its nearer end).",
+             "`fit` points set a hardware constant; `check` points never did.", "",
+             "## Summary", "", "| group | fit median | fit max | check median | check max |", "|---|---|---|---|---|"]
+    for group, roles in summarize(results).items():
+        lines.append(f"| {group} | {_pct(roles['fit']['median'])} | {_pct(roles['fit']['max'])} | "
+                     f"{_pct(roles['check']['median'])} | {_pct(roles['check']['max'])} |")
+    lines += ["", "## Points", "", "| id | group | role | what | measured | predicted | unit | error | source |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r.id} | {r.group} | {r.role} | {r.what} | {_num(r.measured)} | {_num(r.predicted)} | "
+                     f"{r.unit} | {_pct(r.error)} | {r.source} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: list[Result], path: Path) -> Path:
+    """Predicted against measured, log-log, one colour per group, the diagonal for reference."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 6))
+    groups = sorted({r.group for r in results})
+    for i, group in enumerate(groups):
+        mine = [r for r in results if r.group == group]
+        measured = [math.sqrt(r.measured[0] * r.measured[1]) if isinstance(r.measured, list) else r.measured for r in mine]
+        ax.scatter(measured, [r.predicted for r in mine], color=f"C{i}", label=group,
+                   marker="o", edgecolors=["black" if r.role == "fit" else "none" for r in mine])
+    values = [v for r in results for v in ([r.predicted] + (r.measured if isinstance(r.measured, list) else [r.measured]))]
+    low, high = min(values) / 1.5, max(values) * 1.5
+    ax.plot([low, high], [low, high], color="grey", linewidth=0.8, linestyle="--")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlim(low, high)
+    ax.set_ylim(low, high)
+    ax.set_xlabel("measured (published)")
+    ax.set_ylabel("predicted (cost model)")
+    ax.set_title("Fidelity suite (black edge: fit point)", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _table(results: list[Result]) -> str:
+    rows = [("id", "group", "role", "measured", "predicted", "unit", "error")]
+    rows += [(r.id, r.group, r.role, _num(r.measured), _num(r.predicted), r.unit, _pct(r.error)) for r in results]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
+    lines.append("")
+    for group, roles in summarize(results).items():
+        lines.append(f"{group}: fit median {_pct(roles['fit']['median'])} max {_pct(roles['fit']['max'])}; "
+                     f"check median {_pct(roles['check']['median'])} max {_pct(roles['check']['max'])}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--hardware", action="append", default=[], metavar="NAME|FILE",
+                        help="a hardware profile (e.g. a calibrated one) to use instead of the presets of the same GPU "
+                             "model; repeat for several GPU models")
+    parser.add_argument("--json", action="store_true", help="print one JSON object: points and summary")
+    parser.add_argument("--out", metavar="DIR", help="write validate.md and validate.png into DIR")
+    parser.add_argument("--suite", default=str(FIDELITY_DIR), metavar="DIR",
+                        help="folder of fidelity files (default: configs/fidelity)")
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """``lagom validate``, for a CLI that builds its subcommands itself."""
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "validate", help="the cost model against the published measurements of configs/fidelity")
+    add_arguments(parser)
+    parser.set_defaults(func=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    out = output_folder(args.out, "--out") if args.out else None
+    results = validate(load_suite(args.suite), args.hardware)
+    if out is not None:
+        out.mkdir(exist_ok=True)
+        (out / "validate.md").write_text(markdown(results))
+        plot(results, out / "validate.png")
+    if args.json:
+        print(json.dumps(report(results)))
+    else:
+        print(_table(results))
+        if out is not None:
+            print(f"\nwritten: {out / 'validate.md'}, {out / 'validate.png'}")
+    return 0
