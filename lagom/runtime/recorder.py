@@ -72,12 +72,15 @@ class Recorder:
     ``end_step``; a call whose completion is not visible yet (CUDA events not reached, future not
     done) stays open and comes out of a later ``end_step`` with its own step number.
     ``records`` keeps the last ``max_records`` records; ``summary`` covers every step.
+    ``in_step`` is True between ``begin_step`` and ``end_step``: the torch.distributed tap records
+    only then, so Lagom's own calls between steps are not taken for the job's.
     """
 
     def __init__(self, *, cuda: bool | None = None, max_records: int = 100_000) -> None:
         self.cuda = torch.cuda.is_available() if cuda is None else cuda
         self.max_records = max_records
         self.step = 0
+        self.in_step = False
         self.records: list[CallRecord] = []
         self._seq = 0
         self._t0: Any = None
@@ -94,6 +97,7 @@ class Recorder:
 
     def begin_step(self, step: int) -> None:
         self.step, self._seq, self._t0 = step, 0, self._now()
+        self.in_step = True
 
     def track(self, group: str, collective: str, nbytes: int, work: Any = None) -> Any:
         """Start timing a call now; it ends when ``work`` completes (now if there is no work).
@@ -119,6 +123,7 @@ class Recorder:
 
     def end_step(self) -> list[CallRecord]:
         """Resolve what has completed; return those records (this step's and late earlier ones)."""
+        self.in_step = False
         done: list[CallRecord] = []
         still: list[_Open] = []
         step_end = None

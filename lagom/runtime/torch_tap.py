@@ -1,0 +1,301 @@
+"""Every collective issued through torch.distributed, recorded under its plan group name.
+
+Transformer Engine's layers, parts of Megatron (embedding and layer-norm gradient all-reduces, the
+non-sequence-parallel backward all-reduce, MoE all-to-all) and user code call ``torch.distributed``
+directly, past the framework layers the adapters wrap. This tap sees them where every
+``torch.distributed`` function ends up: the ``ProcessGroup`` it runs on. torch (2.14) calls a
+group's pre-hook with the tensors of each operation before issuing it and its post-hook with the
+work handle right after, on the calling thread. So all_reduce, all_gather_into_tensor /
+_all_gather_base / all_gather_single, all_gather, reduce_scatter_tensor / _reduce_scatter_base /
+reduce_scatter_single, reduce_scatter, all_to_all_single, all_to_all, broadcast, reduce, send,
+recv, isend, irecv and batch_isend_irecv are all seen, whichever module imported them and however
+(an alias captured at import time included), and no torch function is replaced: torch compares
+``isend``/``irecv`` and the coalesced operations by identity, which a wrapper would break. The
+work the caller gets is the one torch made, untouched.
+
+Hooks are put on every group that exists when the first subscription arrives and on every group
+registered afterwards (``distributed_c10d._register_pg_in_world``, the one place torch registers a
+new group: ``init_process_group``, ``new_group``, ``split_group``); the last subscription out
+removes them all and puts the registration function back.
+
+Which layer records a call (never two): the adapters' own layers (megatron-core's mappings and DDP
+bucket groups in ``lagom_megatron.intercept``, ``deepspeed.comm`` in ``lagom_deepspeed.comm``) keep
+recording what passes through them, because they know more there (a DDP bucket group's one
+coalesced work, a call they decompose with Flash-Overlap, which DeepSpeed engine issued it). They
+issue those calls inside ``with claimed:``, and the tap leaves every call made inside that block
+to them. It records the rest, and only while a receiving recorder is inside a step: Lagom's own
+agreement all-reduce and plan broadcasts, made between steps, are not the job's traffic.
+
+Bytes follow Lagom's point convention: the gathered output of an all-gather, the unreduced input of
+a reduce-scatter, the buffer of an all-reduce, broadcast and reduce, what this rank sends for
+all-to-all and send; a receive is ``recv``. A coalesced all-reduce, all-gather or reduce-scatter
+(one operation over several tensors, as ``_coalescing_manager`` issues it) is one record per tensor,
+all ending with the one work. Calls on groups of one rank move nothing and are not recorded.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+
+log = logging.getLogger("lagom.runtime")
+
+HOOK_ID = 0x4C41474F  # "LAGO": the id this tap's hooks carry on each group
+GroupNamer = Callable[[Any], str]  # a process group -> its name in the plan
+
+
+class _Claims(threading.local):
+    """``with claimed:``: calls made inside are an adapter layer's to record, not the tap's.
+
+    Thread-local depth, so nested claims and other threads' calls are counted right.
+    """
+
+    depth = 0
+
+    def __enter__(self) -> None:
+        self.depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self.depth -= 1
+
+
+claimed = _Claims()
+
+
+def nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+@dataclass(frozen=True, slots=True)
+class Kind:
+    """How one hooked operation is recorded."""
+
+    collective: str
+    counted: str  # "input_tensors" or "output_tensors": the tensors whose bytes the record carries
+    per_tensor: bool = False  # a coalesced operation: one record per counted tensor (when they pair up)
+
+
+KINDS: dict[str, Kind] = {
+    "ALLREDUCE": Kind("all_reduce", "input_tensors", per_tensor=True),
+    "ALLGATHER": Kind("all_gather", "output_tensors", per_tensor=True),
+    "REDUCE_SCATTER": Kind("reduce_scatter", "input_tensors", per_tensor=True),
+    "ALLTOALL": Kind("all_to_all", "input_tensors"),
+    "BROADCAST": Kind("broadcast", "input_tensors"),
+    "REDUCE": Kind("reduce", "input_tensors"),
+    "SEND": Kind("send_recv", "input_tensors"),
+    "RECV": Kind("recv", "output_tensors"),
+}
+
+
+def call_sizes(kind: Kind, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> list[int]:
+    """Bytes of each call one hooked operation stands for.
+
+    All-gather and reduce-scatter in list form have one side per rank (one call); coalesced, they
+    have one input per output (one call each). A coalesced all-reduce has inputs only.
+    """
+    counted = inputs if kind.counted == "input_tensors" else outputs
+    if not counted:  # broadcast and reduce carry the buffer on whichever side the backend fills
+        counted = outputs if counted is inputs else inputs
+    if kind.per_tensor and (not outputs or len(inputs) == len(outputs)):
+        return [nbytes(t) for t in counted]
+    return [sum(nbytes(t) for t in counted)]
+
+
+def available() -> bool:
+    """Whether this torch has process-group hooks (torch >= 2.14)."""
+    return hasattr(dist.ProcessGroup, "register_pre_hook") and hasattr(distributed_c10d, "_register_pg_in_world")
+
+
+class Subscription:
+    """One session on the process's tap: its recorder and how it names groups."""
+
+    def __init__(self, tap: TorchTap, names: GroupNamer, recorder: Any) -> None:
+        self.tap, self.recorder = tap, recorder
+        self._names = names
+        self._cache: dict[int, tuple[Any, str | None]] = {}  # id -> (group kept alive, name or None)
+        self.closed = False
+
+    def name(self, group: Any) -> str | None:
+        """The group's plan name; None for a group of one rank (nothing to record)."""
+        hit = self._cache.get(id(group))
+        if hit is None:
+            hit = self._cache[id(group)] = (group, None if group.size() == 1 else self._names(group))
+        return hit[1]
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        """Calls made inside go to this session only (several sessions may share a process)."""
+        self.tap.active.append(self)
+        try:
+            yield
+        finally:
+            self.tap.active.remove(self)
+
+    def close(self) -> None:
+        """Leave the tap (idempotent); the last subscription out removes the hooks."""
+        if not self.closed:
+            self.closed = True
+            self.tap.remove(self)
+
+
+@dataclass(slots=True)
+class _Issued:
+    """What a pre-hook saw, for the post-hook of the same operation."""
+
+    op_id: int
+    group: Any
+    collective: str
+    sizes: list[int]
+    receivers: tuple[Subscription, ...]
+
+
+class TorchTap:
+    """The hooks on every process group of this process, shared by every subscribed session."""
+
+    def __init__(self) -> None:
+        self.subscriptions: list[Subscription] = []
+        self.active: list[Subscription] = []  # innermost last
+        self._hooked: dict[int, Any] = {}  # id -> group carrying this tap's hooks
+        self._issued = threading.local()  # .call: the _Issued awaiting its post-hook on this thread
+        self._register_original: Callable[..., Any] | None = None
+        self._register_wrapper: Callable[..., Any] | None = None
+        self._failed = False
+        self._install()
+
+    # -- subscriptions ----------------------------------------------------------------------------
+    def add(self, subscription: Subscription) -> None:
+        self.subscriptions.append(subscription)
+
+    def remove(self, subscription: Subscription) -> None:
+        global _tap
+        if subscription in self.subscriptions:
+            self.subscriptions.remove(subscription)
+        if subscription in self.active:
+            self.active.remove(subscription)
+        if not self.subscriptions:
+            self._uninstall()
+            if _tap is self:
+                _tap = None
+
+    def receivers(self) -> tuple[Subscription, ...]:
+        """Who records a call made now: the active session, else every session; each only inside a step."""
+        candidates = self.active[-1:] if self.active else self.subscriptions
+        return tuple(s for s in candidates if s.recorder.in_step)
+
+    # -- hooks ------------------------------------------------------------------------------------
+    def _install(self) -> None:
+        for group in list(distributed_c10d._world.pg_map):
+            self._hook(group)
+        original = distributed_c10d._register_pg_in_world
+
+        def register_pg_in_world(pg: Any, *args: Any, **kwargs: Any) -> Any:
+            out = original(pg, *args, **kwargs)
+            self._hook(pg)
+            return out
+
+        register_pg_in_world.__wrapped__ = original  # type: ignore[attr-defined]
+        self._register_original, self._register_wrapper = original, register_pg_in_world
+        distributed_c10d._register_pg_in_world = register_pg_in_world
+
+    def _uninstall(self) -> None:
+        if self._register_original is not None:
+            if distributed_c10d._register_pg_in_world is self._register_wrapper:
+                distributed_c10d._register_pg_in_world = self._register_original
+            else:
+                log.warning("torch.distributed's group registration was replaced after Lagom wrapped it; left as it is")
+            self._register_original = self._register_wrapper = None
+        for group in self._hooked.values():
+            try:
+                group.unregister_pre_hook(HOOK_ID)
+                group.unregister_post_hook(HOOK_ID)
+            except RuntimeError:  # a group destroyed since: its hooks went with it
+                pass
+        self._hooked.clear()
+
+    def _hook(self, group: Any) -> None:
+        if id(group) in self._hooked or not isinstance(group, dist.ProcessGroup):
+            return  # a non-member's placeholder, or a group already hooked
+        group.register_pre_hook(HOOK_ID, self._pre_hook(group))
+        group.register_post_hook(HOOK_ID, self._post_hook(group))
+        self._hooked[id(group)] = group
+
+    def hooked(self, group: Any) -> bool:
+        return id(group) in self._hooked
+
+    def _pre_hook(self, group: Any) -> Callable[[Any], None]:
+        issued, subscriptions = self._issued, self.subscriptions
+
+        def pre_hook(args: Any) -> None:
+            if claimed.depth or not subscriptions:
+                return
+            try:
+                kind = KINDS.get(args.name.name)
+                receivers = self.receivers() if kind is not None else ()
+                if receivers:
+                    sizes = call_sizes(kind, args.input_tensors, args.output_tensors)  # type: ignore[arg-type]
+                    issued.call = _Issued(args.op_id, group, kind.collective, sizes, receivers)  # type: ignore[union-attr]
+            except Exception as err:  # noqa: BLE001 - recording must never fail the job's call
+                self._fail(err)
+
+        return pre_hook
+
+    def _post_hook(self, group: Any) -> Callable[[Any], None]:
+        issued = self._issued
+
+        def post_hook(args: Any) -> None:
+            call = getattr(issued, "call", None)
+            if call is None:
+                return
+            issued.call = None
+            if call.op_id != args.op_id or call.group is not group:
+                return
+            try:
+                for sub in call.receivers:
+                    name = sub.name(group)
+                    if name is not None:
+                        for size in call.sizes:  # a work without a future ends with the step (exact=False)
+                            sub.recorder.track(name, call.collective, size, args.work)
+            except Exception as err:  # noqa: BLE001 - recording must never fail the job's call
+                self._fail(err)
+
+        return post_hook
+
+    def _fail(self, err: Exception) -> None:
+        if not self._failed:
+            self._failed = True
+            log.warning("Lagom's torch.distributed recorder skipped a call it could not read (%r); the call ran "
+                        "as issued", err)
+
+
+_tap: TorchTap | None = None
+
+
+def current_tap() -> TorchTap | None:
+    """The process's tap while any session is subscribed."""
+    return _tap
+
+
+def subscribe(names: GroupNamer, recorder: Any) -> Subscription | None:
+    """Record every torch.distributed call of this process into ``recorder`` (see the module docstring).
+
+    ``names`` gives a process group's plan name. Returns None, after one warning, where this torch
+    has no process-group hooks. ``close`` the subscription when the session ends.
+    """
+    global _tap
+    if not available():
+        log.warning("this torch (%s) has no process-group hooks: collectives issued outside the adapters' layers "
+                    "(Transformer Engine's among them) are not recorded", torch.__version__)
+        return None
+    if _tap is None:
+        _tap = TorchTap()
+    subscription = Subscription(_tap, names, recorder)
+    _tap.add(subscription)
+    return subscription
