@@ -129,12 +129,20 @@ def _inflation(comm_s: float, window: _WindowCost, running: tuple[RunningComm, .
     return extra
 
 
+def _waited(seconds: float, solo: float, wait: float) -> float:
+    """A comm kernel's time when it first waits ``wait`` seconds for SMs: the simulator adds the wait as
+    extra work at the kernel's solo rate, so it stretches by the same factor as the kernel."""
+    return seconds * (1 + wait / solo) if wait and solo > 0 else seconds
+
+
 def estimate(cfg: CommConfig, wins: list[Window], model: CostModel) -> Estimate:
     """The windows of one key under one config, each in isolation.
 
     A collective hides under the compute between its release and its need; a decomposition hides
     under the GEMM it splits, all but its first step. Either way the window adds max(comm beyond the
-    compute, the compute's slowdown), plus the first P2P step for a decomposition.
+    compute, the compute's slowdown), plus the first P2P step for a decomposition. A comm kernel
+    launched while compute holds the SMs (a window with compute in it) first waits for them
+    (``CostModel.launch_wait``; none on the high-priority stream), every P2P step of a decomposition too.
     """
     X = Y = added = 0.0
     for w in wins:
@@ -142,12 +150,15 @@ def estimate(cfg: CommConfig, wins: list[Window], model: CostModel) -> Estimate:
         decomposed = cfg.decomposition == "p2p" and bool(w.fused)
         cost = w.costs(decomposed, model)
         util, hide = cost.util, cost.hide
+        wait = model.launch_wait(cfg) if cost.alone else 0.0
         if decomposed:
             n = p.group.size * cfg.num_chunks
             step = model.p2p_step_time(p.group, p.bytes / n, cfg, util)
+            step = _waited(step, model.p2p_step_time(p.group, p.bytes / n, cfg), wait)
             x, first = step * (n - cfg.num_chunks), step
         else:
-            x, first = model.comm_time(p.collective, p.group, p.bytes, cfg, util), 0.0
+            x = model.comm_time(p.collective, p.group, p.bytes, cfg, util)
+            x, first = _waited(x, model.comm_time(p.collective, p.group, p.bytes, cfg), wait), 0.0
         rate = model.comm_hbm_rate(p.collective, p.group, p.bytes, x) if x > 0 else 0.0
         slow = _inflation(x, cost, (RunningComm(cfg, rate),), model)
         X += x * w.repeat
@@ -164,14 +175,16 @@ def priority(cur: Estimate, new: Estimate) -> float:
 
 def _distinct(ranked: list[tuple[Estimate, CommConfig]], k: int, seen: set) -> list[tuple[Estimate, CommConfig]]:
     """The first k candidates whose predictions differ from each other and from ``seen``: checks go to
-    distinct predictions, not to knobs the model says are moot."""
+    distinct predictions, not to knobs the model says are moot. Of settings differing only in priority,
+    only the best ranked is checked (the other differs only by the launch wait)."""
     out: list[tuple[Estimate, CommConfig]] = []
     for est, cfg in ranked:
         if len(out) == k:
             break
         predicted = (round(est.comm, 12), round(est.compute, 12))
-        if predicted not in seen:
-            seen.add(predicted)
+        family = replace(cfg, priority=0)
+        if predicted not in seen and family not in seen:
+            seen.update((predicted, family))
             out.append((est, cfg))
     return out
 
@@ -186,15 +199,15 @@ def _checks(key: str, cur: Estimate, exposed: float, problem: Problem, wins: lis
     but hidden).
     """
     model = problem.model
-    # Priority only changes when a kernel gets SMs, which the window model leaves to the evaluator:
-    # candidates differing only in it share one estimate.
-    estimates: dict[CommConfig, Estimate] = {}
+    # Priority only changes when a kernel gets SMs (the launch wait): candidates differing only in it
+    # with the same wait share one estimate.
+    estimates: dict[tuple[CommConfig, float], Estimate] = {}
     scored = []
     for c in candidates(problem.keys[key][0], problem.hw, problem.space):
-        plain = replace(c, priority=0)
-        if plain not in estimates:
-            estimates[plain] = estimate(plain, wins, model)
-        scored.append((estimates[plain], c))
+        shared = (replace(c, priority=0), model.launch_wait(c))
+        if shared not in estimates:
+            estimates[shared] = estimate(c, wins, model)
+        scored.append((estimates[shared], c))
     by_window = sorted(scored, key=lambda ec: (ec[0].added, ec[0].comm))
     seen = {(round(cur.comm, 12), round(cur.compute, 12))}
     if exposed <= 0:
