@@ -222,7 +222,9 @@ def load_suite(folder: str | Path = FIDELITY_DIR) -> list[FidelityPoint]:
             suite: SuiteFile = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(SuiteFile), raw))  # type: ignore[assignment]
         except OmegaConfBaseException as err:
             key = getattr(err, "full_key", None) or "points"
-            raise ConfigError(f"{path.name}: {key}", str(err).splitlines()[0], "see configs/fidelity/README.md") from None
+            raise ConfigError(f"{path.name}: {key}", str(err).splitlines()[0],
+                              "a point needs id, what, unit, measured, source (ref, url, where) and setup.kind; "
+                              "see configs/fidelity/README.md") from None
         _require(suite.group, f"{path.name}: group", "name the group of points this file holds")
         for i, spec in enumerate(suite.points):
             where = f"{path.name}: points[{i}]"

@@ -1,0 +1,238 @@
+"""`lagom validate`: the fidelity suite loads strictly, errors are computed right, the JSON has the issue's
+shape, and the cost model keeps the published orderings and stays within stated error bounds."""
+
+import argparse
+import json
+import re
+from dataclasses import replace
+
+import pytest
+
+from lagom.comm_config import CommConfig
+from lagom.cost_model import CostModel
+from lagom.errors import ConfigError
+from lagom.hardware import load_hardware
+from lagom.points import Collective, Group
+from lagom.simulator import simulate
+from lagom.validate import (
+    Evaluator,
+    bus_factor,
+    load_suite,
+    relative_error,
+    report,
+    run,
+    summarize,
+    validate,
+)
+from tests.helpers import write_yaml
+
+SOURCE = {"ref": "hand-made", "url": "https://example.org/none", "where": "this test"}
+COMM = {"collective": "all_reduce", "ranks": 8, "bytes": 1 << 28, "algorithm": "ring", "protocol": "Simple",
+        "channels": 16, "threads": 512, "chunk_bytes": 1 << 21}
+
+
+def _point(pid: str, kind: str, measured, role: str = "check", **extra) -> dict:
+    point = {"id": pid, "role": role, "what": f"{kind} of a hand-made case", "unit": "GB/s" if kind == "busbw" else "us",
+             "measured": measured, "source": dict(SOURCE),
+             "setup": {"kind": kind, "hardware": ["a100-8x-100g"], "comm": dict(COMM)}}
+    point.update(extra)
+    return point
+
+
+def _tiny_suite(folder, points: list[dict], group: str = "hand") -> None:
+    folder.mkdir(exist_ok=True)
+    write_yaml(folder / f"{group}.yaml", {"group": group, "points": points})
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    """Three check points and one fit point on one all-reduce, measured values chosen by hand."""
+    folder = tmp_path / "suite"
+    _tiny_suite(folder, [
+        _point("lat-a", "latency", 1000.0),
+        _point("lat-b", "latency", 2000.0),
+        _point("bw-a", "busbw", 150.0),
+        _point("bw-fit", "busbw", 250.0, role="fit", constants=["cluster.intra.gbps"]),
+    ])
+    return folder
+
+
+# ---------------------------------------------------------------------------------------------
+# Strict loading
+
+
+def test_the_published_suite_loads_with_sources_and_enough_points():
+    points = load_suite()
+    assert len({p.spec.id for p in points}) == len(points)
+    assert {p.group for p in points} >= {"nccl-tests", "gemm-contention", "phi2-window"}
+    assert all(p.spec.source.url.startswith("https://") and p.spec.source.where for p in points)
+    # fit points say which constants were set from them
+    assert all(p.spec.constants for p in points if p.spec.role == "fit")
+
+
+@pytest.mark.parametrize("mutate, key, fix", [
+    (lambda d: d.update(colour="red"), "hand.yaml.colour", "known keys: group"),
+    (lambda d: d["points"][0].update(mesured=3), r"points\[0\]\.mesured", "known keys: id, role"),
+    (lambda d: d["points"][0]["setup"].update(gpu="a100"), r"points\[0\]\.setup\.gpu", "known keys: kind"),
+    (lambda d: d["points"][0]["setup"]["comm"].update(size=8), r"setup\.comm\.size", "known keys: collective"),
+    (lambda d: d["points"][0]["source"].update(doi="x"), r"source\.doi", "known keys: ref, url, where"),
+    (lambda d: d["points"][0]["source"].pop("url"), r"points\[0\]\.source\.url", "a point needs id, .*source"),
+    (lambda d: d["points"][0].update(role="train"), r"points\[0\]\.role", "fit, check"),
+    (lambda d: d["points"][0].update(measured=[2.0, 1.0]), r"points\[0\]\.measured", "write \\[low, high\\]"),
+    (lambda d: d["points"][0].update(measured=-1), r"points\[0\]\.measured", "positive number"),
+    (lambda d: d["points"][0].update(role="fit"), r"points\[0\]\.constants", "list them"),
+    (lambda d: d["points"][0]["setup"].update(kind="guess"), r"setup\.kind", "busbw, latency"),
+    (lambda d: d["points"][0]["setup"]["comm"].update(collective="broadcast"), r"comm\.collective", "all_reduce"),
+    (lambda d: d["points"][0]["setup"].pop("comm"), r"setup\.comm", "missing"),
+    (lambda d: d["points"][1].update(id="lat-a"), r"points\[1\]\.id", "unique"),
+    (lambda d: d["points"][0]["setup"]["comm"].update(ranks="eight"), "ranks", ""),
+])
+def test_bad_suite_files_name_the_key_and_the_fix(tmp_path, mutate, key, fix):
+    data = {"group": "hand", "points": [_point("lat-a", "latency", 1.0), _point("lat-b", "latency", 1.0)]}
+    mutate(data)
+    (tmp_path / "suite").mkdir()
+    write_yaml(tmp_path / "suite" / "hand.yaml", data)
+    with pytest.raises(ConfigError, match=key) as err:
+        load_suite(tmp_path / "suite")
+    assert re.search(fix, str(err.value))
+
+
+def test_an_empty_folder_and_a_duplicate_id_across_files_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="--suite.*holds no fidelity files"):
+        load_suite(tmp_path)
+    _tiny_suite(tmp_path / "s", [_point("same", "latency", 1.0)], group="one")
+    _tiny_suite(tmp_path / "s", [_point("same", "latency", 1.0)], group="two")
+    with pytest.raises(ConfigError, match="'same' is also a point of one.yaml"):
+        load_suite(tmp_path / "s")
+
+
+def test_a_slowdown_over_several_kernels_needs_an_aggregate(tmp_path):
+    point = _point("slow", "slowdown", 1.2, unit="ratio")
+    point["setup"]["kernels"] = [{"gemm": [1024, 1024, 1024]}, {"elements": 1 << 20}]
+    _tiny_suite(tmp_path / "s", [point])
+    with pytest.raises(ConfigError, match=r"setup\.aggregate.*mean or max"):
+        load_suite(tmp_path / "s")
+
+
+# ---------------------------------------------------------------------------------------------
+# Error arithmetic
+
+
+def test_relative_error_for_numbers_and_published_ranges():
+    assert relative_error(200.0, 250.0) == pytest.approx(0.25)
+    assert relative_error(200.0, 150.0) == pytest.approx(0.25)
+    assert relative_error([1.30, 1.35], 1.32) == 0.0
+    assert relative_error([1.30, 1.35], 1.17) == pytest.approx(0.13 / 1.30)
+    assert relative_error([1.30, 1.35], 1.62) == pytest.approx(0.27 / 1.35)
+
+
+def test_bus_factor_is_nccl_tests():
+    assert bus_factor(Collective.ALL_REDUCE, 8) == pytest.approx(14 / 8)
+    assert bus_factor(Collective.ALL_GATHER, 8) == bus_factor(Collective.REDUCE_SCATTER, 8) == pytest.approx(7 / 8)
+
+
+def test_tiny_suite_predictions_errors_and_summary_by_hand(tiny):
+    results = {r.id: r for r in validate(load_suite(tiny))}
+    hw = load_hardware("a100-8x-100g")
+    cfg = CommConfig(channels=16, threads=512, chunk_bytes=1 << 21)  # ring / Simple as forced
+    seconds = CostModel(hw).comm_time(Collective.ALL_REDUCE, Group("fidelity", 8, 8, 1), 1 << 28, cfg)
+    assert results["lat-a"].predicted == pytest.approx(seconds * 1e6, rel=1e-12)
+    busbw = (1 << 28) * 2 * 7 / 8 / seconds / 1e9
+    assert results["bw-a"].predicted == pytest.approx(busbw, rel=1e-12)
+    for r, measured in (("lat-a", 1000.0), ("lat-b", 2000.0), ("bw-a", 150.0), ("bw-fit", 250.0)):
+        assert results[r].error == pytest.approx(abs(results[r].predicted - measured) / measured, rel=1e-12)
+    check = sorted(results[r].error for r in ("lat-a", "lat-b", "bw-a"))
+    summary = summarize(list(results.values()))
+    assert summary["hand"]["check"] == {"median": check[1], "max": check[2]}
+    assert summary["hand"]["fit"] == {"median": results["bw-fit"].error, "max": results["bw-fit"].error}
+
+
+def test_json_shape_and_written_report(tiny, tmp_path, capsys):
+    out = tmp_path / "out"
+    run(argparse.Namespace(hardware=[], json=True, out=str(out), suite=str(tiny)))
+    data = json.loads(capsys.readouterr().out)
+    assert set(data) == {"points", "summary"}
+    assert [p["id"] for p in data["points"]] == ["lat-a", "lat-b", "bw-a", "bw-fit"]
+    assert all(set(p) == {"id", "group", "role", "measured", "predicted", "error"} for p in data["points"])
+    assert set(data["summary"]) == {"hand"}
+    assert all(set(data["summary"]["hand"][role]) == {"median", "max"} for role in ("fit", "check"))
+    assert "| lat-a | hand | check |" in (out / "validate.md").read_text()
+    assert (out / "validate.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_role_without_points_reports_no_error_rather_than_zero(tiny):
+    results = [r for r in validate(load_suite(tiny)) if r.role == "check"]
+    assert report(results)["summary"]["hand"]["fit"] == {"median": None, "max": None}
+
+
+def test_hardware_override_replaces_the_presets_of_the_same_gpu(tiny, tmp_path):
+    # NVLink and every channel twice as fast
+    faster = write_yaml(tmp_path / "a100-fast.yaml", {"base": "a100-8x-100g", "name": "a100-fast",
+                                                      "cluster": {"intra": {"gbps": 600.0}},
+                                                      "nccl": {"channel_gbps": {"nvlink": 40.0}}})
+    plain = {r.id: r.predicted for r in validate(load_suite(tiny))}
+    fast = {r.id: r.predicted for r in validate(load_suite(tiny), [str(faster)])}
+    assert fast["bw-a"] > plain["bw-a"] and fast["lat-a"] < plain["lat-a"]
+    # a profile of another GPU model leaves the A100 points alone
+    assert {r.id: r.predicted for r in validate(load_suite(tiny), ["h100-sxm-8x-400g"])} == plain
+
+
+# ---------------------------------------------------------------------------------------------
+# The model against the published suite
+
+
+@pytest.fixture(scope="module")
+def published():
+    return validate(load_suite())
+
+
+@pytest.mark.xfail(strict=True, reason="cost model before issue 10: a 256-thread or low-channel CTA costs the GEMM "
+                                        "too little and chunks cost nothing, so Lagom's 2-channel pick loses locally")
+def test_phi2_ordering_autoccl_slower_end_to_end_and_low_channel_smaller_chunk_wins_locally():
+    """Lagom paper, Phi-2 FSDP on 2x8 A40: AutoCCL's NC=61 all-gather is faster comm but a slower step than
+    NCCL's 8 channels / 2 MB; 2 channels with 684 KB chunks beats both in the windows the all-gather hides under."""
+    step = Evaluator().step("phi2-fsdp", "a40-2x8-nvlink")
+    key = step.key("all_gather", "test")
+    nccl = step.nccl[key]
+    autoccl = replace(nccl, channels=61)
+    lagom = replace(nccl, channels=2, chunk_bytes=684 * 1024)
+    point = step.graph.keys()[key][0]
+    assert step.model.comm_time(point.collective, point.group, point.bytes, autoccl) < \
+        step.model.comm_time(point.collective, point.group, point.bytes, nccl)
+    base = simulate(step.graph, step.nccl, step.model).step_s
+    assert simulate(step.graph, {**step.nccl, key: autoccl}, step.model).step_s > base
+    assert step.window_time(key, lagom) < step.window_time(key, nccl)
+    assert step.window_time(key, lagom) < step.window_time(key, autoccl)
+
+
+# Median relative error of each group's check points must stay under these bounds. Why these:
+# - nccl-tests 30%: published figures for one node type differ by up to ~10% between reporters and NCCL
+#   versions (476 vs ~480 GB/s for H100 all-reduce; "~200", "~370" are rounded), and NCCL's own tuning model,
+#   which ours follows, only aims to rank algorithms; 30% is that spread plus a datasheet link rate.
+# - gemm-contention 35%: a model with no contention at all (every ratio 1.0) has a median error of 36% on
+#   this group; a contention model must at least beat that.
+# - phi2-window 25%: a model in which no setting matters (every speed-up 1.0) has a median error of 25.9%
+#   on this group; the window model exists to tell settings apart, so it must beat that.
+CHECK_MEDIAN_BOUNDS = {"nccl-tests": 0.30, "gemm-contention": 0.35, "phi2-window": 0.25}
+
+
+def test_every_check_group_has_a_bound():
+    assert {p.group for p in load_suite() if p.spec.role == "check"} == set(CHECK_MEDIAN_BOUNDS)
+
+
+@pytest.mark.parametrize("group", sorted(CHECK_MEDIAN_BOUNDS))
+def test_check_median_error_stays_under_its_bound(published, group):
+    median = summarize(published)[group]["check"]["median"]
+    assert median is not None and median < CHECK_MEDIAN_BOUNDS[group], f"{group}: median {median:.1%}"
+
+
+def test_trivial_baselines_behind_the_bounds():
+    """The bounds above quote what a trivial model scores; recompute it from the suite so they stay true."""
+    points = [p for p in load_suite() if p.spec.role == "check"]
+    for group in ("gemm-contention", "phi2-window"):
+        bound = CHECK_MEDIAN_BOUNDS[group]
+        trivial = [relative_error(p.spec.measured, 1.0) for p in points if p.group == group]
+        trivial.sort()
+        middle = len(trivial) // 2
+        median = trivial[middle] if len(trivial) % 2 else (trivial[middle - 1] + trivial[middle]) / 2
+        assert bound < median < bound + 0.02, (group, median)
