@@ -35,7 +35,7 @@ from lagom.comm_config import CommConfig, SearchSpace, candidates
 from lagom.config_file import read_mapping
 from lagom.cost_model import CostModel, RunningComm
 from lagom.errors import ConfigError
-from lagom.hardware import Hardware, gpu_family, load_hardware
+from lagom.hardware import Hardware, gpu_family, load_hardware, with_cluster
 from lagom.outputs import output_folder
 from lagom.points import Collective, ComputeSegment, Group, OverlapPoint, Phase, StepGraph, points_for
 from lagom.search.base import Problem, nccl_configs
@@ -61,10 +61,11 @@ class Source:
 
 @dataclass
 class Comm:
-    """A collective on a group of ranks within one node, at NCCL's choice unless a knob is given."""
+    """A collective on a group of ranks (spread evenly over ``nodes``), at NCCL's choice unless a knob is given."""
 
     collective: str = "???"
     ranks: int = 0
+    nodes: int = 1
     bytes: int = 0  # nccl-tests' size: the whole buffer (gathered output, unreduced input)
     algorithm: str | None = None
     protocol: str | None = None
@@ -117,11 +118,12 @@ class SuiteFile:
 
 @dataclass
 class FidelityPoint:
-    """One point as validated: its group (the file's) and its spec."""
+    """One point as validated: its group (the file's) and its spec; hardware files are found beside it."""
 
     group: str
     spec: PointSpec
     file: str
+    folder: Path
 
 
 _KINDS = ("busbw", "latency", "slowdown", "window")
@@ -204,6 +206,8 @@ def _check_comm(comm: Comm, where: str) -> None:
         raise ConfigError(f"{where}.collective", f"'{comm.collective}' is not one of {', '.join(Collective)}")
     if comm.ranks < 2 or comm.bytes <= 0:
         raise ConfigError(where, f"needs ranks >= 2 and bytes > 0, got {comm.ranks} ranks, {comm.bytes} bytes")
+    if comm.nodes < 1 or comm.ranks % comm.nodes:
+        raise ConfigError(f"{where}.nodes", f"{comm.ranks} ranks do not spread evenly over {comm.nodes} node(s)")
 
 
 def load_suite(folder: str | Path = FIDELITY_DIR) -> list[FidelityPoint]:
@@ -232,7 +236,7 @@ def load_suite(folder: str | Path = FIDELITY_DIR) -> list[FidelityPoint]:
             if spec.id in seen:
                 raise ConfigError(f"{where}.id", f"'{spec.id}' is also a point of {seen[spec.id]}", "ids are unique")
             seen[spec.id] = path.name
-            points.append(FidelityPoint(suite.group, spec, path.name))
+            points.append(FidelityPoint(suite.group, spec, path.name, folder))
     return points
 
 
@@ -241,30 +245,36 @@ def load_suite(folder: str | Path = FIDELITY_DIR) -> list[FidelityPoint]:
 
 
 class Machines:
-    """Hardware profiles by reference, with the user's replacements: a profile given with --hardware stands
-    in for every preset of the same GPU model (a calibrated A100 file for the a100 presets)."""
+    """Hardware profiles by reference (a preset, or a file relative to the suite's folder), with the user's
+    replacements: a profile given with --hardware stands in for every profile of the same GPU model (a
+    calibrated A100 file for the a100 presets)."""
 
     def __init__(self, overrides: list[str]) -> None:
         self._by_family = {gpu_family(hw.gpu.name): hw for hw in map(load_hardware, overrides)}
         self._cache: dict[str, Hardware] = {}
 
-    def get(self, ref: str) -> Hardware:
+    def get(self, ref: str, folder: Path) -> Hardware:
+        if ref.endswith((".yaml", ".yml")) and not Path(ref).is_absolute():
+            ref = str(folder / ref)
         if ref not in self._cache:
             hw = load_hardware(ref)
             self._cache[ref] = self._by_family.get(gpu_family(hw.gpu.name), hw)
         return self._cache[ref]
 
 
-def _nccl_choice(hw: Hardware, comm: Comm) -> tuple[OverlapPoint, CommConfig]:
-    """The collective as an overlap point, at NCCL's setting (its algorithm and protocol pick), with the
-    knobs the point forces."""
-    group = Group("fidelity", comm.ranks, comm.ranks, 1)
+def _nccl_choice(hw: Hardware, comm: Comm) -> tuple[Hardware, OverlapPoint, CommConfig]:
+    """The machine (grown to the point's nodes), the collective as an overlap point, and NCCL's setting for
+    it (its algorithm and protocol pick) with the knobs the point forces."""
+    per_node = comm.ranks // comm.nodes
+    if comm.nodes > hw.cluster.nodes or per_node > hw.cluster.gpus_per_node:
+        hw = with_cluster(hw, max(per_node, hw.cluster.gpus_per_node), max(comm.nodes, hw.cluster.nodes))
+    group = Group("fidelity", comm.ranks, per_node, comm.nodes)
     point = OverlapPoint("fidelity", Collective(comm.collective), group, comm.bytes, None, None)
     graph = StepGraph("fidelity", hw.name, 1, [Phase("fidelity", 1, {0: []}, [point])], {"fidelity": group})
     cfg = nccl_configs(Problem(graph, hw))[point.key]
     forced = {k: getattr(comm, k) for k in ("algorithm", "protocol", "channels", "threads", "chunk_bytes")
               if getattr(comm, k) is not None}
-    return point, replace(cfg, **forced)
+    return hw, point, replace(cfg, **forced)
 
 
 def bus_factor(collective: Collective, ranks: int) -> float:
@@ -277,7 +287,7 @@ def bus_factor(collective: Collective, ranks: int) -> float:
 
 
 def _comm_seconds(hw: Hardware, comm: Comm) -> float:
-    point, cfg = _nccl_choice(hw, comm)
+    hw, point, cfg = _nccl_choice(hw, comm)
     return CostModel(hw).comm_time(point.collective, point.group, point.bytes, cfg)
 
 
@@ -293,8 +303,8 @@ def _segment(hw: Hardware, kernel: Kernel) -> ComputeSegment:
 
 def _slowdown(hw: Hardware, comm: Comm, kernel: Kernel) -> float:
     """A kernel's time beside the collective (running for its whole duration) over its time alone."""
+    hw, point, cfg = _nccl_choice(hw, comm)
     model = CostModel(hw)
-    point, cfg = _nccl_choice(hw, comm)
     seg = _segment(hw, kernel)
     seconds = model.comm_time(point.collective, point.group, point.bytes, cfg, model.hbm_util(seg))
     rate = model.comm_hbm_rate(point.collective, point.group, point.bytes, seconds)
@@ -331,9 +341,9 @@ class Evaluator:
         self.machines = Machines(overrides or [])
         self._steps: dict[tuple[str, str], _Step] = {}
 
-    def step(self, workload: str, hardware: str) -> _Step:
+    def step(self, workload: str, hardware: str, folder: Path = FIDELITY_DIR) -> _Step:
         if (workload, hardware) not in self._steps:
-            hw = self.machines.get(hardware)
+            hw = self.machines.get(hardware, folder)
             graph = points_for(load_workload(workload), hw)
             problem = Problem(graph, hw)
             self._steps[(workload, hardware)] = _Step(hw, graph, problem.model, nccl_configs(problem), windows(graph))
@@ -344,18 +354,18 @@ class Evaluator:
         where = f"{point.file}: {point.spec.id}.setup"
         if s.kind in ("busbw", "latency"):
             comm = _needed(s.comm, f"{where}.comm")
-            seconds = _comm_seconds(self.machines.get(s.hardware[0]), comm)
+            seconds = _comm_seconds(self.machines.get(s.hardware[0], point.folder), comm)
             if s.kind == "latency":
                 return seconds * 1e6
             return comm.bytes * bus_factor(Collective(comm.collective), comm.ranks) / seconds / 1e9
         if s.kind == "slowdown":
             comm = _needed(s.comm, f"{where}.comm")
-            ratios = [_slowdown(self.machines.get(h), comm, k) for h in s.hardware for k in s.kernels]
+            ratios = [_slowdown(self.machines.get(h, point.folder), comm, k) for h in s.hardware for k in s.kernels]
             return max(ratios) if s.aggregate == "max" else statistics.fmean(ratios)
-        return self._window(s, where)
+        return self._window(s, where, point.folder)
 
-    def _window(self, s: Setup, where: str) -> float:
-        step = self.step(_needed(s.workload, f"{where}.workload"), s.hardware[0])
+    def _window(self, s: Setup, where: str, folder: Path) -> float:
+        step = self.step(_needed(s.workload, f"{where}.workload"), s.hardware[0], folder)
         key = step.key(_needed(s.collective, f"{where}.collective"), f"{where}.collective")
         nccl = step.nccl[key]
         if s.measure == "max_slowdown":
