@@ -18,6 +18,11 @@ removes the very overlap being measured. ``new_group`` is replaced too: groups D
 get ``group_desc`` = their lagom name (the newest subscription's names, which belong to the engine
 being built), so the plan's per-group NCCL options reach them.
 
+Every call through the backend is issued inside ``torch_tap.claimed``: the torch.distributed tap
+(``lagom.runtime.torch_tap``), which each attached session also subscribes to, leaves it to this
+layer, and records only what bypasses ``deepspeed.comm`` (Transformer Engine's layers, a model's own
+torch.distributed calls), for the same sessions under the same ``active()`` rule.
+
 Byte counts follow lagom's point convention: the gathered output of an all-gather, the unreduced
 input of a reduce-scatter, the buffer of an all-reduce / reduce / broadcast, what one rank sends
 for all-to-all and send. A receive is recorded as ``recv`` (the other side of a pipeline send).
@@ -34,6 +39,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from lagom.runtime import torch_tap
 from lagom_deepspeed.groups import GroupNames
 
 log = logging.getLogger("lagom.deepspeed")
@@ -138,6 +144,7 @@ class Subscription:
         self.names = names
         self.recorder: Any = None
         self.decompose: Decomposer | None = None
+        self.torch_tap: torch_tap.Subscription | None = None  # calls that bypass deepspeed.comm
         self.closed = False
 
     def attach(self, recorder: Any, decompose: Decomposer | None = None) -> None:
@@ -145,13 +152,19 @@ class Subscription:
         self.recorder, self.decompose = recorder, decompose
         self.tap.follow(_current_backend())
         self.tap.refresh()
+        if self.torch_tap is None:
+            self.torch_tap = torch_tap.subscribe(self.names, recorder)
 
     @contextmanager
     def active(self) -> Iterator[None]:
         """Calls made inside go to this session only (wrap the engine's forward, backward and step)."""
         self.tap.active.append(self)
         try:
-            yield
+            if self.torch_tap is None:
+                yield
+            else:
+                with self.torch_tap.active():
+                    yield
         finally:
             self.tap.active.remove(self)
 
@@ -160,6 +173,8 @@ class Subscription:
         if not self.closed:
             self.closed = True
             self.tap.remove(self)
+            if self.torch_tap is not None:
+                self.torch_tap.close()
 
 
 class BackendTap:
@@ -224,6 +239,7 @@ class BackendTap:
                 wrapper = self._collective(method, original)
             else:
                 wrapper = self._p2p(method, original)
+            wrapper = _claiming(wrapper)
             wrapper.__wrapped__ = original  # type: ignore[attr-defined]
             setattr(backend, method, wrapper)
             self._wrappers[method] = wrapper
@@ -346,6 +362,17 @@ class BackendTap:
             return dist.new_group(ranks, group_desc=owner.names.name_of_ranks(tuple(ranks)))
 
         return wrapped
+
+
+def _claiming(wrapper: Callable[..., Any]) -> Callable[..., Any]:
+    """The wrapper, run inside ``torch_tap.claimed``: what goes through deepspeed.comm is this layer's to record."""
+    claimed = torch_tap.claimed
+
+    def claiming(*args: Any, **kwargs: Any) -> Any:
+        with claimed:
+            return wrapper(*args, **kwargs)
+
+    return claiming
 
 
 _tap: BackendTap | None = None

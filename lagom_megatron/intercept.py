@@ -15,6 +15,11 @@ Where each point is caught, and why there:
 - Pipeline send/recv (``pipeline_parallel.p2p_communication``): the module functions
   ``_batched_p2p_ops`` and ``_p2p_ops`` that ``P2PCommunicator._communicate`` dispatches to.
 
+The calls recorded here are issued inside ``torch_tap.claimed``, so the torch.distributed tap
+(``lagom.runtime.torch_tap``, subscribed by ``install``) does not record them again; it records the
+collectives that bypass these functions: Transformer Engine's layers, the embedding and layer-norm
+gradient all-reduces, the backward all-reduce of a linear without sequence parallel, MoE all-to-all.
+
 Interception never changes what is computed: a recorded call runs the original function with the
 original arguments; a decomposed linear computes the same product with the same reduction per
 element (Flash-Overlap), which matches up to floating-point summation order.
@@ -31,6 +36,7 @@ from typing import Any
 import torch
 
 from lagom.flash_overlap import all_gather_matmul, matmul_reduce_scatter
+from lagom.runtime import torch_tap
 from lagom.runtime.session import FlashRouter
 from lagom_megatron.groups import GroupNames
 
@@ -99,6 +105,7 @@ class Interceptor:
         self.names = GroupNames()
         self._saved: list[tuple[Any, str, Any]] = []
         self._skipped: set[str] = set()
+        self._torch_tap: torch_tap.Subscription | None = None
 
     # -- recording
     def _start(self, group: Any, collective: str, size: int) -> _Pending:
@@ -111,7 +118,8 @@ class Interceptor:
     def _sync(self, group: Any, collective: str, size: int, call: Callable[[], Any]) -> Any:
         pending = self._start(group, collective, size)
         try:
-            return call()
+            with torch_tap.claimed:
+                return call()
         finally:
             pending.done()
 
@@ -139,12 +147,16 @@ class Interceptor:
         self._swap(layers.RowParallelLinear, "forward", self._row_forward)
         self._swap(p2p, "_batched_p2p_ops", self._p2p)
         self._swap(p2p, "_p2p_ops", self._p2p)
+        self._torch_tap = torch_tap.subscribe(self.names.name, self.recorder)
         return self
 
     def uninstall(self) -> None:
         for owner, attr, original in reversed(self._saved):
             setattr(owner, attr, original)
         self._saved.clear()
+        if self._torch_tap is not None:
+            self._torch_tap.close()
+            self._torch_tap = None
 
     # -- data parallel
     def _grad_sync(self, original: Callable) -> Callable:
@@ -161,7 +173,8 @@ class Interceptor:
                 pendings += [self._start(bucket_group.inter_distributed_optimizer_instance_group, "all_reduce",
                                          nbytes(b.grad_data) // bucket_group.intra_distributed_optimizer_instance_size)
                              for b in bucket_group.buckets]
-            original(bucket_group, force_all_reduce=force_all_reduce)
+            with torch_tap.claimed:
+                original(bucket_group, force_all_reduce=force_all_reduce)
             self._settle(pendings, bucket_group, "grad_reduce_handle")
         return start_grad_sync
 
@@ -178,7 +191,8 @@ class Interceptor:
                 sizes = [sum(b.layerwise_param_flat_sizes) * b.params_list[0].element_size()
                          for b in bucket_group.buckets if max(b.layerwise_param_flat_sizes) > 0]
             pendings = [self._start(group, "all_gather", size) for size in sizes]
-            original(bucket_group, force_sync=force_sync)
+            with torch_tap.claimed:
+                original(bucket_group, force_sync=force_sync)
             self._settle(pendings, bucket_group, "param_gather_handle")
         return start_param_sync
 
@@ -201,7 +215,8 @@ class Interceptor:
             size = nbytes(output if out_arg == 0 else input_)
             if not kwargs.get("async_op", False):
                 return self._sync(group, collective, size, lambda: original(output, input_, *args, **kwargs))
-            work = original(output, input_, *args, **kwargs)
+            with torch_tap.claimed:
+                work = original(output, input_, *args, **kwargs)
             if self.names.trivial(group):
                 return work
             # timed from issue to completion; a work without a future comes back as a proxy timed at its wait
@@ -246,7 +261,7 @@ class Interceptor:
                 return original(*args, **kwargs)
             self.router.count(key)
             out = self._sync(tp_group, "all_gather", size,
-                             lambda: all_gather_matmul(a["input"], a["weight"], tp_group, config=cfg))
+                             lambda: _backward_claimed(all_gather_matmul(a["input"], a["weight"], tp_group, config=cfg)))
             return out if a.get("bias") is None else out + a["bias"]
         return linear
 
@@ -270,7 +285,8 @@ class Interceptor:
                 return original(layer, input_)
             interceptor.router.count(key)
             out = interceptor._sync(layer.tp_group, "reduce_scatter", size,
-                                    lambda: matmul_reduce_scatter(input_, layer.weight, layer.tp_group, config=cfg))
+                                    lambda: _backward_claimed(
+                                        matmul_reduce_scatter(input_, layer.weight, layer.tp_group, config=cfg)))
             if layer.skip_bias_add:
                 return out, layer.bias
             return (out + layer.bias if layer.bias is not None else out), None
@@ -285,7 +301,8 @@ class Interceptor:
             if not sent and not got:
                 return original(**kwargs)
             pending = self._start(kwargs["group"], "send_recv", sent or got)
-            reqs = original(**kwargs)
+            with torch_tap.claimed:
+                reqs = original(**kwargs)
             works = list(reqs.values()) if isinstance(reqs, dict) else list(reqs)
             if pending.follow(works):
                 return reqs
@@ -294,6 +311,20 @@ class Interceptor:
                 return {k: _WaitSignals(w, countdown) for k, w in reqs.items()}
             return [_WaitSignals(w, countdown) for w in reqs]
         return ops
+
+
+def _backward_claimed(out: torch.Tensor) -> torch.Tensor:
+    """A decomposed linear's backward posts its own P2P transfers; like the forward's, they are pieces
+    of the decomposed point, not calls of their own, so the torch.distributed tap leaves them out.
+
+    The claim opens before the operator's backward node runs and closes after it, on the thread
+    that runs it (autograd's, on GPU).
+    """
+    node = out.grad_fn
+    if node is not None:
+        node.register_prehook(lambda grad_outputs: torch_tap.claimed.__enter__())
+        node.register_hook(lambda grad_inputs, grad_outputs: torch_tap.claimed.__exit__())
+    return out
 
 
 class _Countdown:
