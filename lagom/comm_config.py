@@ -7,6 +7,7 @@ from enum import StrEnum
 from itertools import product
 from typing import Any
 
+from lagom.capability import Capability, Scope, capability_for
 from lagom.errors import ConfigError
 from lagom.hardware import Hardware
 from lagom.points import Collective, OverlapPoint
@@ -51,7 +52,12 @@ _ENUM_FIELDS = {"algorithm": Algorithm, "protocol": Protocol, "transport": Trans
 
 @dataclass(frozen=True)
 class SearchSpace:
-    """The values each knob may take. Strategies search inside it; tests shrink it."""
+    """The values each knob may take. Strategies search inside it; tests shrink it.
+
+    ``capability`` narrows it to what the target can apply (``Problem`` sets it; ``under``): per-process
+    knobs are pinned to one value at a time by the search (``pinned``), CTA policies and NVLS CTAs are
+    offered only where the NCCL version and topology have them.
+    """
 
     channels: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     threads: tuple[int, ...] = (128, 256, 512)
@@ -59,6 +65,41 @@ class SearchSpace:
     protocols: tuple[str, ...] = ("LL", "LL128", "Simple")
     splits: tuple[int, ...] = (1, 2, 4)  # Flash-Overlap chunks per peer step; () turns decomposition off
     priorities: tuple[int, ...] = (0, 1)  # 1: the communicator's high-priority stream
+    transports: tuple[str, ...] = ("p2p", "shm")  # NCCL_P2P_DISABLE=1 sends intra-node traffic through shm
+    cta_policies: tuple[str, ...] = ("default", "efficiency", "zero")
+    nvls_ctas: tuple[int, ...] = (2, 4, 8, 16, 32)  # NVLS CTAs per communicator (channels of an NVLS config)
+    capability: Capability | None = None
+
+    def under(self, capability: Capability) -> SearchSpace:
+        """This space limited to what ``capability`` can apply (idempotent)."""
+        nvls_ctas = self.nvls_ctas if capability.scope("nvls_ctas") != Scope.NOT_SETTABLE else ()
+        policies = tuple(p for p in self.cta_policies if p in capability.cta_policies()) or ("default",)
+        return replace(self, cta_policies=policies, nvls_ctas=nvls_ctas, capability=capability)
+
+    def pinned(self, process: ProcessSettings) -> SearchSpace:
+        """The space with every per-process knob at ``process``'s value: what one process decision leaves."""
+        fields = self.capability.process_fields() if self.capability is not None else PROCESS_FIELDS
+        pins: dict[str, Any] = {"threads": (process.threads,), "transports": (process.transport,)}
+        if "chunk_bytes" in fields:
+            pins["chunks"] = (process.chunk_bytes,)
+        return replace(self, **pins)
+
+
+@dataclass(frozen=True)
+class ProcessSettings:
+    """The per-process knobs' values: one for every collective of the step (NCCL reads them from the
+    environment when a communicator is made). ``chunk_bytes`` is per process only without the plugin's
+    getChunkSize; with it, the largest planned chunk sizes NCCL_BUFFSIZE."""
+
+    threads: int
+    transport: str
+    chunk_bytes: int
+
+    def to_dict(self, fields: tuple[str, ...]) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in fields}
+
+
+PROCESS_FIELDS = ("threads", "transport", "chunk_bytes")  # CommConfig fields NCCL may read once per process
 
 
 @dataclass(frozen=True)
@@ -119,19 +160,34 @@ def is_intra_node(point: OverlapPoint) -> bool:
     return point.group.nodes == 1
 
 
+def _capability(space: SearchSpace, hw: Hardware) -> Capability:
+    return space.capability if space.capability is not None else capability_for(hw)
+
+
+def transports_for(point: OverlapPoint, hw: Hardware, space: SearchSpace = SearchSpace()) -> list[Transport]:
+    """The transports the space's values give this point: shm only reaches peers inside a node, so an
+    inter-node point (or a space that offers nothing it can use) runs over p2p/net."""
+    shm_ok = is_intra_node(point) and hw.nccl.shm_gbps > 0
+    usable = [Transport(t) for t in space.transports if t == Transport.P2P or (t == Transport.SHM and shm_ok)]
+    return usable or [Transport.P2P]
+
+
 def subspaces(point: OverlapPoint, hw: Hardware,
               space: SearchSpace = SearchSpace()) -> list[tuple[Algorithm, Protocol, Transport]]:
     """(algorithm, protocol, transport) combinations NCCL would offer for this point."""
+    cap = _capability(space, hw)
     algos = [Algorithm.RING]
     if point.collective == Collective.ALL_REDUCE and point.group.nodes >= hw.nccl.tree_min_nodes:
         algos.append(Algorithm.TREE)
+    if cap.nvls_applies(point.collective, point.group.nodes):
+        algos.append(Algorithm.NVLS)
     protos = [Protocol(pr) for pr in space.protocols if pr in hw.nccl.protocols]
     if hw.cluster.intra.kind != "nvlink" or not is_intra_node(point):
         protos = [pr for pr in protos if pr != Protocol.LL128]  # LL128 needs NVLink ordering guarantees
-    transports = [Transport.P2P, Transport.SHM] if is_intra_node(point) and hw.nccl.shm_gbps > 0 else [Transport.P2P]
     if point.collective in (Collective.SEND_RECV, Collective.ALL_TO_ALL):
         algos = [Algorithm.RING]  # P2P operations have no algorithm choice
-    return list(product(algos, protos, transports))
+    return [(algo, proto, transport) for algo, proto, transport in product(algos, protos, transports_for(point, hw, space))
+            if algo != Algorithm.NVLS or proto == Protocol.SIMPLE]  # NVLS runs the Simple protocol only
 
 
 def channel_choices(hw: Hardware, space: SearchSpace = SearchSpace()) -> list[int]:
@@ -148,13 +204,130 @@ def default_config(hw: Hardware) -> CommConfig:
     return CommConfig(channels=n.default_channels, threads=n.default_threads, chunk_bytes=n.default_chunk_bytes)
 
 
+def nccl_choice(point: OverlapPoint, hw: Hardware, base: CommConfig, model: Any = None) -> CommConfig:
+    """``base`` with the algorithm and protocol NCCL's own tuning picks for this point (by the cost model)."""
+    from lagom.cost_model import CostModel  # the model imports this module
+
+    model = model if model is not None else CostModel(hw)
+    options = {(a, pr): replace(base, algorithm=a, protocol=pr)
+               for a, pr, _ in subspaces(point, hw, replace(SearchSpace(), transports=(str(base.transport),)))}
+    return min(options.values(), key=lambda c: model.comm_time(point.collective, point.group, point.bytes, c))
+
+
+def settable_subspaces(point: OverlapPoint, hw: Hardware,
+                       space: SearchSpace = SearchSpace()) -> list[tuple[Algorithm, Protocol, Transport]]:
+    """The subspaces a plan can choose between: all of them with the tuner plugin; without it, per
+    transport, the algorithm and protocol NCCL picks itself."""
+    if _capability(space, hw).per_size:
+        return subspaces(point, hw, space)
+    return list(dict.fromkeys(
+        (chosen.algorithm, chosen.protocol, transport) for transport in transports_for(point, hw, space)
+        for chosen in [nccl_choice(point, hw, replace(default_config(hw), transport=transport))]))
+
+
+def channels_for(algorithm: Algorithm, hw: Hardware, space: SearchSpace = SearchSpace()) -> list[int]:
+    """Channel counts a config of this algorithm can have: NVLS takes the communicator's NVLS CTAs
+    (NCCL's default when they cannot be set)."""
+    if algorithm == Algorithm.NVLS:
+        return list(space.nvls_ctas) or [hw.nccl.default_channels]
+    return channel_choices(hw, space)
+
+
 def candidates(point: OverlapPoint, hw: Hardware, space: SearchSpace = SearchSpace()) -> list[CommConfig]:
-    """Every setting of the space for one point (the exhaustive search's per-point choices)."""
-    out = [CommConfig(algo, proto, transport, nc, nt, chunk, prio)
-           for (algo, proto, transport), nc, nt, chunk, prio in product(
-               subspaces(point, hw, space), channel_choices(hw, space), space.threads, space.chunks, space.priorities)]
+    """Every setting of the space for one point that the space's capability can apply.
+
+    Without the tuner plugin NCCL picks algorithm and protocol itself (``nccl_choice``); an NVLS
+    config's channels are the communicator's NVLS CTAs; the ZERO CTA policy runs the collective on
+    copy engines, so it has no channels to choose; Flash-Overlap decompositions are per point.
+    """
+    cap = _capability(space, hw)
+    combos = settable_subspaces(point, hw, space)
+    policies = [CTAPolicy(p) for p in space.cta_policies if p != CTAPolicy.ZERO]
+    out = []
+    for algo, proto, transport in combos:
+        out += [CommConfig(algo, proto, transport, nc, nt, chunk, prio, cta_policy=policy)
+                for nc, nt, chunk, prio, policy in product(channels_for(algo, hw, space), space.threads, space.chunks, space.priorities, policies)]
+    base = default_config(hw)
+    if CTAPolicy.ZERO in space.cta_policies and cap.zero_applies(point.collective, point.group.nodes):
+        algo, proto, _ = combos[0]
+        out += [replace(base, algorithm=algo, protocol=proto, transport=transport, threads=nt, chunk_bytes=chunk,
+                        priority=prio, cta_policy=CTAPolicy.ZERO)
+                for transport, nt, chunk, prio in product(transports_for(point, hw, space), space.threads, space.chunks,
+                                                          space.priorities)]
     if can_decompose(point):
-        base = default_config(hw)
-        out += [replace(base, decomposition=Decomposition.P2P, num_chunks=k, channels=nc, priority=prio)
-                for k in space.splits for nc in channel_choices(hw, space) for prio in space.priorities]
+        chunk = base.chunk_bytes if base.chunk_bytes in space.chunks else space.chunks[0]
+        out += [replace(base, decomposition=Decomposition.P2P, num_chunks=k, channels=nc, priority=prio, threads=nt,
+                        chunk_bytes=chunk, transport=transport)
+                for k in space.splits for nc in channel_choices(hw, space) for prio in space.priorities
+                for nt in space.threads for transport in transports_for(point, hw, space)]
     return out
+
+
+# -- what one value per process or per communicator means for each key ---------------------------------
+
+
+def with_process(cfg: CommConfig, point: OverlapPoint, hw: Hardware, process: ProcessSettings,
+                 fields: tuple[str, ...]) -> CommConfig:
+    """``cfg`` under the process's values of ``fields`` (shm only where the point can use it)."""
+    values: dict[str, Any] = {name: getattr(process, name) for name in fields}
+    if "transport" in values:
+        values["transport"] = transports_for(point, hw, replace(SearchSpace(), transports=(process.transport,)))[0]
+    return replace(cfg, **values)
+
+
+COMMUNICATOR_KNOBS = ("cta_policy", "channels", "nvls_ctas", "priority")  # in the order they are settled
+
+
+def communicator_knobs(cap: Capability) -> tuple[str, ...]:
+    """The knobs that take one value per communicator under ``cap`` (channels only without the plugin)."""
+    return tuple(k for k in COMMUNICATOR_KNOBS if cap.scope(k) == Scope.PER_COMMUNICATOR)
+
+
+def _on_copy_engines(point: OverlapPoint, cfg: CommConfig, cap: Capability) -> bool:
+    return cfg.cta_policy == CTAPolicy.ZERO and cap.zero_applies(point.collective, point.group.nodes)
+
+
+def _affected(knob: str, point: OverlapPoint, cfg: CommConfig, cap: Capability) -> bool:
+    """Whether the communicator's value of ``knob`` acts on this key (a decomposition is Lagom's own
+    P2P code; NVLS takes the NVLS CTAs, copy engines take no CTAs)."""
+    if cfg.decomposition == Decomposition.P2P:
+        return False
+    if knob == "channels":
+        return cfg.algorithm != Algorithm.NVLS and not _on_copy_engines(point, cfg, cap)
+    if knob == "nvls_ctas":
+        return cfg.algorithm == Algorithm.NVLS
+    return True
+
+
+def _knob_value(knob: str, cfg: CommConfig) -> Any:
+    return cfg.cta_policy if knob == "cta_policy" else cfg.priority if knob == "priority" else cfg.channels
+
+
+def with_communicator_value(knob: str, value: Any, point: OverlapPoint, cfg: CommConfig, cap: Capability) -> CommConfig:
+    """``cfg`` as the communicator's ``value`` of ``knob`` leaves it: ZERO runs what copy engines cannot
+    (reduce-scatter, all-reduce) as DEFAULT does."""
+    if not _affected(knob, point, cfg, cap):
+        return cfg
+    if knob == "cta_policy":
+        if value == CTAPolicy.ZERO and not cap.zero_applies(point.collective, point.group.nodes):
+            value = CTAPolicy.DEFAULT
+        return replace(cfg, cta_policy=CTAPolicy(value))
+    return replace(cfg, **{"priority" if knob == "priority" else "channels": value})
+
+
+def communicator_values(knob: str, items: list[tuple[OverlapPoint, CommConfig]], cap: Capability) -> list[Any]:
+    """The values the keys of one communicator ask for (first-seen order)."""
+    return list(dict.fromkeys(_knob_value(knob, cfg) for point, cfg in items if _affected(knob, point, cfg, cap)))
+
+
+def agreed_value(knob: str, items: list[tuple[OverlapPoint, CommConfig]], cap: Capability) -> Any:
+    """The one value of ``knob`` that leaves every key of the communicator as it is, else None (also None
+    when no key is affected: the communicator keeps NCCL's default)."""
+    for value in communicator_values(knob, items, cap):
+        if all(with_communicator_value(knob, value, point, cfg, cap) == cfg for point, cfg in items):
+            return value
+    return None
+
+
+def is_consistent(knob: str, items: list[tuple[OverlapPoint, CommConfig]], cap: Capability) -> bool:
+    return not communicator_values(knob, items, cap) or agreed_value(knob, items, cap) is not None

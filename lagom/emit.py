@@ -13,6 +13,7 @@ import yaml
 
 from lagom import nccl_tuner
 from lagom.calls import SIZE_TOLERANCE  # a tuner row covers the sizes the runtime matches to its key
+from lagom.comm_config import Algorithm, CTAPolicy
 from lagom.errors import ConfigError
 from lagom.hardware import Hardware
 from lagom.nccl_tuner import RULES_FILE_ENV
@@ -22,54 +23,73 @@ TUNER_COLL = {"all_reduce": "allreduce", "all_gather": "allgather", "reduce_scat
 TUNER_COLUMNS = "coll,min_bytes,max_bytes,algo,proto,channels,nNodes,nRanks,numPipeOps,regBuff"
 
 
-def communicator_configs(plan: Plan) -> dict[str, dict[str, Any]]:
-    """Megatron's ``nccl_comm_cfgs`` ({pg_name: {max_ctas, min_ctas, is_high_priority_stream}}).
+CTA_POLICY_VALUES = {"default": 0, "efficiency": 1, "zero": 2}  # NCCL_CTA_POLICY_* (nccl.h)
+MEGATRON_COMM_KEYS = ("max_ctas", "min_ctas", "is_high_priority_stream")  # what megatron's YAML reads of these
 
-    A communicator has one CTA range; where its sizes want different channel counts the range spans
-    them and the tuner CSV pins each size inside it.
+
+def _on_ctas(entry: PlanEntry, plan: Plan) -> bool:
+    """Whether the communicator's CTA range bounds this entry (NVLS takes NVLS CTAs, copy engines none)."""
+    c = entry.config
+    on_copy_engines = c.cta_policy == CTAPolicy.ZERO and plan.capability_record().zero_applies(entry.collective,
+                                                                                              entry.group_nodes)
+    return c.decomposition == "collective" and c.algorithm != Algorithm.NVLS and not on_copy_engines
+
+
+def communicator_configs(plan: Plan) -> dict[str, dict[str, Any]]:
+    """Per communicator: its CTA range and stream priority, and where planned its CTA policy and NVLS CTAs
+    (``ncclConfig_t`` fields, torch ``ProcessGroupNCCL.Options().config``).
+
+    A communicator has one CTA range; where its sizes want different channel counts (the tuner plugin
+    sets them per size) the range spans them. CTA policy and NVLS CTAs are one value per communicator
+    in every plan the search makes.
     """
     out: dict[str, dict[str, Any]] = {}
     for group, entries in plan.by_group().items():
         collectives = [e for e in entries if e.config.decomposition == "collective"] or entries
-        channels = [e.config.channels for e in collectives]
-        out[group] = {
+        channels = [e.config.channels for e in ([e for e in entries if _on_ctas(e, plan)] or collectives)]
+        cfg: dict[str, Any] = {
             "max_ctas": max(channels),
             "min_ctas": min(channels),
-            "is_high_priority_stream": any(e.config.priority for e in entries),
+            "is_high_priority_stream": any(e.config.priority for e in collectives),
         }
+        policies = sorted({str(e.config.cta_policy) for e in collectives} - {CTAPolicy.DEFAULT})
+        if len(policies) > 1:
+            raise ConfigError(f"plan group {group}", f"CTA policies {', '.join(policies)} on one communicator",
+                              "re-run `lagom tune`: a communicator has one CTA policy")
+        if policies:
+            cfg["cta_policy"] = policies[0]
+        nvls = {e.config.channels for e in collectives if e.config.algorithm == Algorithm.NVLS}
+        if nvls:
+            cfg["nvls_ctas"] = max(nvls)
+        out[group] = cfg
     return out
 
 
 def megatron_nccl_yaml(plan: Plan) -> str:
-    return yaml.safe_dump(communicator_configs(plan), sort_keys=True)
-
-
-def _dominant(plan: Plan, attr: str) -> Any:
-    """The value of a per-process knob that the most communication time wants."""
-    weight: dict[Any, float] = {}
-    for e in plan.entries:
-        value = getattr(e.config, attr)
-        weight[value] = weight.get(value, 0.0) + (e.predicted_comm_s or e.count)
-    return max(weight, key=weight.__getitem__)
+    """Megatron's --nccl-communicator-config-path file: the keys it reads (CTA policy and NVLS CTAs have
+    none there; the adapter sets them on the options megatron builds)."""
+    cfgs = {group: {k: v for k, v in cfg.items() if k in MEGATRON_COMM_KEYS}
+            for group, cfg in communicator_configs(plan).items()}
+    return yaml.safe_dump(cfgs, sort_keys=True)
 
 
 def nccl_env(plan: Plan, hw: Hardware) -> dict[str, str]:
-    """Process-wide NCCL variables, read at communicator creation: buffer (chunk) size, threads, and the
-    intra-node transport (NCCL_P2P_DISABLE=1 sends it through host shared memory). Each takes the value
-    that the most communication time wants."""
+    """Process-wide NCCL variables, read at communicator creation, from the plan's per-process values:
+    threads, the intra-node transport (NCCL_P2P_DISABLE=1 sends it through host shared memory) and the
+    buffer: the planned chunk where NCCL_BUFFSIZE sets it, else room for the largest per-size chunk the
+    tuner plugin asks for."""
     if not plan.entries:
         return {}
-    env = {
-        "NCCL_BUFFSIZE": str(_dominant(plan, "chunk_bytes") * hw.nccl.buffsize_per_chunk),
-        "NCCL_NTHREADS": str(_dominant(plan, "threads")),
-    }
-    if _dominant(plan, "transport") == "shm":
+    process = plan.process
+    chunk = process.get("chunk_bytes") or max(e.config.chunk_bytes for e in plan.entries)
+    env = {"NCCL_BUFFSIZE": str(chunk * hw.nccl.buffsize_per_chunk), "NCCL_NTHREADS": str(process["threads"])}
+    if process.get("transport") == "shm":
         env["NCCL_P2P_DISABLE"] = "1"
     return env
 
 
 PLAN_ENV_VARS = ("NCCL_BUFFSIZE", "NCCL_NTHREADS", "NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS", "NCCL_MIN_CTAS",
-                 "NCCL_MAX_CTAS", "NCCL_ALGO", "NCCL_PROTO", "NCCL_P2P_DISABLE")
+                 "NCCL_MAX_CTAS", "NCCL_ALGO", "NCCL_PROTO", "NCCL_P2P_DISABLE", "NCCL_CTA_POLICY")
 
 
 def env_conflicts(plan: Plan, hw: Hardware, environ: Mapping[str, str]) -> list[str]:
@@ -101,9 +121,7 @@ def check_env(plan: Plan, hw: Hardware, environ: Mapping[str, str]) -> None:
 def tuner_csv(plan: Plan) -> str:
     """Rows for NCCL's example tuner plugin (NCCL_TUNER_CONFIG_FILE): one per collective size."""
     lines = [TUNER_COLUMNS]
-    for e in plan.entries:
-        if e.collective not in TUNER_COLL or e.config.decomposition != "collective":
-            continue
+    for e in tuner_entries(plan):
         lines.append(",".join(str(v) for v in (
             TUNER_COLL[e.collective], math.floor(e.bytes * (1 - SIZE_TOLERANCE)), math.ceil(e.bytes * (1 + SIZE_TOLERANCE)),
             e.config.algorithm, e.config.protocol.lower(),
@@ -117,8 +135,13 @@ ALGO_PROTO_ENV = ("NCCL_ALGO", "NCCL_PROTO")  # the user's choice for every size
 
 
 def tuner_entries(plan: Plan) -> list[PlanEntry]:
-    """Entries NCCL consults a tuner for: the planned all-reduces, all-gathers and reduce-scatters."""
-    return [e for e in plan.entries if e.collective in TUNER_COLL and e.config.decomposition == "collective"]
+    """Entries NCCL consults a tuner for: the planned all-reduces, all-gathers and reduce-scatters, when
+    the plan was made with per-size settings (a plan made without the plugin leaves them to NCCL)."""
+    if plan.capability and not plan.capability_record().per_size:
+        return []
+    return [e for e in plan.entries if e.collective in TUNER_COLL and e.config.decomposition == "collective"
+            and not (e.config.cta_policy == CTAPolicy.ZERO
+                     and plan.capability_record().zero_applies(e.collective, e.group_nodes))]
 
 
 def _tuner_settings(entry: PlanEntry) -> tuple[str, str, int, int]:

@@ -5,12 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from lagom.capability import Capability, capability_for
+from lagom.comm_config import CTAPolicy
 from lagom.errors import ConfigError
 from lagom.hardware import Hardware
 from lagom.plan import Plan, PlanEntry
 from lagom.points import points_for
-from lagom.search import STRATEGIES, Problem, SearchResult, exhaustive, priority
-from lagom.search.base import SimulatedEvaluator
+from lagom.search import STRATEGIES, Problem, SearchResult, exhaustive, priority, run_strategy
+from lagom.search.base import SimulatedEvaluator, settle_communicators
 from lagom.search.exhaustive import MAX_EVALUATIONS
 from lagom.simulator import Simulator, StepResult
 from lagom.workload import Workload, validate
@@ -19,9 +21,10 @@ MAX_POINT_NAMES = 12
 BUCKET_SCALES = (0.5, 1.0, 2.0)  # bucket sizes the lagom strategy tries around the workload's own
 
 
-def problem_for(wl: Workload, hw: Hardware) -> Problem:
+def problem_for(wl: Workload, hw: Hardware, capability: Capability | None = None) -> Problem:
+    """The workload's step graph, to be searched within ``capability`` (default: ``capability_for(hw)``)."""
     validate(wl, hw.cluster.world_size)
-    return Problem(points_for(wl, hw), hw)
+    return Problem(points_for(wl, hw), hw, capability=capability or capability_for(hw))
 
 
 def framework_knobs(wl: Workload) -> dict:
@@ -84,8 +87,9 @@ class _Planner:
     """What the searches of one call share: one problem and one simulator per workload (so a step
     simulated once is not simulated again, whichever strategy asks), and the progress report."""
 
-    def __init__(self, hw: Hardware, progress: ProgressCallback | None) -> None:
+    def __init__(self, hw: Hardware, progress: ProgressCallback | None, capability: Capability | None = None) -> None:
         self.hw, self.progress = hw, progress
+        self.capability = capability or capability_for(hw)
         self.evaluations = 0
         self.best: dict[str, float] = {}
         self._problems: dict[str, tuple[Problem, Simulator]] = {}
@@ -96,7 +100,7 @@ class _Planner:
     def _shared(self, wl: Workload) -> tuple[Problem, Simulator]:
         key = _with_buckets(wl, 1.0).fingerprint()  # a default bucket size and the same one set explicitly
         if key not in self._problems:
-            problem = problem_for(wl, self.hw)
+            problem = problem_for(wl, self.hw, self.capability)
             self._problems[key] = (problem, Simulator(problem.graph))
         return self._problems[key]
 
@@ -119,19 +123,20 @@ class _Planner:
         if strategy not in STRATEGIES:
             raise ConfigError("strategy", f"unknown '{strategy}'", f"use one of {', '.join(STRATEGIES)}")
         problem = self.problem(wl)
-        return Tuned(wl, problem, STRATEGIES[strategy](problem, self.evaluator(wl, strategy)))
+        return Tuned(wl, problem, run_strategy(strategy, problem, self.evaluator(wl, strategy)))
 
 
 def search_with_buckets(wl: Workload, hw: Hardware, strategy: str, search_buckets: bool = True,
-                        progress: ProgressCallback | None = None) -> Tuned:
+                        progress: ProgressCallback | None = None, capability: Capability | None = None) -> Tuned:
     """Run a strategy; lagom also tries bucket sizes around the workload's unless ``search_buckets`` is
     off (the user pinned them). ``progress`` hears after every simulated step."""
-    return _search_with_buckets(_Planner(hw, progress), wl, strategy, search_buckets)
+    return _search_with_buckets(_Planner(hw, progress, capability), wl, strategy, search_buckets)
 
 
 def _search_with_buckets(planner: _Planner, wl: Workload, strategy: str, search_buckets: bool) -> Tuned:
     """At the workload's own bucket size the search tunes every key; at the other sizes only the keys the
-    size changes (gradient buckets, parameter gathers), the rest keeping the first search's choice."""
+    size changes (gradient buckets, parameter gathers), the rest keeping the first search's choice, under
+    the per-process values the first search chose."""
     problem = planner.problem(wl)
     if strategy != "lagom" or not search_buckets or not _has_buckets(problem):
         return planner.run(wl, strategy)
@@ -141,9 +146,11 @@ def _search_with_buckets(planner: _Planner, wl: Workload, strategy: str, search_
         if scale == 1.0:
             continue
         cand = _with_buckets(wl, scale)
-        prob = planner.problem(cand)
+        prob = planner.problem(cand).with_process(central.result.process or central.problem.settings)
         changed = {k for k, pts in prob.keys.items() if len(central.problem.keys.get(k, ())) != len(pts)}
-        res = priority.search(prob, planner.evaluator(cand, strategy), central.result, changed)
+        evaluator = planner.evaluator(cand, strategy)
+        res = settle_communicators(prob, evaluator, priority.search(prob, evaluator, central.result, changed))
+        res.process = prob.settings
         evaluations += res.evaluations
         if res.result.step_s < best.result.result.step_s:
             if best is not central:
@@ -156,18 +163,35 @@ def _search_with_buckets(planner: _Planner, wl: Workload, strategy: str, search_
 
 
 def make_plan(wl: Workload, hw: Hardware, strategy: str = "lagom", search_buckets: bool = True,
-              progress: ProgressCallback | None = None) -> Plan:
-    planner = _Planner(hw, progress)
+              progress: ProgressCallback | None = None, capability: Capability | None = None) -> Plan:
+    """The plan of one strategy, within ``capability`` (default: what ``hw``'s profile and this install have)."""
+    planner = _Planner(hw, progress, capability)
     tuned = _search_with_buckets(planner, wl, strategy, search_buckets)
     baseline = planner.run(wl, "nccl").result.result.step_s
     return plan_from(tuned, wl, hw, {"nccl": baseline, strategy: tuned.result.result.step_s})
 
 
+def registration(problem: Problem, result: SearchResult) -> list[dict]:
+    """The buffers the framework must register symmetrically for the ZERO CTA policy to run on copy
+    engines: per communicator, its copy-engine collectives and their largest message."""
+    by_group: dict[str, dict] = {}
+    for key, points in problem.keys.items():
+        p = points[0]
+        if result.configs[key].cta_policy == CTAPolicy.ZERO and problem.cap.zero_applies(p.collective, p.group.nodes):
+            row = by_group.setdefault(p.group.name, {"group": p.group.name, "collectives": [], "max_bytes": 0})
+            row["collectives"] = sorted({*row["collectives"], p.collective.value})
+            row["max_bytes"] = max(row["max_bytes"], p.bytes)
+    return [{**row, "how": "symmetric memory: torch.distributed._symmetric_memory, or ncclCommWindowRegister "
+                           "with NCCL_WIN_COLL_SYMMETRIC on the collective's send and receive buffers"}
+            for _, row in sorted(by_group.items())]
+
+
 def plan_from(tuned: Tuned, wl: Workload, hw: Hardware, predicted: dict[str, float]) -> Plan:
     res = tuned.result
+    problem = tuned.problem
     per_key = res.result.per_key()
     entries = []
-    for key, points in tuned.problem.keys.items():
+    for key, points in problem.keys.items():
         p = points[0]
         row = per_key.get(key, {})
         entries.append(PlanEntry(
@@ -175,16 +199,21 @@ def plan_from(tuned: Tuned, wl: Workload, hw: Hardware, predicted: dict[str, flo
             collective=p.collective.value, bytes=p.bytes, count=int(row.get("count", len(points))),
             points=[q.name for q in points[:MAX_POINT_NAMES]], config=res.configs[key], note=res.notes.get(key, ""),
             predicted_comm_s=row.get("time", 0.0), predicted_exposed_s=row.get("exposed", 0.0)))
+    process = res.process or problem.settings
     return Plan(workload=wl.name, workload_fingerprint=wl.fingerprint(), hardware=hw.name,
                 hardware_fingerprint=hw.fingerprint(), world_size=wl.world_size, strategy=res.strategy,
                 entries=entries, predicted_step_s=predicted, evaluations=res.evaluations,
-                framework=framework_knobs(tuned.workload))
+                framework=framework_knobs(tuned.workload),
+                process=process.to_dict(problem.cap.process_fields()) | {"transport": str(process.transport)},
+                capability=problem.cap.to_dict(), registration=registration(problem, res))
 
 
 def compare_strategies(wl: Workload, hw: Hardware, exhaustive_limit: int = MAX_EVALUATIONS,
-                       progress: ProgressCallback | None = None) -> dict[str, Tuned | None]:
-    """Every strategy on the simulator; exhaustive is None where it needs more than the limit's evaluations."""
-    planner = _Planner(hw, progress)
+                       progress: ProgressCallback | None = None,
+                       capability: Capability | None = None) -> dict[str, Tuned | None]:
+    """Every strategy on the simulator, within ``capability``; exhaustive is None where it needs more than
+    the limit's evaluations."""
+    planner = _Planner(hw, progress, capability)
     out: dict[str, Tuned | None] = {s: _search_with_buckets(planner, wl, s, True) for s in ("nccl", "autoccl", "lagom")}
     problem = planner.problem(wl)
     out["exhaustive"] = (Tuned(wl, problem, exhaustive.search(problem, planner.evaluator(wl, "exhaustive"), exhaustive_limit))

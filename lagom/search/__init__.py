@@ -1,25 +1,90 @@
-"""Strategies that choose a CommConfig per tuning key, all behind one evaluator interface."""
+"""Strategies that choose a CommConfig per tuning key, all behind one evaluator interface.
+
+Every strategy returns settings the target can apply (``Problem.capability``): ``run_strategy`` makes
+the per-process knobs one decision for the whole step and settles one value per communicator for the
+per-communicator ones (``search.base.settle_communicators``). The exhaustive search enumerates both
+itself; NCCL's baseline tunes nothing.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
+from lagom.comm_config import with_process
 from lagom.errors import ConfigError
 from lagom.search import autoccl, exhaustive, nccl, priority
-from lagom.search.base import Evaluator, Problem, SearchResult, SimulatedEvaluator
+from lagom.search.base import (
+    Evaluator,
+    Objective,
+    Problem,
+    SearchResult,
+    SimulatedEvaluator,
+    comm_time,
+    settle_communicators,
+    step_time,
+)
 
-STRATEGIES: dict[str, Callable[[Problem, Evaluator], SearchResult]] = {
+Strategy = Callable[[Problem, Evaluator], SearchResult]
+
+STRATEGIES: dict[str, Strategy] = {
     "nccl": nccl.search,
     "autoccl": autoccl.search,
     "lagom": priority.search,
     "exhaustive": exhaustive.search,
 }
+WHOLE_SPACE = ("nccl", "exhaustive")  # strategies that need no per-process loop around them
+# What the per-process and per-communicator decisions minimise: the step, except for AutoCCL, whose
+# objective is the collectives' own time.
+OBJECTIVES: dict[str, Objective] = {"autoccl": comm_time}
 
 
 def run_strategy(name: str, problem: Problem, evaluator: Evaluator | None = None) -> SearchResult:
     if name not in STRATEGIES:
         raise ConfigError("strategy", f"unknown '{name}'", f"use one of {', '.join(STRATEGIES)}")
-    return STRATEGIES[name](problem, evaluator or SimulatedEvaluator(problem))
+    evaluator = evaluator or SimulatedEvaluator(problem)
+    if name in WHOLE_SPACE:
+        return replace(STRATEGIES[name](problem, evaluator), process=problem.settings)
+    return search_process(STRATEGIES[name], problem, evaluator, OBJECTIVES.get(name, step_time))
+
+
+def applicable(strategy: Strategy, problem: Problem, evaluator: Evaluator, objective: Objective = step_time) -> SearchResult:
+    """One run of a per-key strategy under the problem's per-process values, settled per communicator."""
+    found = replace(strategy(problem, evaluator), process=problem.settings)
+    return settle_communicators(problem, evaluator, found, objective)
+
+
+def search_process(strategy: Strategy, problem: Problem, evaluator: Evaluator,
+                   objective: Objective = step_time) -> SearchResult:
+    """The per-process knobs as one decision for the whole step.
+
+    The strategy runs under NCCL's per-process values; then each per-process knob in turn takes each of
+    its values on every collective at once (one evaluation per value, the best kept: one pass of
+    coordinate descent); if that moved a value, the strategy runs once more under the new ones. The
+    evaluations stay the strategy's (linear in keys) twice, plus one per per-process value. Choices go
+    by ``objective`` (the step; AutoCCL: its collectives' time).
+    """
+    first = applicable(strategy, problem, evaluator, objective)
+    fields = problem.cap.process_fields()
+    best, process = first, problem.settings
+    for knob, values in problem.process_choices().items():
+        for value in values:
+            trial_process = replace(process, **{knob: value})
+            if trial_process == process:
+                continue
+            configs = {k: with_process(cfg, problem.keys[k][0], problem.hw, trial_process, fields)
+                       for k, cfg in first.configs.items()}
+            result = evaluator.evaluate(configs)
+            if objective(result) < objective(best.result):
+                notes = {k: f"{first.notes.get(k, '')}; per-process {knob}={value} (one value for every collective)"
+                         .lstrip("; ") for k in configs}
+                best, process = SearchResult(first.strategy, configs, result, evaluator.evaluations, notes,
+                                             trial_process), trial_process
+    if process != problem.settings:
+        again = applicable(strategy, problem.with_process(process), evaluator, objective)
+        if objective(again.result) < objective(best.result):
+            best = again
+    return replace(best, evaluations=evaluator.evaluations)
 
 
 __all__ = ["STRATEGIES", "Evaluator", "Problem", "SearchResult", "SimulatedEvaluator", "run_strategy"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Generator
 from dataclasses import replace
 
-from lagom.comm_config import CommConfig, channel_choices, default_config, subspaces
+from lagom.comm_config import CommConfig, channels_for, default_config, settable_subspaces
 from lagom.points import OverlapPoint
 from lagom.search.base import Evaluator, Problem, SearchResult
 
@@ -41,19 +41,24 @@ def _descend(start: CommConfig, start_t: float, dims: dict[str, list[int]]) -> G
     return cur, cur_t
 
 
+def _on_grid(cfg: CommConfig, dims: dict[str, list[int]]) -> CommConfig:
+    """``cfg`` with each descended knob at the nearest value the space has."""
+    for knob, values in dims.items():
+        cfg = replace(cfg, **{knob: min(values, key=lambda v: abs(v - getattr(cfg, knob)))})  # type: ignore[arg-type]
+    return cfg
+
+
 def _tune(point: OverlapPoint, problem: Problem) -> Tuner:
     hw, space = problem.hw, problem.space
     base = default_config(hw)
-    dims = {"channels": channel_choices(hw, space), "threads": list(space.threads), "chunk_bytes": list(space.chunks)}
-    for knob, values in dims.items():  # start on the grid
-        base = replace(base, **{knob: min(values, key=lambda v: abs(v - getattr(base, knob)))})  # type: ignore[arg-type]
     starts = []
-    for algo, proto, transport in subspaces(point, hw, space):
-        cfg = replace(base, algorithm=algo, protocol=proto, transport=transport)
-        starts.append(((yield cfg), cfg))
-    best_start = min(t for t, _ in starts)
+    for algo, proto, transport in settable_subspaces(point, hw, space):
+        dims = {"channels": channels_for(algo, hw, space), "threads": list(space.threads), "chunk_bytes": list(space.chunks)}
+        cfg = _on_grid(replace(base, algorithm=algo, protocol=proto, transport=transport), dims)
+        starts.append(((yield cfg), cfg, dims))
+    best_start = min(t for t, _, _ in starts)
     best, best_t = None, float("inf")
-    for t, cfg in sorted(starts, key=lambda s: s[0]):
+    for t, cfg, dims in sorted(starts, key=lambda s: s[0]):
         if t > best_start * (1 + PRUNE_MARGIN):
             continue  # pruned subspace
         cfg, t = yield from _descend(cfg, t, dims)

@@ -3,11 +3,25 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Protocol
 
-from lagom.comm_config import SearchSpace, default_config, subspaces
+from lagom.capability import Capability, capability_for
+from lagom.comm_config import (
+    ProcessSettings,
+    SearchSpace,
+    Transport,
+    agreed_value,
+    channel_choices,
+    communicator_knobs,
+    communicator_values,
+    default_config,
+    nccl_choice,
+    transports_for,
+    with_communicator_value,
+    with_process,
+)
 from lagom.cost_model import CostModel
 from lagom.hardware import Hardware
 from lagom.points import OverlapPoint, StepGraph
@@ -16,9 +30,61 @@ from lagom.simulator import Configs, Simulator, StepResult
 
 @dataclass
 class Problem:
+    """A step graph on a machine, searched within what ``capability`` can apply.
+
+    ``space`` becomes the space a strategy searches: limited by the capability and with every
+    per-process knob pinned to ``process`` (NCCL's defaults unless the search chose others);
+    ``open_space`` keeps the per-process values the search may choose between.
+    """
+
     graph: StepGraph
     hw: Hardware
     space: SearchSpace = field(default_factory=SearchSpace)
+    capability: Capability | None = None
+    process: ProcessSettings | None = None
+    open_space: SearchSpace = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.capability is None:
+            self.capability = self.space.capability or capability_for(self.hw)
+        if self.process is None:
+            n = self.hw.nccl
+            self.process = ProcessSettings(n.default_threads, Transport.P2P, n.default_chunk_bytes)
+        self.open_space = self.space.under(self.capability)
+        self.space = self.open_space.pinned(self.process)
+
+    @property
+    def cap(self) -> Capability:
+        """The capability, typed (``__post_init__`` always sets it)."""
+        if self.capability is None:
+            raise ValueError("Problem.capability is set in __post_init__")
+        return self.capability
+
+    @property
+    def settings(self) -> ProcessSettings:
+        """The per-process values, typed (``__post_init__`` always sets them)."""
+        if self.process is None:
+            raise ValueError("Problem.process is set in __post_init__")
+        return self.process
+
+    def with_process(self, process: ProcessSettings) -> Problem:
+        """The same problem with other per-process values (graph, model and keys shared)."""
+        other = Problem(self.graph, self.hw, self.open_space, self.capability, process)
+        for shared in ("model", "keys"):
+            if shared in self.__dict__:
+                other.__dict__[shared] = self.__dict__[shared]
+        return other
+
+    def process_choices(self) -> dict[str, list]:
+        """Per per-process knob, the values the search may give the whole step: threads always, the
+        transport where some key can use shm, the chunk when NCCL_BUFFSIZE is its only setting."""
+        space, fields = self.open_space, self.cap.process_fields()
+        choices: dict[str, list] = {"threads": list(dict.fromkeys((self.settings.threads, *space.threads)))}
+        usable = {t for points in self.keys.values() for t in transports_for(points[0], self.hw, space)}
+        choices["transport"] = [t for t in (Transport.P2P, Transport.SHM) if t in usable or t == self.settings.transport]
+        if "chunk_bytes" in fields:
+            choices["chunk_bytes"] = list(dict.fromkeys((self.settings.chunk_bytes, *space.chunks)))
+        return choices
 
     @cached_property
     def model(self) -> CostModel:
@@ -67,14 +133,75 @@ class SearchResult:
     result: StepResult
     evaluations: int
     notes: dict[str, str] = field(default_factory=dict)  # per key: why this config
+    process: ProcessSettings | None = None  # the per-process values every config was searched under
 
 
 def nccl_configs(problem: Problem) -> Configs:
-    """NCCL's own choice: default channels, threads and buffer; algorithm and protocol by its cost model."""
-    base = default_config(problem.hw)
+    """NCCL's own choice under the problem's per-process values: default channels and CTA policy;
+    algorithm and protocol by its cost model."""
     out: Configs = {}
     for key, points in problem.keys.items():
-        p = points[0]
-        options = [replace(base, algorithm=a, protocol=pr) for a, pr, tr in subspaces(p, problem.hw) if tr == "p2p"]
-        out[key] = min(options, key=lambda c: problem.model.comm_time(p.collective, p.group, p.bytes, c))
+        cfg = with_process(default_config(problem.hw), points[0], problem.hw, problem.settings, problem.cap.process_fields())
+        out[key] = nccl_choice(points[0], problem.hw, cfg, problem.model)
     return out
+
+
+def groups(problem: Problem) -> dict[str, list[str]]:
+    """Tuning keys per communicator (by group name)."""
+    out: dict[str, list[str]] = {}
+    for key, points in problem.keys.items():
+        out.setdefault(points[0].group.name, []).append(key)
+    return out
+
+
+def settle_bound(problem: Problem) -> int:
+    """The most evaluations ``settle_communicators`` can make: per communicator, every value of every
+    per-communicator knob."""
+    space = problem.open_space
+    values = {"cta_policy": space.cta_policies, "channels": channel_choices(problem.hw, space),
+              "nvls_ctas": space.nvls_ctas, "priority": space.priorities}
+    return len(groups(problem)) * sum(len(values[k]) for k in communicator_knobs(problem.cap))
+
+
+Objective = Callable[[StepResult], float]
+
+
+def step_time(result: StepResult) -> float:
+    return result.step_s
+
+
+def comm_time(result: StepResult) -> float:
+    """The collectives' own time per step (AutoCCL's objective)."""
+    return sum(row["time"] for row in result.per_key().values())
+
+
+def settle_communicators(problem: Problem, evaluator: Evaluator, found: SearchResult,
+                         objective: Objective = step_time) -> SearchResult:
+    """One value per communicator for each knob NCCL reads per communicator.
+
+    Where a strategy gave the keys of one communicator different values, each value they asked for is
+    tried on all of them and the best by ``objective`` wins: at most (communicators x knobs x values)
+    evaluations.
+    """
+    cap = problem.cap
+    configs, best = dict(found.configs), found.result
+    notes = dict(found.notes)
+    settled = 0
+    for group, keys in groups(problem).items():
+        for knob in communicator_knobs(cap):
+            items = [(problem.keys[k][0], configs[k]) for k in keys]
+            options = communicator_values(knob, items, cap)
+            if not options or agreed_value(knob, items, cap) is not None:
+                continue
+            trials = []
+            for value in options:
+                trial = dict(configs)
+                trial.update({k: with_communicator_value(knob, value, p, c, cap) for k, (p, c) in zip(keys, items)})
+                trials.append((evaluator.evaluate(trial), value, trial))
+            best, value, configs = min(trials, key=lambda t: objective(t[0]))
+            settled += 1
+            for k in keys:
+                notes[k] = f"{notes.get(k, '')}; {knob} {value} for all of {group} (one value per communicator)".lstrip("; ")
+    if not settled:
+        return found
+    return SearchResult(found.strategy, configs, best, evaluator.evaluations, notes, found.process)
