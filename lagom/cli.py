@@ -27,6 +27,14 @@ def _load(args: argparse.Namespace):
     return wl, load_hardware(name)
 
 
+def _capability(args: argparse.Namespace, hw):
+    """What the plan may set: the hardware's NCCL (or --nccl-version), this install's tuner plugin (unless
+    --no-tuner-plugin), the hardware's topology."""
+    from lagom.capability import capability_for
+
+    return capability_for(hw, args.nccl_version, False if args.no_tuner_plugin else None)
+
+
 def cmd_tune(args: argparse.Namespace) -> int:
     from lagom import emit
     from lagom.nccl_tuner import UNAVAILABLE
@@ -37,8 +45,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
     plan_file = output_file(args.out, "--out") if args.out else None
     emit_dir = output_folder(args.emit, "--emit") if args.emit else None
     wl, hw = _load(args)
+    capability = _capability(args, hw)
     with PlanningProgress(f"tuning {wl.name}") as progress:
-        plan = make_plan(wl, hw, args.strategy, progress=progress)
+        plan = make_plan(wl, hw, args.strategy, progress=progress, capability=capability)
     if plan_file:
         plan.save(plan_file)
     if emit_dir:
@@ -56,7 +65,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if args.json:
         print(plan.to_json())
     else:
+        print(f"capability: {capability.describe()}")
         print_table(plan_table(plan))
+        for row in plan.registration:
+            print(f"register symmetrically for the ZERO CTA policy: group {row['group']}, {', '.join(row['collectives'])} "
+                  f"buffers up to {row['max_bytes']} bytes ({row['how']})")
         if args.out:
             print(f"plan written to {args.out}")
     return 0
@@ -68,12 +81,15 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from lagom.tune import compare_strategies
 
     wl, hw = _load(args)
+    capability = _capability(args, hw)
     with PlanningProgress(f"comparing strategies on {wl.name}") as progress:
-        tuned = compare_strategies(wl, hw, progress=progress)
+        tuned = compare_strategies(wl, hw, progress=progress, capability=capability)
     data = compare_json(wl.name, hw.name, {k: (t.result.result, t.result.evaluations) if t else None for k, t in tuned.items()})
+    data["capability"] = {**capability.to_dict(), "description": capability.describe()}
     if args.json:
         print(json.dumps(data))
     else:
+        print(f"capability: {capability.describe()}")
         print_table(compare_table(data, hw.contention.source))
     return 0
 
@@ -99,6 +115,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def _workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("workload", help="workload YAML (or a name under configs/workloads/)")
     p.add_argument("--hardware", help="hardware preset name or YAML file (default: the workload's)")
+
+
+def _capability_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nccl-version", metavar="X.Y[.Z]",
+                   help="plan for this NCCL (default: the hardware profile's nccl.version): it decides what can be set")
+    p.add_argument("--no-tuner-plugin", action="store_true",
+                   help="plan for a target without Lagom's NCCL tuner plugin (no per-size settings)")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -152,11 +175,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="plan JSON to write (its folder must exist)")
     p.add_argument("--emit", metavar="DIR", help="also write NCCL/megatron/TE/bucket files for the plan into DIR")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    _capability_args(p)
     p.set_defaults(func=cmd_tune)
 
     p = sub.add_parser("compare", help="nccl vs autoccl vs lagom (vs exhaustive) on the simulator")
     _workload_args(p)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the results and the capability record as JSON")
+    _capability_args(p)
     p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("simulate", help="simulate a step per strategy and plot its timeline")

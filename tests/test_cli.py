@@ -18,7 +18,7 @@ def wl(tmp_path):
 def test_compare_json_has_the_promised_shape(wl, capsys):
     assert main(["compare", wl, "--hardware", "a100-8x-100g", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert set(data) == {"workload", "hardware", "strategies", "speedup"}
+    assert set(data) == {"workload", "hardware", "strategies", "speedup", "capability"}
     assert set(data["strategies"]) == {"nccl", "autoccl", "lagom", "exhaustive"}
     for name in ("nccl", "autoccl", "lagom"):
         s = data["strategies"][name]
@@ -28,6 +28,18 @@ def test_compare_json_has_the_promised_shape(wl, capsys):
     nccl = data["strategies"]["nccl"]["step_s"]
     assert data["speedup"]["lagom"] == pytest.approx(nccl / data["strategies"]["lagom"]["step_s"])
     assert data["speedup"]["lagom"] >= 1.0
+    cap = data["capability"]
+    assert cap["nccl_version"] == "2.30.7" and cap["scopes"]["threads"] == "per process"
+    assert cap["scopes"]["decomposition"] == "per point" and "NCCL 2.30.7" in cap["description"]
+
+
+def test_compare_plans_for_the_nccl_version_and_plugin_given(wl, capsys):
+    assert main(["compare", wl, "--hardware", "a100-8x-100g", "--json", "--nccl-version", "2.26",
+                 "--no-tuner-plugin"]) == 0
+    cap = json.loads(capsys.readouterr().out)["capability"]
+    assert (cap["nccl_version"], cap["tuner_plugin"], cap["tuner_interface"]) == ("2.26", False, None)
+    assert cap["scopes"]["algorithm"] == "not settable" and cap["scopes"]["channels"] == "per communicator"
+    assert cap["scopes"]["cta_policy"] == "not settable" and cap["cta_policies"] == ["default"]
 
 
 def test_tune_writes_a_plan_and_the_framework_files(wl, tmp_path, capsys):
@@ -50,6 +62,7 @@ def test_simulate_plots_a_timeline(wl, tmp_path):
     ({"parallel": {"dp": 2}}, [], "dp*tp*pp*cp=4 but the cluster has 8 GPUs"),
     ({"training": {"micro_batch": 0}}, [], "training.micro_batch: must be positive"),
     ({}, ["--hardware", "a100-80x"], "unknown hardware 'a100-80x'"),
+    ({}, ["--hardware", "a100-8x-100g", "--nccl-version", "two"], "--nccl-version: 'two' is not an NCCL version"),
 ])
 def test_bad_input_exits_2_with_one_clear_line(tmp_path, override, args, message):
     data = gpt_workload(parallel={"tp": 2, "dp": 4})
