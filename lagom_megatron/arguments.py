@@ -72,7 +72,8 @@ def add_lagom_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     group.add_argument("--lagom-flash-overlap", action="store_true",
                        help="run the TP+SP points the plan decomposes with the Flash-Overlap operators; acts "
                             "only with --sequence-parallel, --transformer-impl local and "
-                            "--no-gradient-accumulation-fusion")
+                            "--no-gradient-accumulation-fusion (with Transformer Engine's layers, "
+                            "--tp-comm-overlap overlaps them instead, with the plan's userbuffers config)")
     return parser
 
 
@@ -110,18 +111,36 @@ _DEFAULTS = {"lagom_plan": None, "lagom_mode": "offline", "lagom_hardware": None
              "lagom_flash_overlap": False}
 
 
+def te_blocker(args: argparse.Namespace) -> str:
+    """Why Transformer Engine's layers keep Flash-Overlap out, and the flags that overlap them anyway.
+
+    TE's linears issue their tensor-parallel collectives through torch.distributed themselves, past
+    megatron-core's mappings where Flash-Overlap is routed (they are still recorded, by the torch.distributed
+    tap). TE overlaps them with its GEMMs itself under --tp-comm-overlap, configured by the userbuffers
+    config Lagom emits (``lagom tune --emit`` writes te_ub_cfgs.yaml; with --lagom the session passes
+    the plan's as --tp-comm-overlap-cfg).
+    """
+    impl = getattr(args, "transformer_impl", "transformer_engine")
+    alternative = ("--tp-comm-overlap is on: Transformer Engine overlaps them itself with the plan's userbuffers "
+                   "config" if getattr(args, "tp_comm_overlap", False) else
+                   "or keep Transformer Engine and add --tp-comm-overlap, with the ub_cfgs that `lagom tune --emit` "
+                   "writes (te_ub_cfgs.yaml; with --lagom the plan's are passed as --tp-comm-overlap-cfg)")
+    return (f"--transformer-impl local (--transformer-impl {impl}, Megatron's default, runs Transformer Engine's "
+            f"layers, whose TP collectives bypass megatron-core's mappings); {alternative}")
+
+
 def flash_overlap_blockers(args: argparse.Namespace) -> list[str]:
     """The Megatron flags missing for Flash-Overlap to act, each with why (empty: it can act).
 
     Flash-Overlap replaces megatron-core's own TP+SP linears; Transformer Engine's layers call
-    torch.distributed directly, and gradient-accumulation fusion computes the weight gradient inside a
-    fused kernel the decomposition cannot split (lagom_megatron/intercept.py).
+    torch.distributed directly (``te_blocker``), and gradient-accumulation fusion computes the weight
+    gradient inside a fused kernel the decomposition cannot split (lagom_megatron/intercept.py).
     """
     missing = []
     if not getattr(args, "sequence_parallel", False) or getattr(args, "tensor_model_parallel_size", 1) < 2:
         missing.append("--sequence-parallel with --tensor-model-parallel-size > 1 (only TP+SP points are decomposed)")
     if getattr(args, "transformer_impl", "transformer_engine") != "local":
-        missing.append("--transformer-impl local (Transformer Engine's layers call torch.distributed directly)")
+        missing.append(te_blocker(args))
     if getattr(args, "gradient_accumulation_fusion", True):
         missing.append("--no-gradient-accumulation-fusion (the fused weight-gradient kernel cannot be decomposed)")
     return missing

@@ -129,6 +129,26 @@ def test_flash_overlap_needs_megatrons_own_unfused_tp_sp_linears(parse, caplog: 
     assert named == [flag.split(" with ")[0] for flag in missing]
 
 
+@pytest.mark.parametrize("argv,alternative", [
+    (["--no-gradient-accumulation-fusion"],
+     "or keep Transformer Engine and add --tp-comm-overlap, with the ub_cfgs that `lagom tune --emit` writes"),
+    (["--no-gradient-accumulation-fusion", "--tp-comm-overlap"],
+     "--tp-comm-overlap is on: Transformer Engine overlaps them itself with the plan's userbuffers config"),
+])
+def test_transformer_engine_layers_are_named_once_with_the_flags_that_let_lagom_act(
+        parse, caplog: pytest.LogCaptureFixture, argv: list[str], alternative: str) -> None:
+    """Megatron's default --transformer-impl transformer_engine: one warning at start-up that names
+    --transformer-impl local and the --tp-comm-overlap route (or says it is already taken)."""
+    caplog.set_level(logging.WARNING, logger="lagom.megatron")
+    opts = options_from_args(parse([*MODEL, *argv, "--lagom", "--lagom-flash-overlap"]))
+    assert opts is not None and not opts.flash_overlap
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "Flash-Overlap will not act" in warnings[0]
+    assert "add: --transformer-impl local (--transformer-impl transformer_engine, Megatron's default" in warnings[0]
+    assert alternative in warnings[0]
+
+
 def test_workload_from_megatron_args(parse) -> None:
     wl = workload_from_args(parse(MODEL), script="pretrain_gpt.py")
     assert (wl.model.architecture, wl.model.layers, wl.model.hidden, wl.model.ffn, wl.model.heads) == ("gpt", 4, 256, 1024, 8)
