@@ -436,8 +436,10 @@ def summarize(results: list[Result]) -> dict[str, dict[str, dict[str, float | No
     return out
 
 
-def validate(points: list[FidelityPoint], overrides: list[str] | None = None) -> list[Result]:
-    evaluator = Evaluator(overrides)
+def validate(points: list[FidelityPoint], overrides: list[str] | None = None,
+             evaluator: Evaluator | None = None) -> list[Result]:
+    """Each point's figure in the model and its error; ``evaluator`` may be shared to reuse built steps."""
+    evaluator = evaluator or Evaluator(overrides)
     results = []
     for p in points:
         predicted = evaluator.predict(p)
@@ -488,6 +490,7 @@ def plot(results: list[Result], path: Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, NullFormatter
 
     fig, ax = plt.subplots(figsize=(6.5, 6))
     groups = sorted({r.group for r in results})
@@ -501,6 +504,9 @@ def plot(results: list[Result], path: Path) -> Path:
     ax.plot([low, high], [low, high], color="grey", linewidth=0.8, linestyle="--")
     ax.set_xscale("log")
     ax.set_yscale("log")
+    for axis in (ax.xaxis, ax.yaxis):  # plain labels: matplotlib's default 10^k ones go through its slow mathtext
+        axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+        axis.set_minor_formatter(NullFormatter())
     ax.set_xlim(low, high)
     ax.set_ylim(low, high)
     ax.set_xlabel("measured (published)")

@@ -61,8 +61,14 @@ def tiny(tmp_path):
 # Strict loading
 
 
-def test_the_published_suite_loads_with_sources_and_enough_points():
-    points = load_suite()
+@pytest.fixture(scope="module")
+def suite():
+    return load_suite()
+
+
+def test_the_published_suite_loads_with_sources_and_enough_points(suite):
+    points = suite
+    assert len(points) >= 30
     assert len({p.spec.id for p in points}) == len(points)
     assert {p.group for p in points} >= {"nccl-tests", "gemm-contention", "phi2-window"}
     assert all(p.spec.source.url.startswith("https://") and p.spec.source.where for p in points)
@@ -85,6 +91,7 @@ def test_the_published_suite_loads_with_sources_and_enough_points():
     (lambda d: d["points"][0]["setup"]["comm"].update(collective="broadcast"), r"comm\.collective", "all_reduce"),
     (lambda d: d["points"][0]["setup"].pop("comm"), r"setup\.comm", "missing"),
     (lambda d: d["points"][1].update(id="lat-a"), r"points\[1\]\.id", "unique"),
+    (lambda d: d["points"][0]["setup"]["comm"].update(nodes=3), r"setup\.comm\.nodes", "8 ranks do not spread evenly"),
     (lambda d: d["points"][0]["setup"]["comm"].update(ranks="eight"), "ranks", ""),
 ])
 def test_bad_suite_files_name_the_key_and_the_fix(tmp_path, mutate, key, fix):
@@ -182,16 +189,21 @@ def test_hardware_override_replaces_the_presets_of_the_same_gpu(tiny, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def published():
-    return validate(load_suite())
+def evaluator():
+    return Evaluator()
+
+
+@pytest.fixture(scope="module")
+def published(suite, evaluator):
+    return validate(suite, evaluator=evaluator)
 
 
 @pytest.mark.xfail(strict=True, reason="cost model before issue 10: a 256-thread or low-channel CTA costs the GEMM "
                                         "too little and chunks cost nothing, so Lagom's 2-channel pick loses locally")
-def test_phi2_ordering_autoccl_slower_end_to_end_and_low_channel_smaller_chunk_wins_locally():
+def test_phi2_ordering_autoccl_slower_end_to_end_and_low_channel_smaller_chunk_wins_locally(evaluator):
     """Lagom paper, Phi-2 FSDP on 2x8 A40: AutoCCL's NC=61 all-gather is faster comm but a slower step than
     NCCL's 8 channels / 2 MB; 2 channels with 684 KB chunks beats both in the windows the all-gather hides under."""
-    step = Evaluator().step("phi2-fsdp", "a40-2x8-nvlink")
+    step = evaluator.step("phi2-fsdp", "a40-2x8-nvlink")
     key = step.key("all_gather", "test")
     nccl = step.nccl[key]
     autoccl = replace(nccl, channels=61)
@@ -216,19 +228,24 @@ def test_phi2_ordering_autoccl_slower_end_to_end_and_low_channel_smaller_chunk_w
 CHECK_MEDIAN_BOUNDS = {"nccl-tests": 0.30, "gemm-contention": 0.35, "phi2-window": 0.25}
 
 
-def test_every_check_group_has_a_bound():
-    assert {p.group for p in load_suite() if p.spec.role == "check"} == set(CHECK_MEDIAN_BOUNDS)
+def test_every_check_group_has_a_bound(suite):
+    assert {p.group for p in suite if p.spec.role == "check"} == set(CHECK_MEDIAN_BOUNDS)
 
 
-@pytest.mark.parametrize("group", sorted(CHECK_MEDIAN_BOUNDS))
+_PHI2_NOT_YET = pytest.mark.xfail(strict=True, reason="cost model before issue 10 scores worse in the Phi-2 windows than a "
+                                                     "model in which no setting matters (median 30% vs 25.9%)")
+
+
+@pytest.mark.parametrize("group", [pytest.param(g, marks=_PHI2_NOT_YET) if g == "phi2-window" else g
+                                   for g in sorted(CHECK_MEDIAN_BOUNDS)])
 def test_check_median_error_stays_under_its_bound(published, group):
     median = summarize(published)[group]["check"]["median"]
     assert median is not None and median < CHECK_MEDIAN_BOUNDS[group], f"{group}: median {median:.1%}"
 
 
-def test_trivial_baselines_behind_the_bounds():
+def test_trivial_baselines_behind_the_bounds(suite):
     """The bounds above quote what a trivial model scores; recompute it from the suite so they stay true."""
-    points = [p for p in load_suite() if p.spec.role == "check"]
+    points = [p for p in suite if p.spec.role == "check"]
     for group in ("gemm-contention", "phi2-window"):
         bound = CHECK_MEDIAN_BOUNDS[group]
         trivial = [relative_error(p.spec.measured, 1.0) for p in points if p.group == group]
