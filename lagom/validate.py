@@ -126,25 +126,31 @@ class FidelityPoint:
     folder: Path
 
 
-_KINDS = ("busbw", "latency", "slowdown", "window")
+# What each kind of setup reads besides kind and hardware; anything else set on it would be silently ignored.
+_KIND_FIELDS = {"busbw": {"comm"}, "latency": {"comm"}, "slowdown": {"comm", "kernels", "aggregate"},
+                "window": {"workload", "collective", "channels", "chunk_bytes", "measure"}}
+_UNSET = Setup()
 _AGGREGATES = ("one", "mean", "max")
 _MEASURES = ("local", "step", "max_slowdown")
 
 
-def _check_keys(data: Any, schema: Any, where: str) -> None:
+def _check_keys(data: Any, schema: Any, file: str, path: str = "") -> None:
     """Every key of ``data`` (and of its nested parts) is a field of the dataclass ``schema``."""
     if not isinstance(data, dict):
         return
     known = [f.name for f in fields(schema)]
     for key, value in data.items():
+        here = f"{path}.{key}" if path else key
         if key not in known:
-            raise ConfigError(f"{where}.{key}", "unknown key", f"known keys: {', '.join(known)}")
+            raise ConfigError(f"{file}: {here}", "unknown key", f"known keys: {', '.join(known)}")
         nested = {"source": Source, "setup": Setup, "comm": Comm, "points": PointSpec, "kernels": Kernel}.get(key)
         if nested is None:
             continue
-        items = value if isinstance(value, list) else [value]
-        for i, item in enumerate(items):
-            _check_keys(item, nested, f"{where}.{key}[{i}]" if isinstance(value, list) else f"{where}.{key}")
+        if isinstance(value, list):
+            for i, item in enumerate(value):
+                _check_keys(item, nested, file, f"{here}[{i}]")
+        else:
+            _check_keys(value, nested, file, here)
 
 
 def _require(value: Any, where: str, fix: str) -> None:
@@ -170,9 +176,16 @@ def _check_point(spec: PointSpec, where: str) -> None:
         raise ConfigError(f"{where}.constants", "a fit point names the constants set from it",
                           "list them, e.g. [nccl.channel_gbps.nvlink], or make the point role: check")
     s = spec.setup
-    if s.kind not in _KINDS:
-        raise ConfigError(f"{where}.setup.kind", f"'{s.kind}' is not one of {', '.join(_KINDS)}")
+    if s.kind not in _KIND_FIELDS:
+        raise ConfigError(f"{where}.setup.kind", f"'{s.kind}' is not one of {', '.join(_KIND_FIELDS)}")
+    reads = _KIND_FIELDS[s.kind]
+    for f in fields(Setup):
+        if f.name not in reads | {"kind", "hardware"} and getattr(s, f.name) != getattr(_UNSET, f.name):
+            raise ConfigError(f"{where}.setup.{f.name}", f"means nothing to a {s.kind} point",
+                              f"remove it; a {s.kind} point reads {', '.join(sorted(reads))}")
     _require(s.hardware, f"{where}.setup.hardware", "name a preset or a hardware file")
+    if s.kind != "slowdown" and len(s.hardware) != 1:
+        raise ConfigError(f"{where}.setup.hardware", f"a {s.kind} point runs on one machine, got {len(s.hardware)}")
     if s.kind in ("busbw", "latency", "slowdown"):
         _check_comm(_needed(s.comm, f"{where}.setup.comm"), f"{where}.setup.comm")
     if s.kind == "slowdown":

@@ -77,7 +77,7 @@ def test_the_published_suite_loads_with_sources_and_enough_points(suite):
 
 
 @pytest.mark.parametrize("mutate, key, fix", [
-    (lambda d: d.update(colour="red"), "hand.yaml.colour", "known keys: group"),
+    (lambda d: d.update(colour="red"), "hand.yaml: colour", "known keys: group"),
     (lambda d: d["points"][0].update(mesured=3), r"points\[0\]\.mesured", "known keys: id, role"),
     (lambda d: d["points"][0]["setup"].update(gpu="a100"), r"points\[0\]\.setup\.gpu", "known keys: kind"),
     (lambda d: d["points"][0]["setup"]["comm"].update(size=8), r"setup\.comm\.size", "known keys: collective"),
@@ -90,6 +90,9 @@ def test_the_published_suite_loads_with_sources_and_enough_points(suite):
     (lambda d: d["points"][0]["setup"].update(kind="guess"), r"setup\.kind", "busbw, latency"),
     (lambda d: d["points"][0]["setup"]["comm"].update(collective="broadcast"), r"comm\.collective", "all_reduce"),
     (lambda d: d["points"][0]["setup"].pop("comm"), r"setup\.comm", "missing"),
+    (lambda d: d["points"][0]["setup"].update(channels=4), r"setup\.channels", "means nothing to a latency point"),
+    (lambda d: d["points"][0]["setup"].update(hardware=["a100-8x-100g", "h100-sxm-8x-400g"]), r"setup\.hardware",
+     "runs on one machine"),
     (lambda d: d["points"][1].update(id="lat-a"), r"points\[1\]\.id", "unique"),
     (lambda d: d["points"][0]["setup"]["comm"].update(nodes=3), r"setup\.comm\.nodes", "8 ranks do not spread evenly"),
     (lambda d: d["points"][0]["setup"]["comm"].update(ranks="eight"), "ranks", ""),
