@@ -17,6 +17,7 @@ from lagom.points import Collective, Group
 from lagom.simulator import simulate
 from lagom.validate import (
     Evaluator,
+    add_parser,
     bus_factor,
     load_suite,
     relative_error,
@@ -169,6 +170,16 @@ def test_json_shape_and_written_report(tiny, tmp_path, capsys):
     assert all(set(data["summary"]["hand"][role]) == {"median", "max"} for role in ("fit", "check"))
     assert "| lat-a | hand | check |" in (out / "validate.md").read_text()
     assert (out / "validate.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_add_parser_gives_the_subcommand_its_flags_and_a_bad_out_fails_before_any_work(tmp_path):
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["validate", "--json", "--hardware", "a.yaml", "--hardware", "a100-8x-100g",
+                              "--out", str(tmp_path / "missing" / "out"), "--suite", str(tmp_path)])
+    assert args.func is run and args.json and args.hardware == ["a.yaml", "a100-8x-100g"]
+    with pytest.raises(ConfigError, match="--out: folder .*missing does not exist"):
+        run(args)  # the suite folder is empty too: --out is checked first
 
 
 def test_a_role_without_points_reports_no_error_rather_than_zero(tiny):
