@@ -29,6 +29,7 @@ from rich.console import Console  # noqa: E402
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from lagom.bound import step_bound  # noqa: E402
 from lagom.comm_config import CommConfig  # noqa: E402
 from lagom.cost_model import CostModel  # noqa: E402
 from lagom.errors import ConfigError  # noqa: E402
@@ -43,7 +44,7 @@ from lagom.search import (  # noqa: E402
 )
 from lagom.search.exhaustive import MAX_EVALUATIONS  # noqa: E402
 from lagom.simulator import simulate  # noqa: E402
-from lagom.tune import compare_strategies, problem_for  # noqa: E402
+from lagom.tune import Tuned, compare_strategies, problem_for  # noqa: E402
 from lagom.workload import Workload, load_workload  # noqa: E402
 
 PUBLISHED_FILE = Path(__file__).resolve().parent.parent / "configs" / "published.yaml"
@@ -149,7 +150,7 @@ class Outcome:
     tuned: dict[str, Workload]  # per strategy, the workload with the bucket sizes it chose
     compute_s: float  # uncontended compute on the busiest device (NCCL step)
     exposed_s: float  # exposed communication in the NCCL step
-    bound_s: float  # physical limit: max(compute alone, comm at link peak)
+    bound_s: float  # no setting's step is shorter: the critical path, compute alone and comm at link peak
     devices: int  # devices simulated (pipeline stages)
     lagom_exposed: dict[str, float]  # exposed seconds per tuning key left after lagom, largest first
     exhaustive_note: str = ""  # why exhaustive did not run
@@ -180,8 +181,15 @@ def simulate_run(run: Run, exhaustive_limit: int) -> Outcome:
     note = "" if "exhaustive" in found else (
         f"not run: {exhaustive.size(problem):.3g} joint settings over {len(problem.keys)} keys (limit {exhaustive_limit})")
     return Outcome(run, hw.contention.source, len(problem.keys), step, evals, configs, tuned, base.compute_s,
-                   base.exposed_comm_s, max(base.compute_s, base.comm_peak_s), problem.graph.devices, dict(exposed),
+                   base.exposed_comm_s, bound(found.values()), problem.graph.devices, dict(exposed),
                    note, time.perf_counter() - start)
+
+
+def bound(found: Iterable[Tuned]) -> float:
+    """The shortest step any setting could give on the step graphs the strategies searched (the bucket sizes
+    they ended with): each graph's critical path with compute alone and comm at link peak (lagom.bound)."""
+    problems = {id(t.problem): t.problem for t in found}.values()
+    return min(step_bound(p.graph, p.model, decompose=bool(p.space.splits)) for p in problems)
 
 
 def simulate_all(runs: list[Run], exhaustive_limit: int, jobs: int, console: Console) -> list[Outcome]:
@@ -271,7 +279,8 @@ def explain(outcome: Outcome, setting: Setting, diff: dict[str, float | None]) -
     else:
         split = (f"compute alone {_ms(outcome.compute_s)} on the busiest of {outcome.devices} stages, exposed comm "
                  f"{_ms(outcome.exposed_s)} summed over stages, the rest pipeline bubbles and contention")
-    parts = [f"model: NCCL step {_ms(nccl)} ({split}), so no setting beats {headroom:.2f}x"]
+    parts = [f"model: NCCL step {_ms(nccl)} ({split}); the critical path with compute alone and comm at link peak "
+             f"is {_ms(outcome.bound_s)}, so no setting beats {headroom:.2f}x"]
     lagom, pub = diff.get("lagom"), setting.speedup.get("lagom")
     if lagom is not None and lagom < -TOLERANCE and pub is not None:
         need = pub[0] if isinstance(pub, tuple) else pub
