@@ -22,6 +22,7 @@ from lagom.errors import ConfigError
 from lagom.hardware import Hardware
 from lagom.plan import Plan
 from lagom.runtime import report
+from lagom.runtime.apply import option_value
 from lagom.runtime.session import KnobChange, SessionOptions, TuningSession, choose_hardware
 from lagom.simulator import simulate
 from lagom.tune import make_plan, problem_for
@@ -121,7 +122,8 @@ class Session(TuningSession):
         """Say once what the user's bucket size costs against the bucket size Lagom would pick."""
         if self.options.mode != "offline" or self.plan is None or self.options.plan_in is not None:
             return
-        free = make_plan(self.workload, self.hw, self.options.strategy)  # type: ignore[arg-type]
+        free = make_plan(self.workload, self.hw, self.options.strategy,  # type: ignore[arg-type]
+                         capability=self.capability)
         mine, theirs = free.predicted_step_s[free.strategy], self.plan.predicted_step_s[self.plan.strategy]
         wanted = free.framework["megatron"]["bucket_size"]
         if wanted != user:
@@ -175,6 +177,10 @@ class Session(TuningSession):
                 bound = "max_ctas" if "max_ctas" in user else "min_ctas"
                 merged["min_ctas" if bound == "max_ctas" else "max_ctas"] = merged[bound]
             options = original(pg_name, {pg_name: merged})
+            # megatron's YAML has no CTA policy or NVLS CTAs: set them on the options it built
+            for key in ("cta_policy", "nvls_ctas"):
+                if key in planned and key not in user:
+                    setattr(options.config, key, option_value(key, planned[key]))
             self.group_options[pg_name] = options
             return options
         return get_nccl_options
@@ -193,7 +199,7 @@ class Session(TuningSession):
         plan, workload, hw = self.plan, self.workload, self.hw
         if plan is None or workload is None or hw is None:
             return 0.0
-        problem = problem_for(workload, hw)
+        problem = problem_for(workload, hw, self.capability)
         configs = plan.configs()
         user = {k: u for k, (u, _) in overridden.items()}
         groups = {e.group for e in plan.entries if pg_name in megatron_pg_names(e.group, self.cp)}

@@ -3,8 +3,12 @@
 ``init`` checks the NCCL environment against the plan, exports the plan's process-wide NCCL
 variables, turns on Lagom's NCCL tuner plugin with the plan's rules (per-size algorithm, protocol,
 channels, chunk) and wraps ``torch.distributed.new_group`` so that communicators created afterwards get
-the plan's per-group options (CTAs, stream priority). The runtime's ``Recorder`` times every collective
-the adapters report.
+the plan's per-group options (CTAs, stream priority, CTA policy, NVLS CTAs). The runtime's ``Recorder``
+times every collective the adapters report.
+
+A plan is made under a capability (``lagom.capability``); ``init`` compares it with this process's
+(the NCCL torch loads, whether Lagom's plugin is built) and refuses a plan that needs what is missing,
+naming it. The adapters' sessions re-plan instead (they have the workload).
 """
 
 from __future__ import annotations
@@ -20,8 +24,10 @@ from typing import Any
 import torch.distributed as dist
 
 from lagom import nccl_tuner
+from lagom.capability import Capability, capability_for
 from lagom.emit import (
     ALGO_PROTO_ENV,
+    CTA_POLICY_VALUES,
     TUNER_PLUGIN_ENV,
     check_env,
     communicator_configs,
@@ -49,7 +55,18 @@ GROUP_DESC_ALIASES = {
     "EXPERT_MODEL_PARALLEL_GROUP": ("ep",),
     "EXPERT_DATA_PARALLEL_GROUP": ("expt_dp",),
 }
-OPTION_KEYS = ("max_ctas", "min_ctas", "cga_cluster_size", "net_name")
+OPTION_KEYS = ("max_ctas", "min_ctas", "cga_cluster_size", "net_name", "cta_policy", "nvls_ctas")
+
+
+def option_value(key: str, value: Any) -> Any:
+    """A communicator config value as torch's ``Options().config`` holds it (CTA policy: NCCL's number)."""
+    if key == "net_name":
+        return value
+    if key == "cta_policy":
+        if str(value) not in CTA_POLICY_VALUES:
+            raise ConfigError("communicator config.cta_policy", f"'{value}' is not one of {', '.join(CTA_POLICY_VALUES)}")
+        return CTA_POLICY_VALUES[str(value)]
+    return int(value)
 
 
 def nccl_options(cfg: dict[str, Any]) -> Any:
@@ -61,7 +78,7 @@ def nccl_options(cfg: dict[str, Any]) -> Any:
     if unknown:
         raise ConfigError(f"communicator config.{sorted(unknown)[0]}", "unknown key",
                           f"known keys: {', '.join(OPTION_KEYS)}, is_high_priority_stream")
-    for key in ("max_ctas", "min_ctas"):
+    for key in ("max_ctas", "min_ctas", "nvls_ctas"):
         if key in cfg and int(cfg[key]) < 1:
             raise ConfigError(f"communicator config.{key}", f"must be at least 1, got {cfg[key]}")
     if int(cfg.get("min_ctas", 1)) > int(cfg.get("max_ctas", cfg.get("min_ctas", 1))):
@@ -69,8 +86,39 @@ def nccl_options(cfg: dict[str, Any]) -> Any:
     options = options_cls.Options(is_high_priority_stream=bool(cfg.get("is_high_priority_stream", False)))
     for key in OPTION_KEYS:
         if key in cfg:
-            setattr(options.config, key, cfg[key] if key == "net_name" else int(cfg[key]))
+            setattr(options.config, key, option_value(key, cfg[key]))
     return options
+
+
+def runtime_capability(hw: Hardware) -> Capability | None:
+    """What this process can apply: the NCCL torch loads and this install's plugin, on ``hw``'s topology.
+    None without CUDA: no NCCL communicator is made, nothing to compare."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    major, minor, patch = torch.cuda.nccl.version()[:3]
+    return capability_for(hw, f"{major}.{minor}.{patch}")
+
+
+def check_capability(plan: Plan, available: Capability | None) -> None:
+    """Refuse a plan that needs what ``available`` lacks, naming each missing piece."""
+    missing = plan.needs(available) if available is not None else []
+    if missing:
+        raise ConfigError("plan.capability", f"plan '{plan.workload}' needs {'; '.join(missing)}",
+                          "re-plan for this process (`lagom tune --nccl-version X.Y.Z`, with --no-tuner-plugin where "
+                          "the plugin is missing), or run through the Megatron/DeepSpeed adapter, which re-plans")
+
+
+def registration_message(plan: Plan) -> str | None:
+    """What the framework must register symmetrically for the plan's ZERO CTA policy, once; None if nothing."""
+    if not plan.registration:
+        return None
+    needs = "; ".join(f"group {r['group']}: {', '.join(r['collectives'])} buffers up to {r['max_bytes']} bytes"
+                      for r in plan.registration)
+    return (f"the plan's ZERO CTA policy runs on copy engines only on symmetrically registered buffers ({needs}). "
+            f"Lagom cannot register the framework's buffers itself; register them ({plan.registration[0]['how']}), "
+            "else NCCL runs these collectives with SMs as under the DEFAULT policy")
 
 
 _current: Runtime | None = None
@@ -88,8 +136,10 @@ class Runtime:
     plan's values can be checked); ``applied_groups``: those actually passed to NCCL.
     """
 
-    def __init__(self, plan: Plan | None, hw: Hardware | None, recorder: Recorder) -> None:
+    def __init__(self, plan: Plan | None, hw: Hardware | None, recorder: Recorder,
+                 capability: Capability | None = None) -> None:
         self.plan, self.hw, self.recorder = plan, hw, recorder
+        self.capability = capability  # what this process can apply (None: not known, no CUDA)
         self.group_options: dict[str, Any] = {}
         self.applied_groups: set[str] = set()
         self.env_set: dict[str, str] = {}  # the plan's process-wide NCCL variables
@@ -108,7 +158,7 @@ class Runtime:
         """Whether options a caller built carry this plan's values (e.g. megatron's, routed through the plan)."""
         cfg = self._comm_cfgs[name]
         config = getattr(options, "config", None)
-        same = all(getattr(config, key, None) == cfg[key] for key in OPTION_KEYS if key in cfg)
+        same = all(getattr(config, key, None) == option_value(key, cfg[key]) for key in OPTION_KEYS if key in cfg)
         return same and bool(getattr(options, "is_high_priority_stream", False)) == bool(cfg.get("is_high_priority_stream", False))
 
     def plan_group(self, desc: str | None) -> str | None:
@@ -258,11 +308,12 @@ def _hardware_for(plan: Plan, hw: Hardware | str | None) -> Hardware:
 
 
 def init(plan: Plan | str | Path | None = None, *, strict_env: bool = True,
-         hw: Hardware | str | None = None) -> Runtime:
+         hw: Hardware | str | None = None, capability: Capability | None = None) -> Runtime:
     """Put a plan in force for this process (or only record, with ``plan=None``).
 
     Call it before the process groups are created: NCCL reads its environment and a group's options
-    when the communicator is made. ``hw`` defaults to the preset the plan names.
+    when the communicator is made. ``hw`` defaults to the preset the plan names. ``capability``: what this
+    process can apply (default: detected, ``runtime_capability``); a plan needing more is refused.
     """
     global _current
     if _current is not None:
@@ -275,11 +326,16 @@ def init(plan: Plan | str | Path | None = None, *, strict_env: bool = True,
         hardware = _hardware_for(plan, hw)
         world = _world_size()
         plan.check_for(world if world is not None else plan.world_size, hw=hardware)
-    runtime = Runtime(plan, hardware, Recorder())
+        capability = capability or runtime_capability(hardware)
+        check_capability(plan, capability)
+    runtime = Runtime(plan, hardware, Recorder(), capability)
     if plan is not None:
         runtime._export_env(strict_env)
         runtime._install()
         log.info("plan '%s' (%s, %d keys) in force; communicator options for groups %s",
                  plan.workload, plan.strategy, len(plan.entries), ", ".join(sorted(runtime._comm_cfgs)) or "none")
+        message = registration_message(plan)
+        if message is not None:
+            log.warning("%s", message)
     _current = runtime
     return runtime

@@ -58,6 +58,13 @@ def build(session: TuningSession) -> dict[str, Any]:
             "flash_overlap_calls": session.router.calls.get(e.key, 0),
         })
     workload = session.workload
+    available = getattr(session, "capability", None)
+    capability = {
+        "planned": plan.capability_record().describe() if plan is not None and plan.capability else None,
+        "this_process": available.describe() if available is not None else None,
+        "process_settings": plan.process if plan is not None else {},
+        "registration": plan.registration if plan is not None else [],
+    }
     return {
         "workload": asdict(workload) if workload is not None else None,
         "hardware": session.hw.name if session.hw is not None else None,
@@ -65,6 +72,7 @@ def build(session: TuningSession) -> dict[str, Any]:
         "framework": session.framework, "mode": session.options.mode, "world_size": session.world_size,
         "plan_source": session.plan_source, "why_untuned": session.why_untuned,
         "predicted": predicted, "measured": measured, "points": points, "unplanned_calls": unplanned,
+        "capability": capability,
         "applied_at_start": [asdict(c) for c in session.applied_at_start],
         "applied_now": session.applied_now, "applies_on_next_start": session.next_start,
         "env_conflicts": session.env_conflicts, "events": session.events,
@@ -86,6 +94,13 @@ def markdown(report: dict[str, Any]) -> str:
     lines.append(f"- plan: {report['plan_source']}")
     if report["why_untuned"]:
         lines.append(f"- not tuned: {report['why_untuned']}")
+    cap = report["capability"]
+    if cap["planned"]:
+        lines.append(f"- planned for: {cap['planned']}")
+    lines.append(f"- this process: {cap['this_process'] or 'no CUDA, so no NCCL to compare with: the plan is taken as planned'}")
+    if cap["process_settings"]:
+        lines.append("- per-process settings (one value for every collective): "
+                     + ", ".join(f"{k} {v}" for k, v in cap["process_settings"].items()))
     predicted, measured = report["predicted"], report["measured"]
     if predicted:
         gain = f" ({predicted['gain']:.3f}x)" if predicted.get("gain") else ""
@@ -102,7 +117,11 @@ def markdown(report: dict[str, Any]) -> str:
          or ["nothing: the framework's own settings are what the plan wants" if report["plan"] else
              "nothing: no plan is in force"]),
         ("Applied now", report["applied_now"]), ("Applies on next start", report["applies_on_next_start"]),
-        ("NCCL environment overriding the plan", report["env_conflicts"]), ("Events", report["events"]),
+        ("NCCL environment overriding the plan", report["env_conflicts"]),
+        ("Buffers to register symmetrically (ZERO CTA policy)",
+         [f"{r['group']}: {', '.join(r['collectives'])} up to {r['max_bytes']} bytes ({r['how']})"
+          for r in cap["registration"]]),
+        ("Events", report["events"]),
     )
     for title, items in sections:
         if items:

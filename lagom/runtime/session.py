@@ -5,6 +5,8 @@ Both adapters run the same session; each subclasses it only for what its framewo
 
   start plan   online: the plan an earlier run cached; else the plan file (read only); else a search
                with the cost model (on rank 0, every rank receives it when process groups exist).
+               A plan that needs more than this process can apply (an older NCCL, no tuner plugin) is
+               made again within what it has; the report says what was missing.
   every step   the recorder's calls of the step go to the online tuner while it measures, then to
                the measured totals and the drift monitor. A tuned plan is adopted on every rank at
                the same step: the Flash-Overlap routing switches now, what is fixed when
@@ -28,12 +30,14 @@ import torch.distributed as dist
 
 from lagom import emit
 from lagom.calls import CallRecord
+from lagom.capability import Capability
 from lagom.errors import ConfigError
 from lagom.flash_overlap import FlashOverlapConfig
 from lagom.hardware import Hardware
 from lagom.plan import Plan, PlanEntry
 from lagom.runtime import report
 from lagom.runtime.apply import init as init_runtime
+from lagom.runtime.apply import registration_message, runtime_capability
 from lagom.runtime.monitor import Monitor
 from lagom.runtime.online import OnlineTuner, describe_changes
 from lagom.tune import make_plan, running_workload
@@ -103,6 +107,7 @@ class SessionOptions:
     drift_check_steps: int = 20
     warmup_steps: int = 0  # first steps left out of every measurement (allocations, first-batch paths)
     search_buckets: bool = True  # False when the user pinned bucket sizes
+    capability: Capability | None = None  # what this process can apply; None: detected (runtime_capability)
 
 
 @dataclass
@@ -217,6 +222,7 @@ class TuningSession:
         self.why_untuned = why_untuned  # set when Lagom cannot describe the job: it then only records
         self.plan: Plan | None = None
         self.plan_source = "none"
+        self.capability: Capability | None = options.capability  # what this process can apply, once known
         self.tuner: OnlineTuner | None = None
         self.tuning = False
         self.monitor: Monitor | None = None
@@ -243,10 +249,16 @@ class TuningSession:
             self.runtime = init_runtime(None)
             self.event(f"Lagom only records this job: {self.why_untuned}", level=logging.WARNING)
             return
-        start = self.start_plan()
+        if self.capability is None:
+            self.capability = runtime_capability(self.hw)
+        start = self.within_capability(self.start_plan())
         self.plan_source = start.source
-        self.runtime = init_runtime(start.plan, strict_env=self.options.strict_env, hw=self.hw)
+        self.runtime = init_runtime(start.plan, strict_env=self.options.strict_env, hw=self.hw,
+                                    capability=self.capability)
         if start.plan is not None:
+            message = registration_message(start.plan)
+            if message is not None:
+                self.events.append(message)  # init_runtime has logged it once
             self.env_conflicts = emit.env_conflicts(start.plan, self.hw, os.environ)
             self._put_in_force(start.plan)
             self.apply_at_startup(start.plan)
@@ -272,13 +284,30 @@ class TuningSession:
             self._measuring(file_plan)
             return StartPlan(file_plan, f"loaded from {options.plan_in}")
         started = time.perf_counter()
-        plan = same_on_all_ranks(make_plan(workload, hw, options.strategy, search_buckets=options.search_buckets))
+        plan = same_on_all_ranks(make_plan(workload, hw, options.strategy, search_buckets=options.search_buckets,
+                                           capability=self.capability))
         source = f"searched with the cost model at start-up ({time.perf_counter() - started:.1f} s)"
         if options.plan_out is not None:
             self._save(plan)
             source += f", saved to {options.plan_out}"
         self._measuring(plan)
         return StartPlan(plan, source)
+
+    def within_capability(self, start: StartPlan) -> StartPlan:
+        """The start plan, or, where it needs what this process lacks, a plan made within what it has."""
+        plan, available = start.plan, self.capability
+        if plan is None or available is None or self.workload is None or self.hw is None:
+            return start
+        missing = plan.needs(available)
+        if not missing:
+            return start
+        replanned = same_on_all_ranks(make_plan(self.workload, self.hw, self.options.strategy,
+                                                search_buckets=self.options.search_buckets, capability=available))
+        self.event(f"the plan {start.source} needs {'; '.join(missing)}: re-planned within what this process has "
+                   f"({available.describe()})", level=logging.WARNING)
+        self._measuring(replanned)
+        return StartPlan(replanned, f"re-planned at start-up for NCCL {available.nccl_version} "
+                                    f"(the plan {start.source} needs {'; '.join(missing)})")
 
     def _measuring(self, plan: Plan) -> None:
         """Online: the tuner measures the job as it runs under ``plan`` (its bucket sizes included)."""
