@@ -7,6 +7,11 @@
 2. A small gloo all-reduce on 2 local ranks: bare, with an empty completion callback (what any
    Python callback costs: gloo's thread takes the GIL to run it), and tracked; the three are
    interleaved in rotating order so drift and ordering hit them alike.
+3. The torch.distributed tap (lagom.runtime.torch_tap): the same synchronous all-reduce, called
+   as Transformer Engine calls it (``dist.all_reduce``), in blocks of calls with the tap off
+   (bare), on and recording, and on with the call claimed by an adapter layer (the hooks run and
+   return at once); blocks rotate, each timed as wall clock and as CPU time of the calling thread
+   (on a loaded machine the wall clock of a small gloo call is mostly scheduling).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lagom.runtime import Recorder
+from lagom.runtime import Recorder, torch_tap
 
 BATCH = 100  # calls timed together: one perf_counter pair per batch, not per call
 
@@ -91,18 +96,63 @@ def _ranks(rank: int, world: int, rendezvous: str, calls: int, out: str) -> None
             times[name].append(time.perf_counter() - start)
         if i % BATCH == BATCH - 1:
             rec.end_step()
+    tap = _tap_blocks(t, calls)
     if rank == 0:
-        Path(out).write_text(" ".join(str(_us(times[name])) for name in names))
+        Path(out).write_text(" ".join(str(_us(times[name])) for name in names) + "\n" +
+                             " ".join(str(_us(tap[name])) for name in TAP_VARIANTS))
     dist.destroy_process_group()
+
+
+TAP_VARIANTS = ("bare wall", "tapped wall", "claimed wall", "bare cpu", "tapped cpu", "claimed cpu")
+
+
+def _tap_blocks(tensor: torch.Tensor, calls: int) -> dict[str, list[float]]:
+    """Per-call seconds of blocks of synchronous all-reduces with the tap off, recording, and claimed."""
+    rec = Recorder(cuda=False)
+    times: dict[str, list[float]] = {name: [] for name in TAP_VARIANTS}
+
+    def block(kind: str) -> None:
+        wall, cpu = time.perf_counter(), time.thread_time()
+        for _ in range(BATCH):
+            dist.all_reduce(tensor)
+        times[f"{kind} wall"].append((time.perf_counter() - wall) / BATCH)
+        times[f"{kind} cpu"].append((time.thread_time() - cpu) / BATCH)
+
+    def tapped(kind: str) -> None:
+        subscription = torch_tap.subscribe(lambda group: "dp", rec)
+        if kind == "claimed":
+            with torch_tap.claimed:
+                block(kind)
+        else:
+            block(kind)
+        if subscription is not None:
+            subscription.close()
+
+    runs = {"bare": lambda: block("bare"), "tapped": lambda: tapped("tapped"), "claimed": lambda: tapped("claimed")}
+    order = list(runs)
+    for i in range(max(1, calls // BATCH)):
+        rec.begin_step(i)
+        for kind in order[i % 3:] + order[:i % 3]:
+            runs[kind]()
+        rec.end_step()
+    return times
 
 
 def all_reduce_pair(calls: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "result")
         mp.spawn(_ranks, args=(2, str(Path(tmp) / "rendezvous"), calls, out), nprocs=2, join=True)
-        bare, callback, tracked = map(float, Path(out).read_text().split())
-    return {"gloo all_reduce 4 KiB, bare": bare, "gloo all_reduce 4 KiB, empty done-callback": callback,
+        recorder_line, tap_line = Path(out).read_text().splitlines()
+        bare, callback, tracked = map(float, recorder_line.split())
+        tap = dict(zip(TAP_VARIANTS, map(float, tap_line.split())))
+    rows = {"gloo all_reduce 4 KiB, bare": bare, "gloo all_reduce 4 KiB, empty done-callback": callback,
             "gloo all_reduce 4 KiB, tracked": tracked, "tracked - bare": tracked - bare}
+    for clock in ("wall", "cpu"):
+        rows |= {f"torch tap, dist.all_reduce 4 KiB, {kind} ({clock})": tap[f"{kind} {clock}"]
+                 for kind in ("bare", "tapped", "claimed")}
+        rows |= {f"torch tap: tapped - bare ({clock})": tap[f"tapped {clock}"] - tap[f"bare {clock}"],
+                 f"torch tap: claimed - bare ({clock})": tap[f"claimed {clock}"] - tap[f"bare {clock}"]}
+    return rows
 
 
 def main() -> None:

@@ -28,7 +28,8 @@ class _Open:
 
     def __init__(self, group: str, collective: str, nbytes: int, seq: int, step: int, t0: Any, start: Any) -> None:
         self.group, self.collective, self.nbytes, self.seq, self.step = group, collective, nbytes, seq, step
-        self.t0, self.start, self.end = t0, start, None
+        self.t0, self.start = t0, start
+        self.end: Any = None
         self.future: Any = None
         self.exact = True
 

@@ -137,7 +137,8 @@ class Subscription:
         try:
             yield
         finally:
-            self.tap.active.remove(self)
+            if self in self.tap.active:  # closed inside the block: already gone
+                self.tap.active.remove(self)
 
     def close(self) -> None:
         """Leave the tap (idempotent); the last subscription out removes the hooks."""
@@ -161,6 +162,9 @@ class TorchTap:
     """The hooks on every process group of this process, shared by every subscribed session."""
 
     def __init__(self) -> None:
+        from torch._C._distributed_c10d import HookOpName
+
+        self._kinds = {getattr(HookOpName, op): kind for op, kind in KINDS.items()}  # keyed by torch's enum
         self.subscriptions: list[Subscription] = []
         self.active: list[Subscription] = []  # innermost last
         self._hooked: dict[int, Any] = {}  # id -> group carrying this tap's hooks
@@ -231,13 +235,13 @@ class TorchTap:
         return id(group) in self._hooked
 
     def _pre_hook(self, group: Any) -> Callable[[Any], None]:
-        issued, subscriptions = self._issued, self.subscriptions
+        issued, subscriptions, kinds = self._issued, self.subscriptions, self._kinds
 
         def pre_hook(args: Any) -> None:
             if claimed.depth or not subscriptions:
                 return
             try:
-                kind = KINDS.get(args.name.name)
+                kind = kinds.get(args.name)
                 receivers = self.receivers() if kind is not None else ()
                 if receivers:
                     sizes = call_sizes(kind, args.input_tensors, args.output_tensors)  # type: ignore[arg-type]
