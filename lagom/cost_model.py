@@ -1,23 +1,33 @@
 """One cost model for communication and computation running together.
 
-Communication: latency per algorithm step plus bus bytes over an effective bandwidth that grows
-with channels (each a CTA pipelining chunks) up to the link, hierarchical across nodes.
-Computation: roofline of FLOPs and HBM bytes, with the SMs taken by comm CTAs (wave quantised) and
-the HBM bandwidth taken by comm traffic removed. Every constant comes from the ``Hardware`` profile.
+Communication follows NCCL's own tuning model (``src/graph/tuning.cc``): per-algorithm and per-protocol
+base and step latencies, network latency only on the steps that cross nodes, LL/LL128 bandwidth caps,
+fewer channels (and threads) for small messages. On top of it, what NCCL's model leaves out: each
+channel is a CTA pipelining chunks (small chunks pay a per-step overhead, network chunks a
+store-and-forward fill), the node's NIC is shared by the groups crossing it, tree all-reduce moves less
+over the NIC than ring, NVLS reduces in the switch, copy engines (CTA policy ZERO) take no SMs.
+
+Computation: a roofline of FLOPs and HBM bytes. A comm CTA costs the GEMM CTAs that can no longer be
+resident on its SM (registers, shared memory, threads), whatever its thread count; a persistent GEMM
+(one CTA per SM looping over tiles) loses whole rounds. Comm HBM traffic slows memory-bound kernels
+and the part of a compute-bound GEMM that is not hidden behind its math: each tile's pipeline fill.
+Every constant comes from the ``Hardware`` profile.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from lagom.comm_config import CommConfig
-from lagom.hardware import Hardware
+from lagom.comm_config import Algorithm, CommConfig, CTAPolicy
+from lagom.errors import ConfigError
+from lagom.hardware import Hardware, Protocol
 from lagom.points import Collective, ComputeSegment, Group
 
 GB = 1e9
 US = 1e-6
+KB = 1024
 
 
 @dataclass(frozen=True)
@@ -26,34 +36,66 @@ class RunningComm:
 
     config: CommConfig
     hbm_rate: float  # bytes/s of HBM traffic it causes on this GPU
+    ctas: int | None = None  # CTAs it actually runs (``CostModel.launch_shape``); None: the config's channels
 
 
 def ring_shape(coll: Collective, n: int, algorithm: str) -> tuple[int, float]:
     """(latency steps, bus-bytes factor) of one collective over n ranks."""
+    if algorithm == Algorithm.NVLS and coll in (Collective.ALL_REDUCE, Collective.ALL_GATHER, Collective.REDUCE_SCATTER):
+        # the switch reduces (or multicasts): each GPU sends its data once and receives the result once
+        return 1, (n - 1) / n if coll == Collective.ALL_REDUCE else 1.0
     if coll == Collective.ALL_REDUCE:
-        steps = 2 * math.ceil(math.log2(n)) if algorithm == "tree" else 2 * (n - 1)
+        steps = 2 * math.ceil(math.log2(n)) if algorithm == Algorithm.TREE else 2 * (n - 1)
         return steps, 2 * (n - 1) / n
     if coll in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER, Collective.ALL_TO_ALL):
         return n - 1, (n - 1) / n
     return 1, 1.0  # send/recv
 
 
+def _by_nodes(values: list[float], nodes: int) -> float:
+    """NCCL's per-node-count tables: one node, two nodes, more."""
+    return values[min(nodes, 3) - 1] if values else math.inf
+
+
 class CostModel:
     def __init__(self, hw: Hardware) -> None:
         self.hw = hw
         self._comm = lru_cache(maxsize=200_000)(self._comm_time)
+        self._lost = lru_cache(maxsize=1024)(self._slots_lost)
 
-    # -- communication
-    def _links(self, group: Group, transport: str) -> tuple[float, float, str]:
-        """(bandwidth B/s, per-step latency s, the slowest link kind, which bounds each channel)."""
+    # -- communication: links
+    def _within_bw(self, group: Group, transport: str) -> float:
+        """B/s of the slowest link a group uses inside a node (host shared memory for the shm transport)."""
+        if transport == "shm":
+            return self.hw.nccl.shm_gbps * GB
+        return self.hw.cluster.link_within_node(group.ranks_per_node).gbps * GB
+
+    def _links(self, group: Group, transport: str, nic_share: float = 1.0) -> tuple[float, float, str]:
+        """(bandwidth B/s, per-chunk network latency s, the slowest link kind, which bounds each channel).
+
+        A group larger than one NVLink island (A40 pairs) runs at the bridge's (PCIe) speed. Across nodes
+        the node's NICs are shared by the sibling groups crossing at the same time and, by ``nic_share``,
+        with the other communicators' collectives running beside this one."""
         c = self.hw.cluster
-        intra_bw = (self.hw.nccl.shm_gbps if transport == "shm" else c.intra.gbps) * GB
+        within = c.link_within_node(group.ranks_per_node)
+        intra_bw = self._within_bw(group, transport)
         if group.nodes > 1:
-            # the node's NICs are shared by the sibling groups crossing nodes at the same time
-            bw = min(intra_bw, c.inter.gbps * GB * group.ranks_per_node / c.gpus_per_node)
-            slow = min((c.intra.kind, c.inter.kind), key=lambda k: self.hw.nccl.channel_gbps[k])
-            return bw, max(c.intra.latency_us, c.inter.latency_us) * US, slow
-        return intra_bw, c.intra.latency_us * US, c.intra.kind
+            bw = min(intra_bw, c.inter.gbps * GB * group.ranks_per_node / c.gpus_per_node * nic_share)
+            slow = min((within.kind, c.inter.kind), key=lambda k: self.hw.nccl.channel_gbps[k])
+            return bw, max(within.latency_us, c.inter.latency_us) * US, slow
+        return intra_bw, within.latency_us * US, within.kind
+
+    def _link_class(self, group: Group, transport: str) -> str:
+        """NCCL's latency table row for the steps inside a node: nvlink or pci (shared memory goes through PCIe)."""
+        kind = self.hw.cluster.link_within_node(group.ranks_per_node).kind
+        return "nvlink" if kind == "nvlink" and transport != "shm" else "pci"
+
+    def _protocol(self, cfg: CommConfig) -> Protocol:
+        proto = self.hw.nccl.protocols.get(str(cfg.protocol))
+        if proto is None:
+            raise ConfigError(f"hardware {self.hw.name}: nccl.protocols", f"has no entry for protocol '{cfg.protocol}'",
+                              "add one, or leave the protocol out of the search space")
+        return proto
 
     def channel_bandwidth(self, group: Group, cfg: CommConfig, chunk: float) -> float:
         """B/s of one channel: a pipeline of chunk steps, each paying a synchronisation overhead."""
@@ -65,45 +107,166 @@ class CostModel:
         step = chunk / peak + n.step_overhead_us * US + (lat if group.nodes > 1 else 0.0)
         return chunk / step
 
-    def _comm_time(self, coll: Collective, group: Group, nbytes: int, cfg: CommConfig, util: float) -> float:
+    # -- communication: what NCCL launches
+    def uses_copy_engines(self, coll: Collective, cfg: CommConfig) -> bool:
+        """CTA policy ZERO moves all-gather and all-to-all with copy engines (no reduce-scatter or all-reduce exists)."""
+        return cfg.cta_policy == CTAPolicy.ZERO and coll in (Collective.ALL_GATHER, Collective.ALL_TO_ALL)
+
+    def launch_shape(self, coll: Collective, group: Group, nbytes: int, cfg: CommConfig) -> tuple[int, int]:
+        """(CTAs, threads per CTA) NCCL runs for this call.
+
+        Like NCCL (``topoGetAlgoInfo``), a message smaller than channels x threads x the protocol's thread
+        threshold runs on fewer channels, then fewer threads; NVLS runs its configured CTAs; EFFICIENCY
+        keeps only the channels that still add bandwidth; copy engines run none."""
+        if self.uses_copy_engines(coll, cfg):
+            return 0, 0
+        channels, threads = cfg.channels, cfg.threads
+        if cfg.algorithm != Algorithm.NVLS:
+            proto = self._protocol(cfg)
+            per_thread = proto.thread_threshold * (group.size if cfg.protocol == "LL" and cfg.algorithm == Algorithm.RING else 1)
+            channels = max(1, min(channels, int(nbytes) // (threads * per_thread)))
+            while nbytes < channels * threads * per_thread and threads % 128 == 0:
+                threads //= 2
+        if cfg.cta_policy == CTAPolicy.EFFICIENCY:
+            link_bw, _, kind = self._links(group, cfg.transport)
+            per_channel = self.hw.nccl.channel_gbps[kind] * GB * min(1.0, threads / self.hw.nccl.threads_saturation)
+            channels = min(channels, max(1, math.ceil(link_bw / per_channel)))
+        return channels, threads
+
+    def latency(self, coll: Collective, group: Group, cfg: CommConfig) -> float:
+        """NCCL's latency: the base of the algorithm and protocol, then each step at its link's latency,
+        the network's only on the steps that cross nodes."""
+        n, nodes, nccl = group.size, group.nodes, self.hw.nccl
+        proto = self._protocol(cfg)
+        algo = str(cfg.algorithm)
+        intra = proto.step_latency_us.get(self._link_class(group, cfg.transport), {})
+        net = proto.step_latency_us.get("net", {})
+        # with one rank per node every step is a network step: NCCL then charges the tree's network latency
+        inter_lat = net.get(algo if group.ranks_per_node > 1 else "tree", 0.0)
+        if cfg.algorithm == Algorithm.NVLS:
+            return (intra.get(algo, 0.0) + (inter_lat if nodes > 1 else 0.0)) * US
+        base = proto.base_latency_us.get(algo, 0.0)
+        if cfg.algorithm == Algorithm.TREE and coll == Collective.ALL_REDUCE:
+            per_node = group.ranks_per_node - 1
+            return (base + 2 * (per_node * intra.get(algo, 0.0) + int(math.log2(nodes)) * inter_lat)) * US
+        steps = 2 * (n - 1) if coll == Collective.ALL_REDUCE else max(1, n - 1) if coll != Collective.SEND_RECV else 1
+        intra_lat = intra.get("ring", 0.0)
+        inter_steps = 0
+        if nodes > 1:
+            intra_lat = max(intra_lat, nccl.net_overhead_us * (3 if cfg.protocol == "Simple" else 1))
+            inter_steps = min(steps, 2 * (nodes - 1) if coll == Collective.ALL_REDUCE else nodes - 1)
+        return (base + (steps - inter_steps) * intra_lat + inter_steps * inter_lat) * US
+
+    # -- communication: time
+    def _protocol_bandwidth(self, raw: float, cfg: CommConfig, channels: int, nodes: int) -> float:
+        """NCCL's protocol refinements: payload efficiency, LL's cap, LL128's per-channel cap."""
+        proto = self._protocol(cfg)
+        return min(raw * proto.efficiency, _by_nodes(proto.max_gbps, nodes) * GB,
+                   channels * _by_nodes(proto.channel_max_gbps, nodes) * GB)
+
+    def _alltoall_link(self, group: Group, nbytes: int, link_bw: float, nic_share: float) -> float:
+        """The bandwidth an all-to-all sees: off-node blocks share the node's NICs among all its GPUs
+        (sibling groups exchange at the same time), on-node blocks use the local link."""
+        c = self.hw.cluster
+        n = group.size
+        bus = nbytes * (n - 1) / n
+        off = nbytes * (n - group.ranks_per_node) / n
+        nic = c.inter.gbps * GB / c.gpus_per_node * nic_share
+        return bus / max(off / nic, (bus - off) / link_bw)
+
+    def _comm_time(self, coll: Collective, group: Group, nbytes: int, cfg: CommConfig, util: float,
+                   nic_share: float = 1.0) -> float:
         n = group.size
         if n <= 1 or nbytes <= 0:
             return 0.0
-        proto = self.hw.nccl.protocols[cfg.protocol]
-        steps, factor = ring_shape(coll, n, cfg.algorithm)
-        bus = nbytes * factor
-        link_bw, lat, _ = self._links(group, cfg.transport)
+        channels, threads = self.launch_shape(coll, group, nbytes, cfg)
+        link_bw, _, _ = self._links(group, cfg.transport, nic_share)
         if coll == Collective.ALL_TO_ALL and group.nodes > 1:
-            # Off-node blocks share the node's NICs among all its GPUs (sibling groups exchange at the same
-            # time); on-node blocks use the local link.
-            c = self.hw.cluster
-            off = nbytes * (n - group.ranks_per_node) / n
-            link_bw = nbytes * factor / max(off / (c.inter.gbps * GB / c.gpus_per_node), (bus - off) / link_bw)
+            link_bw = self._alltoall_link(group, nbytes, self._within_bw(group, cfg.transport), nic_share)
+        slow = 1.0 + self.hw.contention.comm_slowdown_per_hbm_util * util
+        if channels == 0:
+            return self._copy_engine_time(coll, group, nbytes, link_bw / slow)
+        run = replace(cfg, channels=channels, threads=threads)
+        latency = self.latency(coll, group, run)
+        if cfg.algorithm == Algorithm.NVLS:
+            return latency + self._nvls_time(coll, group, nbytes, run, link_bw, slow)
+        steps, factor = ring_shape(coll, n, str(cfg.algorithm))
+        bus = nbytes * factor
         # A channel carries 1/channels of each step's slice; small messages use smaller chunks.
-        per_channel_step = bus / max(1, steps) / cfg.channels
-        chunk = max(1024.0, min(float(cfg.chunk_bytes), per_channel_step))
-        ch_bw = self.channel_bandwidth(group, cfg, chunk) / (1.0 + self.hw.contention.comm_slowdown_per_hbm_util * util)
-        bw = min(link_bw, cfg.channels * ch_bw) * proto.efficiency
-        latency = self.hw.nccl.base_latency_us * US + steps * (proto.latency_us * US + lat)
-        return latency + bus / bw
+        chunk = max(1024.0, min(float(cfg.chunk_bytes), bus / max(1, steps) / channels))
+        ch_bw = self.channel_bandwidth(group, run, chunk) / slow
+        # A network chunk is forwarded whole through each stage of the proxy path: the first one fills it.
+        fill = (self.hw.nccl.net_pipeline_stages - 1) * chunk / ch_bw if group.nodes > 1 else 0.0
+        if cfg.algorithm == Algorithm.TREE and coll == Collective.ALL_REDUCE and group.nodes > 1:
+            return latency + fill + self._tree_time(group, nbytes, run, ch_bw, nic_share)
+        bw = self._protocol_bandwidth(min(link_bw, channels * ch_bw), run, channels, group.nodes)
+        return latency + fill + bus / bw
 
-    def comm_time(self, coll: Collective, group: Group, nbytes: int, cfg: CommConfig, compute_hbm_util: float = 0.0) -> float:
-        """Seconds for one collective; ``compute_hbm_util`` is the HBM share the compute beside it uses."""
-        return self._comm(coll, group, int(nbytes), cfg, round(compute_hbm_util, 2))
+    def _tree_time(self, group: Group, nbytes: int, cfg: CommConfig, ch_bw: float, nic_share: float) -> float:
+        """Tree all-reduce: a chain inside each node (every GPU sends the buffer up and down it) and a double
+        binary tree across nodes, over which each node's NICs carry 2 (N - 1) / N of the buffer per
+        direction where a ring carries 2 (n - 1) / n: half as much on two nodes."""
+        c, nccl = self.hw.cluster, self.hw.nccl
+        nodes = group.nodes
+        within = self._within_bw(group, cfg.transport)
+        nic = c.inter.gbps * GB * group.ranks_per_node / c.gpus_per_node * nic_share
+        chain = 2 * nbytes / within if group.ranks_per_node > 1 else 0.0
+        across = 2 * nbytes * (nodes - 1) / nodes / nic
+        per_channel = min(ch_bw * nccl.tree_efficiency, _by_nodes(nccl.tree_channel_max_gbps, nodes) * GB)
+        channels = 2 * nbytes / self._protocol_bandwidth(cfg.channels * per_channel, cfg, cfg.channels, nodes)
+        return max(chain, across, channels)
 
-    def p2p_step_time(self, group: Group, nbytes: float, cfg: CommConfig, compute_hbm_util: float = 0.0) -> float:
+    def _nvls_time(self, coll: Collective, group: Group, nbytes: int, cfg: CommConfig, link_bw: float,
+                   slow: float) -> float:
+        """NVLink SHARP: the switch reduces, so each GPU's link carries the buffer once each way; NCCL's
+        per-channel rate is the link's channel rate x its NVLS efficiency x (channels - 1) / channels."""
+        nccl, c = self.hw.nccl, self.hw.cluster
+        if not c.nvls or nccl.nvls_efficiency <= 0:
+            raise ConfigError(f"hardware {self.hw.name}: cluster.nvls", "NVLS is planned but this machine has no NVLink SHARP",
+                              "leave nvls out of the search space or set cluster.nvls and nccl.nvls_efficiency")
+        _, factor = ring_shape(coll, group.size, Algorithm.NVLS)
+        channels = max(2, cfg.channels)  # NCCL needs two NVLS channels
+        per_channel = nccl.channel_gbps["nvlink"] * GB * nccl.nvls_efficiency * (channels - 1) / channels / slow
+        return nbytes * factor / min(link_bw, channels * per_channel)
+
+    def _copy_engine_time(self, coll: Collective, group: Group, nbytes: int, link_bw: float) -> float:
+        """Copy-engine all-gather / all-to-all: one copy per peer, at the copy engines' rate."""
+        nccl = self.hw.nccl
+        if nccl.ce_gbps <= 0:
+            raise ConfigError(f"hardware {self.hw.name}: nccl.ce_gbps", "CTA policy zero is planned but no copy-engine rate is known",
+                              "set nccl.ce_gbps or leave the zero policy out of the search space")
+        n = group.size
+        return (n - 1) * nccl.ce_launch_us * US + nbytes * (n - 1) / n / min(link_bw, nccl.ce_gbps * GB)
+
+    def comm_time(self, coll: Collective, group: Group, nbytes: int, cfg: CommConfig, compute_hbm_util: float = 0.0,
+                  nic_share: float = 1.0) -> float:
+        """Seconds for one collective; ``compute_hbm_util`` is the HBM share the compute beside it uses,
+        ``nic_share`` the share of the NIC it gets beside other communicators' collectives."""
+        return self._comm(coll, group, int(nbytes), cfg, round(compute_hbm_util, 2), nic_share)
+
+    def p2p_group(self, group: Group) -> Group:
+        """One ring-exchange step of a decomposition: two ranks, on the group's slowest hop (the bridge
+        when the group spans NVLink islands, the network when it spans nodes)."""
+        if group.nodes > 1:
+            return Group(group.name, 2, 1, 2)
+        return Group(group.name, 2, group.ranks_per_node, 1)
+
+    def p2p_step_time(self, group: Group, nbytes: float, cfg: CommConfig, compute_hbm_util: float = 0.0,
+                      nic_share: float = 1.0) -> float:
         """One ring-exchange step of a Flash-Overlap decomposition: send one block, receive one."""
-        p2p = Group(group.name, 2, 2, 1) if group.nodes == 1 else Group(group.name, 2, 1, 2)
         # the cached model itself, not comm_time: a calibrated subclass scales comm_time per tuning key,
         # which a decomposition's steps do not have
-        return self._comm(Collective.SEND_RECV, p2p, int(nbytes), cfg, round(compute_hbm_util, 2))
+        return self._comm(Collective.SEND_RECV, self.p2p_group(group), int(nbytes), cfg,
+                          round(compute_hbm_util, 2), nic_share)
 
     def comm_peak_time(self, coll: Collective, group: Group, nbytes: int) -> float:
-        """The physical limit: bus bytes at the link's peak, no latency."""
+        """The physical limit: bus bytes at the link's peak, no latency (all-to-all: its NIC path too)."""
         if group.size <= 1:
             return 0.0
         _, factor = ring_shape(coll, group.size, "ring")
         link_bw, _, _ = self._links(group, "p2p")
+        if coll == Collective.ALL_TO_ALL and group.nodes > 1:
+            link_bw = self._alltoall_link(group, nbytes, self._within_bw(group, "p2p"), 1.0)
         return nbytes * factor / link_bw
 
     def comm_hbm_rate(self, coll: Collective, group: Group, nbytes: int, seconds: float) -> float:
@@ -124,22 +287,74 @@ class CostModel:
         g = self.hw.gpu
         return 0.0 if t <= 0 else min(1.0, seg.bytes / t / (g.hbm_gbps * GB * g.hbm_efficiency))
 
-    def sm_taken(self, cfg: CommConfig) -> float:
-        return cfg.channels * self.hw.contention.sm_share_per_cta * cfg.threads / 512
+    def _resident(self, registers: float, smem_kb: float, threads: float) -> int:
+        """GEMM CTAs one SM holds with these registers, shared memory and threads free."""
+        cta = self.hw.gpu.gemm_cta
+        if min(registers, smem_kb, threads) < 0:
+            return 0
+        return int(min(registers // (cta.threads * cta.registers), smem_kb // cta.smem_kb, threads // cta.threads))
+
+    def gemm_ctas_per_sm(self) -> int:
+        g = self.hw.gpu
+        return self._resident(g.sm_registers, g.sm_smem_kb, g.sm_threads)
+
+    def _slots_lost(self, threads: int) -> int:
+        """GEMM CTAs an SM can no longer hold once one comm CTA of ``threads`` threads sits on it."""
+        g, nccl = self.hw.gpu, self.hw.nccl
+        beside = self._resident(g.sm_registers - threads * nccl.cta_registers, g.sm_smem_kb - nccl.cta_smem_kb,
+                                g.sm_threads - threads)
+        return self.gemm_ctas_per_sm() - beside
+
+    def launched_threads(self, cfg: CommConfig, threads: int | None = None) -> int:
+        """Threads of one comm CTA as NCCL launches it: ring Simple adds a sync warp, tree runs all 640."""
+        if cfg.algorithm == Algorithm.TREE:
+            return 640
+        return (threads or cfg.threads) + (self.hw.nccl.cta_extra_threads if cfg.protocol == "Simple" else 0)
+
+    def sm_taken(self, cfg: CommConfig, ctas: int | None = None) -> float:
+        """SMs' worth of GEMM residency the comm CTAs take: a CTA costs the GEMM CTAs it leaves no room for."""
+        if ctas is None:
+            ctas = 0 if cfg.cta_policy == CTAPolicy.ZERO else cfg.channels
+        return ctas * self._lost(self.launched_threads(cfg)) / max(1, self.gemm_ctas_per_sm())
+
+    def grid(self, seg: ComputeSegment) -> int:
+        """CTAs the segment's kernel launches: its tiles, or at most one round of the GPU for a persistent GEMM."""
+        if self.hw.gpu.persistent_gemm and seg.flops > 0:
+            return min(seg.ctas, self.hw.gpu.sms * max(1, self.gemm_ctas_per_sm()))
+        return seg.ctas
+
+    def tile_fill_bytes(self) -> float:
+        """HBM bytes a GEMM CTA moves without math to hide them: its pipeline's first stages of a tile's
+        operands (loaded before the first MMA) and the output tile it stores at the end."""
+        g = self.hw.gpu
+        tm, tn = g.gemm_tile
+        cta = g.gemm_cta
+        return (cta.stages * (tm + tn) * cta.tile_k + tm * tn) * cta.dtype_bytes
 
     def compute_time(self, seg: ComputeSegment, running: tuple[RunningComm, ...] = ()) -> float:
         """Seconds for a compute segment while the given collectives run beside it."""
         if not running:
             return self.compute_solo(seg)
-        g, con = self.hw.gpu, self.hw.contention
-        flop_t = seg.flops / (g.peak_tflops * 1e12 * g.gemm_efficiency)
-        avail = max(1.0, g.sms - sum(self.sm_taken(r.config) for r in running))
-        waves = math.ceil(seg.ctas / avail) / math.ceil(seg.ctas / g.sms)
+        g, con, nccl = self.hw.gpu, self.hw.contention, self.hw.nccl
         hbm = g.hbm_gbps * GB * g.hbm_efficiency
         hbm_left = max(0.1 * hbm, hbm - con.hbm_interference * sum(r.hbm_rate for r in running))
-        staged = sum(r.config.channels * r.config.chunk_bytes * self.hw.nccl.buffsize_per_chunk for r in running)
+        ctas = [r.config.channels if r.ctas is None else r.ctas for r in running]
+        staged = sum(n * r.config.chunk_bytes * nccl.buffsize_per_chunk for n, r in zip(ctas, running))
         l2 = 1.0 + con.l2_interference * min(1.0, staged / (g.l2_mb * 2**20))
-        return max(flop_t * waves, seg.bytes / hbm_left * l2)
+        memory = seg.bytes / hbm_left * l2
+        if seg.flops <= 0:
+            return memory
+        per_sm = max(1, self.gemm_ctas_per_sm())
+        slots = g.sms * per_sm
+        lost = sum(n * self._lost(self.launched_threads(r.config)) for n, r in zip(ctas, running) if n)
+        grid = self.grid(seg)
+        rounds = math.ceil(grid / max(1, slots - lost)) / math.ceil(grid / slots)
+        # each tile (each CTA of a persistent GEMM) fills its pipeline once, at the HBM bandwidth left
+        fills = grid if g.persistent_gemm else seg.ctas
+        exposed = fills * self.tile_fill_bytes() / hbm
+        flop_t = seg.flops / (g.peak_tflops * 1e12 * g.gemm_efficiency)
+        math_t = max(0.0, flop_t - exposed)
+        return max(math_t * rounds + min(flop_t, exposed) * hbm / hbm_left, memory)
 
     def launch_wait(self, cfg: CommConfig) -> float:
         """Delay before a comm kernel gets SMs while compute holds them (none on a high-priority stream)."""

@@ -29,6 +29,18 @@ BASE_FILE = "_base.yaml"
 
 
 @dataclass
+class GemmCta:
+    """One CTA of the GEMM library's usual large-GEMM kernel: its footprint and main-loop pipeline."""
+
+    threads: int = 256
+    registers: int = 0  # per thread
+    smem_kb: float = 0.0
+    stages: int = 0  # k-blocks in flight: loaded before the first MMA of a tile (the pipeline fill)
+    tile_k: int = 0  # k-extent of one stage
+    dtype_bytes: int = 2  # bf16 operands and output
+
+
+@dataclass
 class GPU:
     name: str = "???"
     sms: int = 0
@@ -38,32 +50,60 @@ class GPU:
     gemm_efficiency: float = 0.0  # fraction of peak a large GEMM reaches
     hbm_efficiency: float = 0.0  # fraction of HBM bandwidth a streaming kernel reaches
     gemm_tile: list[int] = field(default_factory=lambda: [128, 128])  # output tile of one GEMM CTA
+    # What one SM holds (CUDA occupancy limits): decides whether a comm CTA leaves room for a GEMM CTA.
+    sm_registers: int = 65536
+    sm_smem_kb: float = 0.0  # shared memory per SM usable by CTAs
+    sm_threads: int = 2048
+    gemm_cta: GemmCta = field(default_factory=lambda: GemmCta())
+    # Hopper cuBLAS/CUTLASS GEMMs launch at most one CTA per SM and loop over tiles: a grid of min(tiles, SMs)
+    persistent_gemm: bool = False
 
 
 @dataclass
 class Link:
     kind: str = "???"  # nvlink | pcie | ib | ethernet
     gbps: float = 0.0  # GB/s, one direction: per GPU for intra-node links, per node for inter-node
-    latency_us: float = 0.0
+    latency_us: float = 0.0  # one chunk's flight on this link: bounds a channel's throughput on the network
 
 
 @dataclass
 class Cluster:
     gpus_per_node: int = 0
     nodes: int = 0
-    intra: Link = field(default_factory=Link)
+    intra: Link = field(default_factory=Link)  # within an island of ``island_gpus`` GPUs (all of the node: 0)
     inter: Link = field(default_factory=Link)
+    island_gpus: int = 0  # GPUs the intra link joins (A40 NVLink bridges: pairs); 0: the whole node
+    bridge: Link = field(default_factory=lambda: Link(kind="none"))  # between islands of one node (PCIe) when island_gpus is set
     nvls: bool = False  # NVSwitch with NVLink SHARP (in-switch reduction) joins a node's GPUs
 
     @property
     def world_size(self) -> int:
         return self.gpus_per_node * self.nodes
 
+    def link_within_node(self, ranks_per_node: int) -> Link:
+        """The slowest link a group with this many ranks on each node uses inside a node: a group larger
+        than one island crosses the bridge (ranks are placed on consecutive GPUs, so pairs stay pairs)."""
+        if self.island_gpus and ranks_per_node > self.island_gpus:
+            return self.bridge
+        return self.intra
+
 
 @dataclass
 class Protocol:
-    efficiency: float = 1.0  # payload fraction of what crosses the link
-    latency_us: float = 0.0  # per algorithm step, added to the link's latency
+    """One NCCL protocol as NCCL's tuning model prices it (src/graph/tuning.cc)."""
+
+    efficiency: float = 1.0  # payload share of the ring bus bandwidth (NCCL: LL 0.5, LL128 0.92)
+    max_gbps: list[float] = field(default_factory=list)  # bus cap by nodes (1, 2, more); [] none (llMaxBws)
+    channel_max_gbps: list[float] = field(default_factory=list)  # per-channel cap by nodes (perChMaxRingLL128Bws)
+    thread_threshold: int = 64  # bytes per thread below which NCCL drops channels (LL: x ranks on a ring)
+    base_latency_us: dict[str, float] = field(default_factory=dict)  # per algorithm, once per collective
+    # per link class (nvlink | pci | net), then algorithm: latency of one step (hwLatencies)
+    step_latency_us: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    @property
+    def latency_us(self) -> float:
+        """NCCL's latency of one ring step over NVLink: what ``lagom calibrate`` counts a link's own beyond."""
+        return self.step_latency_us.get("nvlink", {}).get("ring", 0.0)
 
 
 @dataclass
@@ -79,10 +119,25 @@ class Nccl:
     channel_gbps: dict[str, float] = field(default_factory=dict)  # per link kind, one channel, full threads
     threads_saturation: int = 256  # threads per CTA beyond which a channel goes no faster
     step_overhead_us: float = 0.0  # synchronisation cost of one chunk step on one channel
-    base_latency_us: float = 0.0  # launch + setup, once per collective
     protocols: dict[str, Protocol] = field(default_factory=dict)
+    net_overhead_us: float = 1.0  # posting one network step; x3 on Simple (NCCL getNetOverhead, x86)
+    net_pipeline_stages: int = 3  # store-and-forward stages of a network chunk: GPU buffer, NIC out, NIC in
     tree_min_nodes: int = 2  # tree all-reduce is only offered across this many nodes
+    tree_efficiency: float = 0.92  # NCCL's tree all-reduce bus-bandwidth factor
+    tree_channel_max_gbps: list[float] = field(default_factory=list)  # per channel by nodes (perChMaxTreeBws)
+    nvls_efficiency: float = 0.0  # NVLS bandwidth factor per GPU generation (nvlsEfficiency; 0: no NVLS)
+    ce_gbps: float = 0.0  # copy-engine bandwidth per GPU (CTA policy ZERO); 0: no copy-engine collectives
+    ce_launch_us: float = 0.0  # one copy-engine transfer's launch cost, paid per peer
+    cta_registers: int = 96  # per thread: NCCL builds its kernels with -maxrregcount=96
+    cta_smem_kb: float = 0.0  # dynamic shared memory of one NCCL CTA (ncclShmemDynamicSize)
+    cta_extra_threads: int = 32  # ring Simple launches one more warp for synchronisation
     shm_gbps: float = 0.0  # intra-node transport through host shared memory
+
+    @property
+    def base_latency_us(self) -> float:
+        """NCCL's base latency of a ring Simple collective: what ``lagom calibrate`` subtracts from a fit."""
+        simple = self.protocols.get("Simple")
+        return simple.base_latency_us.get("ring", 0.0) if simple else 0.0
 
 
 @dataclass
@@ -94,7 +149,6 @@ class Contention:
     """
 
     source: str = "estimate"
-    sm_share_per_cta: float = 1.0  # fraction of one SM a comm CTA with 512 threads takes from GEMMs
     hbm_bytes_per_comm_byte: dict[str, float] = field(default_factory=dict)  # reduce | copy
     hbm_interference: float = 1.0  # how much of the comm HBM traffic compute loses
     l2_interference: float = 0.0  # extra memory-time slowdown when comm staging fills L2
@@ -197,7 +251,21 @@ def _validate(hw: Hardware) -> None:
     for key, value in positive.items():
         if not value or value <= 0:
             raise ConfigError(f"hardware {hw.name}: {key}", f"must be positive, got {value}")
-    for kind in {hw.cluster.intra.kind} | ({hw.cluster.inter.kind} if hw.cluster.nodes > 1 else set()):
+    if hw.gpu.sm_smem_kb <= 0 or min(hw.gpu.gemm_cta.threads, hw.gpu.gemm_cta.registers, hw.gpu.gemm_cta.smem_kb) <= 0:
+        raise ConfigError(f"hardware {hw.name}: gpu.gemm_cta", "the SM's shared memory and the GEMM CTA's threads, "
+                          "registers and shared memory must be positive", "set gpu.sm_smem_kb and gpu.gemm_cta")
+    cta = hw.gpu.gemm_cta
+    if min(hw.gpu.sm_registers // (cta.threads * cta.registers), hw.gpu.sm_smem_kb // cta.smem_kb,
+           hw.gpu.sm_threads // cta.threads) < 1:
+        raise ConfigError(f"hardware {hw.name}: gpu.gemm_cta", "one GEMM CTA does not fit on an SM",
+                          "check gpu.gemm_cta against gpu.sm_registers, sm_smem_kb and sm_threads")
+    kinds = {hw.cluster.intra.kind}
+    if hw.cluster.island_gpus and hw.cluster.island_gpus < hw.cluster.gpus_per_node:
+        if hw.cluster.bridge.gbps <= 0:
+            raise ConfigError(f"hardware {hw.name}: cluster.bridge.gbps", f"must be positive when island_gpus "
+                              f"({hw.cluster.island_gpus}) joins fewer GPUs than a node has", "set the link between islands")
+        kinds.add(hw.cluster.bridge.kind)
+    for kind in kinds | ({hw.cluster.inter.kind} if hw.cluster.nodes > 1 else set()):
         if kind not in hw.nccl.channel_gbps:
             raise ConfigError(
                 f"hardware {hw.name}: nccl.channel_gbps", f"has no entry for link kind '{kind}'", "add one"
@@ -269,7 +337,8 @@ def with_cluster(hw: Hardware, gpus_per_node: int, nodes: int, intra: Link | Non
     """
     if gpus_per_node <= 0 or nodes <= 0:
         raise ConfigError("hardware.cluster", f"needs at least one GPU per node and one node, got {gpus_per_node} x {nodes}")
-    cluster = replace(hw.cluster, gpus_per_node=gpus_per_node, nodes=nodes, intra=intra or hw.cluster.intra)
+    cluster = replace(hw.cluster, gpus_per_node=gpus_per_node, nodes=nodes, intra=intra or hw.cluster.intra,
+                      island_gpus=0 if intra else hw.cluster.island_gpus)
     if cluster == hw.cluster:
         return hw
     resized = replace(hw, name=f"{hw.name}-{nodes}x{gpus_per_node}", cluster=cluster,

@@ -297,13 +297,14 @@ class _Task:
     """A task of this run: its shape and where it stands."""
 
     __slots__ = ("queue", "pos", "shape", "comm", "device", "devices", "deps", "config", "cost", "key", "seq", "start",
-                 "rem", "since", "dur", "rate", "version", "exposed", "solo", "rated", "util")
+                 "rem", "since", "dur", "rate", "version", "exposed", "solo", "rated", "util", "cross")
 
     def __init__(self, queue: int, pos: int, shape: Shape, run: _PhaseRun) -> None:
         self.queue, self.pos, self.shape = queue, pos, shape
         self.comm, self.device, self.devices, self.deps, self.cost = shape.comm, shape.device, shape.devices, shape.deps, shape.cost
         self.key: str = shape.cost[0] if shape.comm else ""
         self.config: CommConfig | None = run.config(self.key) if shape.comm else None
+        self.cross = shape.comm and run.ix.points[shape.point].group.nodes > 1  # uses the node's NIC
         self.seq = 0
         self.start = -1.0
         self.rem = 1.0  # remaining fraction at time ``since``
@@ -383,16 +384,16 @@ class _PhaseRun:
 
     # -- durations (memoised: layers and periods repeat the same few situations)
 
-    def comm_duration(self, t: _Task, util: float) -> float:
-        key = (t.cost, util)
+    def comm_duration(self, t: _Task, util: float, share: float = 1.0) -> float:
+        key = (t.cost, util, share)
         dur = self.comm_memo.get(key)
         if dur is None:
             group = self.ix.points[t.shape.point].group
             if t.cost[1]:  # one P2P step of a decomposition
-                raw = self.model.p2p_step_time(group, t.shape.nbytes, t.config, util)  # type: ignore[arg-type]
+                raw = self.model.p2p_step_time(group, t.shape.nbytes, t.config, util, share)  # type: ignore[arg-type]
             else:
-                raw = self.model.comm_time(t.shape.coll, group, t.shape.nbytes, t.config, util)  # type: ignore[arg-type]
-            if util == 0.0:
+                raw = self.model.comm_time(t.shape.coll, group, t.shape.nbytes, t.config, util, share)  # type: ignore[arg-type]
+            if util == 0.0 and share == 1.0:
                 self.solo_memo[t.cost] = raw
             dur = self.comm_memo[key] = max(EPS, raw)
         return dur
@@ -409,7 +410,7 @@ class _PhaseRun:
         key = (t.cost, tuple([(c.cost, c.rate) for c in beside]))
         dur = self.compute_memo.get(key)
         if dur is None:
-            running = tuple(RunningComm(c.config, c.rate) for c in beside)  # type: ignore[arg-type]
+            running = tuple(RunningComm(c.config, c.rate, self.ctas(c)) for c in beside)  # type: ignore[arg-type]
             dur = self.compute_memo[key] = max(EPS, self.model.compute_time(_segment(t.cost), running))
         return dur
 
@@ -423,6 +424,13 @@ class _PhaseRun:
             else:
                 s = self.solo_memo[t.cost] = self.model.compute_time(_segment(t.cost), ())
         return s
+
+    def ctas(self, t: _Task) -> int:
+        """CTAs a comm task runs (NCCL trims channels for small messages; copy engines run none)."""
+        group = self.ix.points[t.shape.point].group
+        if t.cost[1]:
+            return self.model.launch_shape(t.shape.coll, self.model.p2p_group(group), int(t.shape.nbytes), t.config)[0]  # type: ignore[arg-type]
+        return self.model.launch_shape(t.shape.coll, group, int(t.shape.nbytes), t.config)[0]  # type: ignore[arg-type]
 
     def util(self, t: _Task) -> float:
         u = self.util_memo.get(t.cost)
@@ -538,11 +546,20 @@ class _PhaseRun:
                         continue
                     c.rated = event
                     util = 0.0
+                    sharing = 1
                     for dd in c.devices:
                         ct = compute_on[dd]
                         if ct is not None and ct.util > util:
                             util = ct.util
-                    dur = comm_memo.get((c.cost, util)) or self.comm_duration(c, util)
+                        if c.cross:  # collectives of other communicators crossing nodes share the NIC
+                            on_nic = 0
+                            for other in comms_on[dd]:
+                                if other.cross:
+                                    on_nic += 1
+                            if on_nic > sharing:
+                                sharing = on_nic
+                    share = 1.0 / sharing
+                    dur = comm_memo.get((c.cost, util, share)) or self.comm_duration(c, util, share)
                     if dur != c.dur:
                         if c.dur:
                             c.rem -= (now - c.since) / c.dur

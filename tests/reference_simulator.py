@@ -159,11 +159,20 @@ def _duration(task: Task, model: CostModel, compute_on: dict[int, Task], comms_o
               comm_rates: dict[int, float]) -> float:
     if task.is_comm:
         util = max((model.hbm_util(compute_on[d].segment) for d in task.devices if d in compute_on), default=0.0)
+        # collectives of other communicators crossing nodes at the same time share the NIC equally
+        crossing = max((sum(c.point.group.nodes > 1 for c in comms_on.get(d, ())) for d in task.devices), default=1)
+        share = 1.0 / max(1, crossing) if task.point.group.nodes > 1 else 1.0
         if task.coll != task.point.collective:
-            return model.p2p_step_time(task.point.group, task.nbytes, task.config, util)
-        return model.comm_time(task.coll, task.point.group, task.nbytes, task.config, util)
-    running = tuple(RunningComm(c.config, comm_rates.get(c.id, 0.0)) for c in comms_on.get(task.device, ()))
+            return model.p2p_step_time(task.point.group, task.nbytes, task.config, util, share)
+        return model.comm_time(task.coll, task.point.group, task.nbytes, task.config, util, share)
+    running = tuple(RunningComm(c.config, comm_rates.get(c.id, 0.0), _ctas(c, model)) for c in comms_on.get(task.device, ()))
     return model.compute_time(task.segment, running)
+
+
+def _ctas(task: Task, model: CostModel) -> int:
+    """The CTAs NCCL runs for this transfer (fewer for small messages, none on copy engines)."""
+    group = task.point.group if task.coll == task.point.collective else model.p2p_group(task.point.group)
+    return model.launch_shape(task.coll, group, int(task.nbytes), task.config)[0]
 
 
 def _solo(t: Task, model: CostModel, cache: dict[int, float]) -> float:

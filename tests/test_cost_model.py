@@ -1,0 +1,209 @@
+"""Each term of the cost model against a case computed by hand from its sources (NCCL's tuning model,
+CUDA occupancy limits, the presets' datasheet figures)."""
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from lagom.comm_config import Algorithm, CommConfig, CTAPolicy, Protocol
+from lagom.cost_model import CostModel, RunningComm
+from lagom.hardware import load_hardware
+from lagom.points import Collective, ComputeSegment, Group
+
+A100 = load_hardware("a100-8x-100g")
+A100X2 = load_hardware("a100-2x8-100g")
+A40 = load_hardware("a40-2x8-nvlink")
+H100 = load_hardware("h100-sxm-8x-400g")
+GIB = 2**30
+AG, AR, A2A = Collective.ALL_GATHER, Collective.ALL_REDUCE, Collective.ALL_TO_ALL
+
+
+# -- NCCL's latency model
+
+
+def test_network_latency_only_on_the_steps_that_cross_nodes():
+    # 16 ranks on 2 nodes, ring Simple all-reduce: base 8.4 + 28 NVLink steps x 3.4 + 2 network steps x 14
+    model = CostModel(A100X2)
+    assert model.latency(AR, Group("dp", 16, 8, 2), CommConfig()) == pytest.approx(131.6e-6, rel=1e-12)
+
+
+def test_each_protocol_has_its_own_base_and_step_latency():
+    model, group = CostModel(A100), Group("tp", 8, 8, 1)
+    got = {p: model.latency(AG, group, CommConfig(protocol=p)) for p in Protocol}
+    assert got[Protocol.LL] == pytest.approx((6.6 + 7 * 0.6) * 1e-6, rel=1e-12)
+    assert got[Protocol.LL128] == pytest.approx((14.0 + 7 * 1.9) * 1e-6, rel=1e-12)
+    assert got[Protocol.SIMPLE] == pytest.approx((8.4 + 7 * 3.4) * 1e-6, rel=1e-12)
+
+
+def test_tree_latency_is_a_chain_per_node_and_log_nodes_across():
+    model = CostModel(A100X2)
+    lat = model.latency(AR, Group("dp", 16, 8, 2), CommConfig(algorithm=Algorithm.TREE))
+    assert lat == pytest.approx((8.4 + 2 * (7 * 4.0 + 1 * 14.0)) * 1e-6, rel=1e-12)
+
+
+# -- NCCL's bandwidth refinements
+
+
+def test_ll_bandwidth_is_capped_at_llmaxbw():
+    model, group = CostModel(A100), Group("tp", 8, 8, 1)
+    nbytes = GIB
+    cfg = CommConfig(protocol=Protocol.LL, channels=64)
+    # half of the 300 GB/s link is 150 GB/s of payload, above Ampere's single-node LL cap of 87.7 GB/s
+    expected = (6.6 + 7 * 0.6) * 1e-6 + nbytes * 7 / 8 / 87.7e9
+    assert model.comm_time(AG, group, nbytes, cfg) == pytest.approx(expected, rel=1e-12)
+
+
+def test_ll128_bandwidth_is_capped_per_channel():
+    protocols = dict(A100.nccl.protocols)
+    protocols["LL128"] = replace(protocols["LL128"], channel_max_gbps=[10.0, 10.0, 10.0])
+    model = CostModel(replace(A100, nccl=replace(A100.nccl, protocols=protocols)))
+    cfg, nbytes = CommConfig(protocol=Protocol.LL128, channels=4), GIB
+    expected = (14.0 + 7 * 1.9) * 1e-6 + nbytes * 7 / 8 / (4 * 10e9)
+    assert model.comm_time(AG, Group("tp", 8, 8, 1), nbytes, cfg) == pytest.approx(expected, rel=1e-12)
+
+
+def test_small_messages_run_on_fewer_channels_and_only_those_take_sms():
+    model, group, cfg = CostModel(A100), Group("tp", 8, 8, 1), CommConfig(channels=16, threads=512)
+    # Simple: 64 bytes per thread; 100000 B // (512 x 64) = 3 channels, and 100000 >= 3 x 512 x 64 keeps 512 threads
+    assert model.launch_shape(AG, group, 100_000, cfg) == (3, 512)
+    # 20000 B: one channel, then threads halve while 20000 < 1 x threads x 64: 256 threads
+    assert model.launch_shape(AG, group, 20_000, cfg) == (1, 256)
+    assert model.launch_shape(AG, group, GIB, cfg) == (16, 512)
+    seg = ComputeSegment("gemm", 1e12, 1e8, 1080)
+    few = model.compute_time(seg, (RunningComm(cfg, 0.0, 3),))
+    many = model.compute_time(seg, (RunningComm(cfg, 0.0, 16),))
+    assert few < many
+
+
+def test_efficiency_policy_keeps_the_channels_that_add_bandwidth():
+    model, group = CostModel(A100), Group("tp", 8, 8, 1)
+    cfg = CommConfig(channels=32, cta_policy=CTAPolicy.EFFICIENCY)
+    # 300 GB/s link / 20 GB/s per NVLink channel = 15 channels
+    assert model.launch_shape(AG, group, GIB, cfg) == (15, 512)
+
+
+def test_tree_all_reduce_halves_what_the_nic_carries_on_two_nodes():
+    model, group, nbytes = CostModel(A100X2), Group("dp", 16, 8, 2), GIB
+    ring = model.comm_time(AR, group, nbytes, CommConfig(channels=16))
+    tree = model.comm_time(AR, group, nbytes, CommConfig(algorithm=Algorithm.TREE, channels=16))
+    chunk = 2 * 2**20
+    ch_bw = chunk / (chunk / 6e9 + 3e-6 + 5e-6)  # an IB channel: chunk time + step overhead + network latency
+    fill = 2 * chunk / ch_bw  # three store-and-forward stages: two chunks before the pipe flows
+    # each node's NIC carries 2 (N-1)/N = 1 buffer per direction at 12.5 GB/s
+    latency = (8.4 + 2 * (7 * 4.0 + 14.0)) * 1e-6
+    assert tree == pytest.approx(latency + fill + nbytes / 12.5e9, rel=1e-12)
+    assert ring > 1.8 * (tree - latency - fill)  # the ring's NIC carries 2 (n-1)/n = 1.875 buffers
+
+
+def test_nvls_each_gpu_carries_the_buffer_once():
+    model, nbytes = CostModel(H100), GIB
+    cfg = CommConfig(algorithm=Algorithm.NVLS, channels=16)
+    per_channel = 36e9 * 0.85 * 15 / 16
+    expected = 25e-6 + nbytes * 7 / 8 / min(450e9, 16 * per_channel)
+    assert model.comm_time(AR, Group("tp", 8, 8, 1), nbytes, cfg) == pytest.approx(expected, rel=1e-12)
+
+
+def test_copy_engines_take_no_sms_but_still_move_hbm():
+    model, group, nbytes = CostModel(H100), Group("tp", 8, 8, 1), GIB
+    cfg = CommConfig(cta_policy=CTAPolicy.ZERO, channels=16)
+    assert model.launch_shape(AG, group, nbytes, cfg) == (0, 0)
+    t = model.comm_time(AG, group, nbytes, cfg)
+    assert t == pytest.approx(7 * 2e-6 + nbytes * 7 / 8 / 360e9, rel=1e-12)
+    assert model.sm_taken(cfg) == 0.0
+    assert model.comm_hbm_rate(AG, group, nbytes, t) == pytest.approx(nbytes * 7 / 8 * 2 / t)
+    # reduce-scatter has no copy-engine version: it runs on SMs as under the default policy
+    assert model.launch_shape(Collective.REDUCE_SCATTER, group, nbytes, cfg) == (16, 512)
+
+
+def test_chunk_size_costs_both_ways():
+    model, group = CostModel(A40), Group("dp", 16, 8, 2)
+    times = {c: model.comm_time(AG, group, 64 * 2**20, CommConfig(channels=2, chunk_bytes=c))
+             for c in (64 * 1024, 512 * 1024, 4 * 2**20)}
+    # small chunks: the 3 us step overhead per chunk dominates one channel; large: the network fill grows
+    assert times[64 * 1024] > times[512 * 1024] < times[4 * 2**20]
+
+
+# -- links
+
+
+def test_a40_nvlink_joins_pairs_and_larger_groups_go_at_pcie_speed():
+    model, nbytes, cfg = CostModel(A40), GIB, CommConfig(channels=16)
+    pair = model.comm_time(AG, Group("tp", 2, 2, 1), nbytes, cfg)
+    four = model.comm_time(AG, Group("tp", 4, 4, 1), nbytes, cfg)
+    assert pair == pytest.approx((8.4 + 3.4) * 1e-6 + nbytes / 2 / 50e9, rel=1e-12)
+    assert four == pytest.approx((8.4 + 3 * 5.7) * 1e-6 + nbytes * 3 / 4 / 31.5e9, rel=1e-12)
+    pcie = load_hardware("a40-2x8-pcie")
+    assert pcie.cluster.link_within_node(2).kind == "pcie"
+
+
+def test_collectives_sharing_the_nic_each_get_their_share():
+    model, group, nbytes = CostModel(A100X2), Group("dp", 2, 1, 2), GIB
+    cfg = CommConfig(channels=64)
+    alone = model.comm_time(AR, group, nbytes, cfg)
+    shared = model.comm_time(AR, group, nbytes, cfg, nic_share=0.5)
+    # one rank per node: 1/8 of the 12.5 GB/s NIC alone, 1/16 beside another communicator's collective
+    bus = nbytes * 2 * 1 / 2
+    assert shared - alone == pytest.approx(bus / (12.5e9 / 16) - bus / (12.5e9 / 8), rel=1e-9)
+
+
+def test_all_to_all_peak_counts_the_cross_node_path():
+    model, nbytes = CostModel(A100X2), GIB
+    group = Group("ep", 16, 8, 2)
+    # 8 of 15 peers are off-node: 8/16 of the buffer over 1/8 of the node's 12.5 GB/s NIC
+    off = nbytes * 8 / 16 / (12.5e9 / 8)
+    on = nbytes * 7 / 16 / 300e9
+    assert model.comm_peak_time(A2A, group, nbytes) == pytest.approx(max(off, on), rel=1e-12)
+
+
+# -- computation beside communication
+
+
+def test_a_comm_cta_costs_the_gemm_ctas_it_leaves_no_room_for_whatever_its_threads():
+    model = CostModel(A40)
+    # an A40 SM holds one 80 KB GEMM CTA; NCCL's CTA needs 80.3 KB of shared memory: the SM is lost
+    assert [model.sm_taken(CommConfig(channels=8, threads=t)) for t in (128, 256, 512)] == [8.0, 8.0, 8.0]
+    small = replace(A40, gpu=replace(A40.gpu, gemm_cta=replace(A40.gpu.gemm_cta, smem_kb=16.0)))
+    model = CostModel(small)
+    # 16 KB GEMM CTAs of 256 x 168 registers: one per SM (registers); 160 comm threads x 96 registers
+    # leave 50176 registers, room for it; 544 threads leave 13312: none
+    assert model.sm_taken(CommConfig(channels=8, threads=128)) == 0.0
+    assert model.sm_taken(CommConfig(channels=8, threads=512)) == 8.0
+
+
+def test_a_persistent_gemm_beside_24_ctas_takes_two_rounds():
+    model = CostModel(H100)
+    seg = ComputeSegment("gemm", 1e12, 1e8, 4096)  # 4096 tiles: the persistent grid is 132 CTAs
+    assert model.grid(seg) == 132
+    slowed = model.compute_time(seg, (RunningComm(CommConfig(channels=24), 0.0),))
+    fill = 132 * (6 * 256 * 64 + 128 * 128) * 2 / (3350e9 * 0.85)
+    solo = 1e12 / (989e12 * 0.65)
+    assert slowed == pytest.approx((solo - fill) * 2 + fill, rel=1e-12)  # 108 SMs left: 2 rounds
+    assert slowed / model.compute_solo(seg) > 1.98
+    tiled = CostModel(A100).compute_time(ComputeSegment("gemm", 1e12, 1e8, 4096), (RunningComm(CommConfig(channels=24), 0.0),))
+    assert tiled / CostModel(A100).compute_solo(ComputeSegment("gemm", 1e12, 1e8, 4096)) < 1.3  # tiles: 47 vs 38 waves
+
+
+def test_hbm_traffic_slows_a_compute_bound_gemm_through_its_pipeline_fills():
+    model = CostModel(A100)
+    n = 4096
+    seg = ComputeSegment("gemm", 2.0 * n**3, 3 * n * n * 2, (n // 128) ** 2)
+    solo = model.compute_solo(seg)
+    assert solo == pytest.approx(2.0 * n**3 / (312e12 * 0.7))  # compute-bound
+    # NCCL issue 1428: 300 GB/s intra-node, at least 3 bytes of HBM per byte: 900 GB/s; copy engines (no SMs)
+    rate = 900e9
+    hbm = 2039e9 * 0.85
+    fill = 1024 * (4 * 256 * 64 + 128 * 128) * 2 / hbm
+    expected = (solo - fill) + fill * hbm / (hbm - rate)
+    got = model.compute_time(seg, (RunningComm(CommConfig(cta_policy=CTAPolicy.ZERO), rate, 0),))
+    assert got == pytest.approx(expected, rel=1e-12)
+    assert 1.1 < got / solo < 1.25
+
+
+def test_memory_bound_kernels_lose_the_hbm_the_comm_takes():
+    model = CostModel(A100)
+    seg = ComputeSegment("norm", 0.0, 1e9, 10_000)
+    hbm = 2039e9 * 0.85
+    got = model.compute_time(seg, (RunningComm(CommConfig(cta_policy=CTAPolicy.ZERO), 500e9, 0),))
+    assert got == pytest.approx(1e9 / (hbm - 500e9), rel=1e-12)
+    assert not math.isclose(got, model.compute_solo(seg))
