@@ -236,6 +236,23 @@ def test_calls_match_exactly_the_sizes_the_runtime_matches_to_a_key(v6, plan, ru
         comm.close()
 
 
+def test_an_nvls_rule_picks_the_nvls_row_unless_nccl_ignores_it(v6, tmp_path, monkeypatch):
+    """The search plans NVLS (NCCL_ALGO_NVLS = 4, Simple only) on NVSwitch nodes; the plugin applies it, and
+    leaves the table to NCCL where NCCL has marked that entry ignored (no NVLS on this communicator)."""
+    plan = make_plan([entry("tp", 8, 1, "all_reduce", 8 << 20, "nvls", "Simple", channels=16)], world_size=8)
+    path = tmp_path / "nvls.lagom"
+    path.write_text(emit.tuner_rules(plan))
+    monkeypatch.setenv("LAGOM_NCCL_TUNER_FILE", str(path))
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    comm = Comm(v6, 8, 1)
+    after, channels = comm.coll_info("all_reduce", 8 << 20, cost_table())
+    assert nccl_choice(after) == (4, PROTO["Simple"]) and channels == 16
+    ignored = cost_table(ignored=((4, 0), (4, 1), (4, 2)))
+    after, channels = comm.coll_info("all_reduce", 8 << 20, ignored)
+    assert (after == ignored).all() and nccl_choice(after) != (4, PROTO["Simple"])
+    comm.close()
+
+
 def test_two_communicators_with_different_rank_counts_keep_their_own_rules(v6, rules_file):
     dp, tp = Comm(v6, 16, 2), Comm(v6, 8, 1)
     for _ in range(3):  # interleaved, as two process groups issue
