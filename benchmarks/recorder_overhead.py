@@ -7,11 +7,12 @@
 2. A small gloo all-reduce on 2 local ranks: bare, with an empty completion callback (what any
    Python callback costs: gloo's thread takes the GIL to run it), and tracked; the three are
    interleaved in rotating order so drift and ordering hit them alike.
-3. The torch.distributed tap (lagom.runtime.torch_tap): the same synchronous all-reduce, called
-   as Transformer Engine calls it (``dist.all_reduce``), in blocks of calls with the tap off
-   (bare), on and recording, and on with the call claimed by an adapter layer (the hooks run and
-   return at once); blocks rotate, each timed as wall clock and as CPU time of the calling thread
-   (on a loaded machine the wall clock of a small gloo call is mostly scheduling).
+3. The torch.distributed tap (lagom.runtime.torch_tap): the same all-reduce in blocks of calls
+   with the tap off (bare), recorded the adapters' way (``Recorder.track`` on the work: the
+   existing recorder), recorded by the tap (``dist.all_reduce`` as Transformer Engine calls it),
+   and with the tap on but the call claimed by an adapter layer (the hooks run and return at
+   once); blocks rotate, each timed as wall clock and as CPU time of the calling thread (on a
+   loaded machine the wall clock of a small gloo call is mostly scheduling).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import argparse
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -103,36 +105,43 @@ def _ranks(rank: int, world: int, rendezvous: str, calls: int, out: str) -> None
     dist.destroy_process_group()
 
 
-TAP_VARIANTS = ("bare wall", "tapped wall", "claimed wall", "bare cpu", "tapped cpu", "claimed cpu")
+TAP_KINDS = ("bare", "tracked", "tapped", "claimed")
+TAP_VARIANTS = tuple(f"{kind} {clock}" for clock in ("wall", "cpu") for kind in TAP_KINDS)
 
 
 def _tap_blocks(tensor: torch.Tensor, calls: int) -> dict[str, list[float]]:
-    """Per-call seconds of blocks of synchronous all-reduces with the tap off, recording, and claimed."""
+    """Per-call seconds of blocks of all-reduces: tap off, tracked by the adapters' way, tapped, claimed."""
     rec = Recorder(cuda=False)
     times: dict[str, list[float]] = {name: [] for name in TAP_VARIANTS}
 
-    def block(kind: str) -> None:
+    def block(kind: str, call: Callable[[], object]) -> None:
         wall, cpu = time.perf_counter(), time.thread_time()
         for _ in range(BATCH):
-            dist.all_reduce(tensor)
+            call()
         times[f"{kind} wall"].append((time.perf_counter() - wall) / BATCH)
         times[f"{kind} cpu"].append((time.thread_time() - cpu) / BATCH)
 
-    def tapped(kind: str) -> None:
+    def plain() -> None:
+        dist.all_reduce(tensor)
+
+    def tracked() -> None:
+        rec.track("dp", "all_reduce", 4096, dist.all_reduce(tensor, async_op=True)).wait()
+
+    def tap_on(kind: str) -> None:
         subscription = torch_tap.subscribe(lambda group: "dp", rec)
         if kind == "claimed":
             with torch_tap.claimed:
-                block(kind)
+                block(kind, plain)
         else:
-            block(kind)
+            block(kind, plain)
         if subscription is not None:
             subscription.close()
 
-    runs = {"bare": lambda: block("bare"), "tapped": lambda: tapped("tapped"), "claimed": lambda: tapped("claimed")}
-    order = list(runs)
+    runs = {"bare": lambda: block("bare", plain), "tracked": lambda: block("tracked", tracked),
+            "tapped": lambda: tap_on("tapped"), "claimed": lambda: tap_on("claimed")}
     for i in range(max(1, calls // BATCH)):
         rec.begin_step(i)
-        for kind in order[i % 3:] + order[:i % 3]:
+        for kind in TAP_KINDS[i % 4:] + TAP_KINDS[:i % 4]:
             runs[kind]()
         rec.end_step()
     return times
@@ -148,10 +157,9 @@ def all_reduce_pair(calls: int) -> dict[str, float]:
     rows = {"gloo all_reduce 4 KiB, bare": bare, "gloo all_reduce 4 KiB, empty done-callback": callback,
             "gloo all_reduce 4 KiB, tracked": tracked, "tracked - bare": tracked - bare}
     for clock in ("wall", "cpu"):
-        rows |= {f"torch tap, dist.all_reduce 4 KiB, {kind} ({clock})": tap[f"{kind} {clock}"]
-                 for kind in ("bare", "tapped", "claimed")}
-        rows |= {f"torch tap: tapped - bare ({clock})": tap[f"tapped {clock}"] - tap[f"bare {clock}"],
-                 f"torch tap: claimed - bare ({clock})": tap[f"claimed {clock}"] - tap[f"bare {clock}"]}
+        rows |= {f"blocks, all_reduce 4 KiB, {kind} ({clock})": tap[f"{kind} {clock}"] for kind in TAP_KINDS}
+        rows |= {f"blocks: {kind} - bare ({clock})": tap[f"{kind} {clock}"] - tap[f"bare {clock}"]
+                 for kind in TAP_KINDS[1:]}
     return rows
 
 

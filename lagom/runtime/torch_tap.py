@@ -31,6 +31,12 @@ a reduce-scatter, the buffer of an all-reduce, broadcast and reduce, what this r
 all-to-all and send; a receive is ``recv``. A coalesced all-reduce, all-gather or reduce-scatter
 (one operation over several tensors, as ``_coalescing_manager`` issues it) is one record per tensor,
 all ending with the one work. Calls on groups of one rank move nothing and are not recorded.
+
+torch's functional collectives (``torch.distributed._functional_collectives``) run on the same
+groups and are seen too. Not seen: Transformer Engine's userbuffers (``--tp-comm-overlap``), which
+move data by CUDA IPC rather than as collectives of a group, and an operation issued inside NCCL's
+own coalescing (``batch_isend_irecv`` on NCCL) if its post-hook gets no work to time (then it is
+left out rather than recorded as taking no time; not checked on a GPU yet).
 """
 
 from __future__ import annotations
@@ -262,11 +268,14 @@ class TorchTap:
             if call.op_id != args.op_id or call.group is not group:
                 return
             try:
+                work = args.work
+                if work is None:  # inside NCCL's own coalescing the operation has no work to time: not a call yet
+                    return
                 for sub in call.receivers:
                     name = sub.name(group)
                     if name is not None:
                         for size in call.sizes:  # a work without a future ends with the step (exact=False)
-                            sub.recorder.track(name, call.collective, size, args.work)
+                            sub.recorder.track(name, call.collective, size, work)
             except Exception as err:  # noqa: BLE001 - recording must never fail the job's call
                 self._fail(err)
 
