@@ -6,12 +6,18 @@ SMs and HBM the collective takes). Comm-bound collectives (exposed in the last e
 tuned first, cheapest speed-up (smallest H) first; then compute-bound ones give resources back,
 the largest compute saving per unit of comm slowdown first. Each collective is tuned once: the cost
 model ranks its candidates on its own windows, the evaluator (simulator or live steps) checks the
-best few on the whole step, so the evaluation count grows linearly with the number of collectives.
+best few on the whole step. Then a joint revisit of collectives on different communicators that hold
+up the same compute segment (or phase end): one tuned before such another one changed gets its best
+few checked again; and each is moved together with the next such one (the pairings of both one's best
+few), since two of them may only pay off together. Each key is revisited at most once and is the
+first of at most one pair, so a search takes at most 1 + MAX_CHECKS_PER_KEY evaluations per key:
+linear in the number of keys.
 """
 
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from operator import attrgetter
 
@@ -19,11 +25,14 @@ from lagom.comm_config import CommConfig, can_decompose, candidates
 from lagom.cost_model import CostModel, RunningComm
 from lagom.points import ComputeSegment, OverlapPoint, StepGraph
 from lagom.search.base import Evaluator, Problem, SearchResult, nccl_configs
+from lagom.simulator import Configs, StepResult
 
 CHECKED_PER_KEY = 4  # candidates per collective confirmed with the evaluator
 _SIGNATURE = attrgetter("flops", "bytes", "ctas")
 WINDOW_CHECKS = 2  # extra checks for a comm-bound collective, from the window ranking
-MAX_CHECKS_PER_KEY = CHECKED_PER_KEY + WINDOW_CHECKS
+REVISIT_CHECKS = 2  # checks for a key revisited after a key blocking the same compute changed
+JOINT_WIDTH = 2  # candidates per key in a joint move of two keys (JOINT_WIDTH ** 2 evaluations per pair)
+MAX_CHECKS_PER_KEY = CHECKED_PER_KEY + WINDOW_CHECKS + REVISIT_CHECKS + JOINT_WIDTH**2
 
 
 @dataclass
@@ -218,42 +227,150 @@ def _checks(key: str, cur: Estimate, exposed: float, problem: Problem, wins: lis
 
 def search(problem: Problem, evaluator: Evaluator, start: SearchResult | None = None,
            only: set[str] | None = None) -> SearchResult:
-    """Tune every key (or only those in ``only``, the rest keeping ``start``'s configs, else NCCL's)."""
-    model = problem.model
+    """Tune every key (or only those in ``only``, the rest keeping ``start``'s configs, else NCCL's): one
+    pass key by key, then the joint revisit (``revisits``, then ``pairs`` moved together)."""
     configs = nccl_configs(problem)
     notes: dict[str, str] = {}
     if start is not None:
         kept = {k: cfg for k, cfg in start.configs.items() if k in configs and (only is None or k not in only)}
         configs.update(kept)
         notes.update({k: start.notes[k] for k in kept if k in start.notes})
-    best = evaluator.evaluate(configs)
-    wins = windows(problem.graph)
-    per_key = best.per_key()
+    tuning = _Tuning(problem, evaluator, configs, notes, evaluator.evaluate(configs), windows(problem.graph))
+    per_key = tuning.best.per_key()
     plans = []
     for key in problem.keys if only is None else [k for k in problem.keys if k in only]:
-        cur = estimate(configs[key], wins[key], model)
-        exposed = per_key[key]["exposed"]
-        checks = _checks(key, cur, best.exposed_comm_s if exposed > 0 else 0.0, problem, wins[key])
+        cur, checks, comm_bound = tuning.checks(key, per_key)
         h = priority(cur, checks[0][0]) if checks else math.inf
         # Comm-bound first, smallest H first; then compute-bound, largest compute saving per comm added.
-        plans.append(((0, h) if exposed > 0 else (1, -h if math.isfinite(h) else 0.0), key, cur, checks, exposed > 0))
+        plans.append(((0, h) if comm_bound else (1, -h if math.isfinite(h) else 0.0), key, cur, checks, comm_bound))
+    order, changed = [], set()
     for _, key, cur, checks, comm_bound in sorted(plans, key=lambda p: p[0]):
+        order.append(key)
+        if tuning.apply(key, cur, checks, comm_bound):
+            changed.add(key)
+        else:
+            notes[key] = "kept NCCL's choice: no candidate improved the step"
+    blocking = _blocking(problem)
+    for key in revisits(blocking, order, changed):
+        cur, checks, comm_bound = tuning.checks(key, tuning.best.per_key())
+        tuning.apply(key, cur, checks[:REVISIT_CHECKS], comm_bound, "revisited after a collective blocking the "
+                     "same compute changed: ")
+    for first, second in pairs(blocking, order):
+        tuning.joint(first, second)
+    return SearchResult("lagom", configs, tuning.best, evaluator.evaluations, notes)
+
+
+@dataclass
+class _Tuning:
+    """A search under way: the configs so far and the best step they gave."""
+
+    problem: Problem
+    evaluator: Evaluator
+    configs: Configs
+    notes: dict[str, str]
+    best: StepResult
+    wins: dict[str, list[Window]]
+
+    def checks(self, key: str, per_key: dict[str, dict[str, float]]) -> tuple[Estimate, list[tuple[Estimate, CommConfig]], bool]:
+        """The key's estimate under its config now, its candidates best first, and whether it is comm-bound."""
+        cur = estimate(self.configs[key], self.wins[key], self.problem.model)
+        exposed = per_key[key]["exposed"]
+        return cur, _checks(key, cur, self.best.exposed_comm_s if exposed > 0 else 0.0, self.problem, self.wins[key]), exposed > 0
+
+    def apply(self, key: str, cur: Estimate, checks: list[tuple[Estimate, CommConfig]], comm_bound: bool,
+              why: str = "") -> bool:
+        """Evaluate the checks with the other keys as they are; keep the best if it improves the step."""
         chosen = None
         for est, cfg in checks:
-            result = evaluator.evaluate({**configs, key: cfg})
-            if result.step_s < best.step_s:
-                best, chosen = result, (cfg, est)
+            result = self.evaluator.evaluate({**self.configs, key: cfg})
+            if result.step_s < self.best.step_s:
+                self.best, chosen = result, (cfg, est)
         if chosen is None:
-            notes[key] = "kept NCCL's choice: no candidate improved the step"
-            continue
+            return False
         cfg, est = chosen
-        configs[key] = cfg
+        self.configs[key] = cfg
         window = "comm-bound" if comm_bound else "compute-bound"
         if cfg.decomposition == "p2p":
-            notes[key] = (f"{window}: Flash-Overlap P2P decomposition ({cfg.num_chunks} chunk(s) per peer), "
-                          "all but the first step hidden under the GEMM it feeds")
+            note = (f"{window}: Flash-Overlap P2P decomposition ({cfg.num_chunks} chunk(s) per peer), "
+                    "all but the first step hidden under the GEMM it feeds")
         elif est.comm < cur.comm:
-            notes[key] = f"{window}: faster comm, H={priority(cur, est):.3g} compute s added per comm s saved"
+            note = f"{window}: faster comm, H={priority(cur, est):.3g} compute s added per comm s saved"
         else:
-            notes[key] = f"{window}: resources given back, {cur.compute - est.compute:.3g} s compute saved per step"
-    return SearchResult("lagom", configs, best, evaluator.evaluations, notes)
+            note = f"{window}: resources given back, {cur.compute - est.compute:.3g} s compute saved per step"
+        self.notes[key] = why + note
+        return True
+
+    def joint(self, first: str, second: str) -> None:
+        """Move two keys together: each one's best JOINT_WIDTH candidates (ranked as in the first pass, with
+        the exposure they have now), every pairing. Two collectives that hold up the same compute may only pay off together (SMs they give
+        back free a wave of a GEMM only when both give them back; a faster one is no use while the other
+        still blocks)."""
+        per_key = self.best.per_key()
+        choices = {key: [cfg for _, cfg in self.checks(key, per_key)[1][:JOINT_WIDTH]] for key in (first, second)}
+        chosen = None
+        for a in choices[first]:
+            for b in choices[second]:
+                result = self.evaluator.evaluate({**self.configs, first: a, second: b})
+                if result.step_s < self.best.step_s:
+                    self.best, chosen = result, (a, b)
+        if chosen is None:
+            return
+        for key, cfg, other in ((first, chosen[0], second), (second, chosen[1], first)):
+            self.configs[key] = cfg
+            self.notes[key] = f"moved together with {other} (both hold up the same compute): {cfg.describe()}"
+
+
+Blocking = tuple[list[set[str]], dict[str, str]]  # key sets blocking one segment each; each key's communicator
+
+
+def _blocking(problem: Problem) -> Blocking:
+    """The sets of keys whose collectives block one compute segment (or one phase's end) of one device, and
+    each key's communicator."""
+    key_of: dict[tuple, str] = {}  # (group, collective, bytes) -> key, as OverlapPoint.key but built once
+    blocked: dict[tuple, set[str]] = defaultdict(set)
+    for n, phase in enumerate(problem.graph.phases):
+        for p in phase.points:
+            what = (p.group.name, p.collective, p.bytes)
+            key = key_of.get(what) or key_of.setdefault(what, p.key)
+            blocked[(n, p.device if p.peer_device is None else p.peer_device, p.before)].add(key)
+    sets = [keys for keys in blocked.values() if len(keys) > 1]
+    return sets, {key: points[0].group.name for key, points in problem.keys.items()}
+
+
+def revisits(blocking: Blocking, order: list[str], changed: set[str]) -> list[str]:
+    """Keys to tune once more after the key-by-key pass, in ``order`` (the pass's): those tuned before a key
+    on another communicator whose collective blocks the same compute segment (or the same phase end) as one
+    of theirs changed its config. Such a key was tuned while the other still held that segment up, so a
+    faster collective of its own gained nothing then; it may now. Each key comes back at most once."""
+    sets, group = blocking
+    position = {key: n for n, key in enumerate(order)}
+    out: set[str] = set()
+    for keys in sets:
+        moved = sorted((position[k] for k in keys if k in changed), reverse=True)  # latest first
+        for key in keys:
+            if key not in position or key in out:
+                continue
+            for later in moved:
+                if later <= position[key]:
+                    break
+                if group[order[later]] != group[key]:
+                    out.add(key)
+                    break
+    return sorted(out, key=position.__getitem__)
+
+
+def pairs(blocking: Blocking, order: list[str]) -> list[tuple[str, str]]:
+    """Pairs of keys on different communicators that block the same compute, to move together: each key
+    with the next such key in ``order``, so at most one pair per key."""
+    sets, group = blocking
+    position = {key: n for n, key in enumerate(order)}
+    partner: dict[str, str] = {}
+    for keys in sets:
+        tuned = sorted((k for k in keys if k in position), key=position.__getitem__)
+        for n, key in enumerate(tuned):
+            if key in partner:
+                continue
+            other = next((k for k in tuned[n + 1:] if group[k] != group[key]), None)
+            if other is not None:
+                partner[key] = other
+    return sorted(partner.items(), key=lambda pair: position[pair[0]])
