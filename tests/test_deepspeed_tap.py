@@ -59,6 +59,7 @@ def two_engines(rank: int, world: int) -> dict[str, Any]:
     import torch
     from deepspeed.utils import groups
 
+    from lagom.runtime import torch_tap
     from lagom.runtime.recorder import Recorder
     from lagom_deepspeed.comm import current_tap, subscribe
     from lagom_deepspeed.groups import GroupNames
@@ -102,6 +103,13 @@ def two_engines(rank: int, world: int) -> dict[str, Any]:
         out["gpt_own"] = measured(1, lambda: train(engine_gpt, 1, rank, 1), rec_gpt, rec_reg)
     with sub_reg.active():
         out["reg_own"] = measured(1, lambda: step_reg(1), rec_gpt, rec_reg)
+    # a call that bypasses deepspeed.comm (Transformer Engine's, a model's own) reaches the active session
+    # through the torch.distributed tap; a call through deepspeed.comm is recorded once, by the backend tap
+    probe = torch.ones(6)
+    with sub_reg.active():
+        out["direct_and_ds"] = measured(5, lambda: (torch.distributed.all_reduce(probe), ds_comm.all_reduce(probe)),
+                                        rec_gpt, rec_reg)
+    out["probe"] = probe.tolist()
     # outside any active() block the shared dp group does not say whose call it is: both record it
     out["gpt_shared"] = measured(2, lambda: train(engine_gpt, 1, rank, 2), rec_gpt, rec_reg)
     # closing the first session leaves the second recording
@@ -112,6 +120,7 @@ def two_engines(rank: int, world: int) -> dict[str, Any]:
     sub_gpt.close()  # idempotent
     sub_reg.close()
     out["tap_after_last_close"] = current_tap() is not None
+    out["torch_tap_after_last_close"] = torch_tap.current_tap() is not None
     after = dict(vars(cdb))
     out["restored_keys"] = sorted(set(after) ^ set(before))
     out["restored_identical"] = [k for k in before if after.get(k) is not before[k]]
@@ -172,9 +181,19 @@ def described(rank: int, world: int) -> dict[str, Any]:
             "pipe_params": pipe.model_params, "gpt_params": sum(p.numel() for p in TinyGPT().parameters())}
 
 
+def both(rank: int, world: int) -> dict[str, Any]:
+    """One spawn for the whole file: starting ranks that import DeepSpeed is most of its time."""
+    return {"engines": two_engines(rank, world), "described": described(rank, world)}
+
+
 @pytest.fixture(scope="module")
-def engines() -> list[dict[str, Any]]:
-    return run_ranks(two_engines, 2)
+def ranks() -> list[dict[str, Any]]:
+    return run_ranks(both, 2)
+
+
+@pytest.fixture(scope="module")
+def engines(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r["engines"] for r in ranks]
 
 
 def _grad_bytes(records: list[tuple[str, str, int]]) -> int:
@@ -192,6 +211,13 @@ def test_each_engine_records_its_own_calls_in_its_active_block(engines: list) ->
         assert r["group_desc"] == "dp", "the group DeepSpeed made for the first engine carries its lagom name"
 
 
+def test_calls_past_deepspeed_comm_are_recorded_once_by_the_torch_tap(engines: list) -> None:
+    for r in engines:
+        gpt_rec, reg_rec = r["direct_and_ds"]
+        assert gpt_rec == [] and reg_rec == [("dp", "all_reduce", 24)] * 2
+        assert r["probe"] == [4.0] * 6
+
+
 def test_calls_outside_any_active_block_reach_every_session(engines: list) -> None:
     for r in engines:
         gpt_rec, reg_rec = r["gpt_shared"]
@@ -207,7 +233,7 @@ def test_closing_the_first_session_keeps_the_second_recording(engines: list) -> 
 
 def test_closing_the_last_session_restores_the_backend_exactly(engines: list) -> None:
     for r in engines:
-        assert not r["tap_after_last_close"]
+        assert not r["tap_after_last_close"] and not r["torch_tap_after_last_close"]
         assert r["restored_keys"] == [] and r["restored_identical"] == [] and r["own_methods_left"] == []
         assert r["reg_after_last_close"] == [[]], "nothing records once every session is closed"
 
@@ -221,8 +247,8 @@ def test_a_replaced_backend_is_followed(engines: list) -> None:
         assert r["replacement_restored"]
 
 
-def test_describe_on_two_ranks() -> None:
-    for r in run_ranks(described, 2):
+def test_describe_on_two_ranks(ranks: list[dict[str, Any]]) -> None:
+    for r in (out["described"] for out in ranks):
         assert r["dp"] == (2, 4, 16, 2)  # DeepSpeed: micro = 16 / (2 ranks x 2 accumulation steps)
         assert r["pipe"] == (2, 1, 2, 64, 16, 4)  # both stages' blocks counted; global = 2 x 2 x dp 1
         assert r["pipe_params"] == r["gpt_params"]
