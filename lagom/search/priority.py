@@ -250,7 +250,7 @@ def search(problem: Problem, evaluator: Evaluator, start: SearchResult | None = 
             changed.add(key)
         else:
             notes[key] = "kept NCCL's choice: no candidate improved the step"
-    blocking = _blocking(problem)
+    blocking = blocked_together(problem)
     for key in revisits(blocking, order, changed):
         cur, checks, comm_bound = tuning.checks(key, tuning.best.per_key())
         tuning.apply(key, cur, checks[:REVISIT_CHECKS], comm_bound, "revisited after a collective blocking the "
@@ -323,7 +323,7 @@ class _Tuning:
 Blocking = tuple[list[set[str]], dict[str, str]]  # key sets blocking one segment each; each key's communicator
 
 
-def _blocking(problem: Problem) -> Blocking:
+def blocked_together(problem: Problem) -> Blocking:
     """The sets of keys whose collectives block one compute segment (or one phase's end) of one device, and
     each key's communicator."""
     key_of: dict[tuple, str] = {}  # (group, collective, bytes) -> key, as OverlapPoint.key but built once
