@@ -75,11 +75,12 @@ class _CriticalPath:
         for j in range(len(ix.points)):
             if j in relaxed:
                 self._relaxed(j)
-            else:
-                if ix.after[j] is not None:
-                    self._after_end(("seg", *ix.after[j]), ("comm", j))
-                if ix.before[j] is not None:
-                    self._after_end(("comm", j), ("seg", *ix.before[j]))
+                continue
+            after, before = ix.after[j], ix.before[j]
+            if after is not None:
+                self._after_end(("seg", *after), ("comm", j))
+            if before is not None:
+                self._after_end(("comm", j), ("seg", *before))
 
     def _after_end(self, u: tuple, v: tuple) -> None:
         self.edges[u].append((v, self.duration[u]))
@@ -88,17 +89,18 @@ class _CriticalPath:
         """The waits a collective keeps in both forms, plain and decomposed (see the module docstring)."""
         ix, comm = self.ix, ("comm", j)
         p = ix.points[j]
-        fused = ("seg", p.device, ix.fuse[j])
+        after, before, fused = ix.after[j], ix.before[j], (p.device, ix.fuse[j])
+        gemm = ("seg", *fused)
         if p.collective == Collective.ALL_GATHER:
-            if ix.after[j] is not None:
-                self._after_end(("seg", *ix.after[j]), comm)
-            if ix.before[j] == fused[1:]:  # the GEMM it feeds ends after it
-                self.edges[comm].append((fused, self.duration[comm] - self.duration[fused]))
+            if after is not None:
+                self._after_end(("seg", *after), comm)
+            if before == fused:  # the GEMM it feeds ends after it
+                self.edges[comm].append((gemm, self.duration[comm] - self.duration[gemm]))
         else:
-            if ix.after[j] == fused[1:]:  # it may start with the GEMM that produces it
-                self.edges[fused].append((comm, 0.0))
-            if ix.before[j] is not None:
-                self._after_end(comm, ("seg", *ix.before[j]))
+            if after == fused:  # it may start with the GEMM that produces it
+                self.edges[gemm].append((comm, 0.0))
+            if before is not None:
+                self._after_end(comm, ("seg", *before))
 
     def length(self) -> float:
         """The latest end over all tasks, every task starting as early as its waits allow (Kahn's order)."""
