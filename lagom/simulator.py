@@ -41,7 +41,7 @@ from lagom.cost_model import CostModel, RunningComm
 from lagom.errors import LagomError
 from lagom.lowering import COMPUTE, END, Lowering, Shape, split_of
 from lagom.phase_index import SLOT, PhaseIndex
-from lagom.points import ComputeSegment, StepGraph
+from lagom.points import Collective, ComputeSegment, StepGraph
 
 EPS = 1e-12
 DONE = 1e-9  # a task whose remaining fraction falls to this is finished
@@ -297,7 +297,7 @@ class _Task:
     """A task of this run: its shape and where it stands."""
 
     __slots__ = ("queue", "pos", "shape", "comm", "device", "devices", "deps", "config", "cost", "key", "seq", "start",
-                 "rem", "since", "dur", "rate", "version", "exposed", "solo", "rated", "util", "cross")
+                 "rem", "since", "dur", "rate", "version", "exposed", "solo", "rated", "util", "cross", "one_way")
 
     def __init__(self, queue: int, pos: int, shape: Shape, run: _PhaseRun) -> None:
         self.queue, self.pos, self.shape = queue, pos, shape
@@ -305,6 +305,8 @@ class _Task:
         self.key: str = shape.cost[0] if shape.comm else ""
         self.config: CommConfig | None = run.config(self.key) if shape.comm else None
         self.cross = shape.comm and run.ix.points[shape.point].group.nodes > 1  # uses the node's NIC
+        # a pipeline send uses its NIC one way only (out of its device, into its peer); collectives both ways
+        self.one_way = shape.comm and not shape.cost[1] and shape.coll == Collective.SEND_RECV
         self.seq = 0
         self.start = -1.0
         self.rem = 1.0  # remaining fraction at time ``since``
@@ -554,7 +556,8 @@ class _PhaseRun:
                         if c.cross:  # collectives of other communicators crossing nodes share the NIC
                             on_nic = 0
                             for other in comms_on[dd]:
-                                if other.cross:
+                                if other.cross and (not (c.one_way and other.one_way)
+                                                    or (c.device == dd) == (other.device == dd)):
                                     on_nic += 1
                             if on_nic > sharing:
                                 sharing = on_nic

@@ -159,14 +159,26 @@ def _duration(task: Task, model: CostModel, compute_on: dict[int, Task], comms_o
               comm_rates: dict[int, float]) -> float:
     if task.is_comm:
         util = max((model.hbm_util(compute_on[d].segment) for d in task.devices if d in compute_on), default=0.0)
-        # collectives of other communicators crossing nodes at the same time share the NIC equally
-        crossing = max((sum(c.point.group.nodes > 1 for c in comms_on.get(d, ())) for d in task.devices), default=1)
+        # collectives of other communicators crossing nodes at the same time share the NIC equally; two
+        # pipeline sends share it only when both leave (or both enter) the device
+        crossing = max((sum(c.point.group.nodes > 1 and _same_way(task, c, d) for c in comms_on.get(d, ()))
+                        for d in task.devices), default=1)
         share = 1.0 / max(1, crossing) if task.point.group.nodes > 1 else 1.0
         if task.coll != task.point.collective:
             return model.p2p_step_time(task.point.group, task.nbytes, task.config, util, share)
         return model.comm_time(task.coll, task.point.group, task.nbytes, task.config, util, share)
     running = tuple(RunningComm(c.config, comm_rates.get(c.id, 0.0), _ctas(c, model)) for c in comms_on.get(task.device, ()))
     return model.compute_time(task.segment, running)
+
+
+def _one_way(task: Task) -> bool:
+    return task.coll == Collective.SEND_RECV and task.point.collective == Collective.SEND_RECV
+
+
+def _same_way(task: Task, other: Task, device: int) -> bool:
+    if not (_one_way(task) and _one_way(other)):
+        return True
+    return (task.device == device) == (other.device == device)
 
 
 def _ctas(task: Task, model: CostModel) -> int:

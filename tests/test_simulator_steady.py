@@ -72,8 +72,10 @@ def test_skipping_periods_does_not_change_the_step(case):
 
 def test_skipped_periods_still_have_their_collectives_timed():
     """Per-point timings of an exactly repeating steady state: skipped collectives are placed a whole
-    number of periods after the simulated ones, as the full simulation places them."""
-    problem = job("bert-pp4", 32)
+    number of periods after the simulated ones, as the full simulation places them. (bert-pp4 no longer
+    repeats exactly: its stages' forward and backward sends share each host's one NIC, so its pipeline
+    converges geometrically; gpt3-13b-pp4's does repeat.)"""
+    problem = job("gpt3-13b-pp4", 40)
     configs = nccl_configs(problem)
     full = Simulator(problem.graph).run(configs, problem.model, extrapolate=False).phases[0].points
     fast = Simulator(problem.graph).run(configs, problem.model).phases[0].points
