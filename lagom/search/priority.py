@@ -302,9 +302,9 @@ class _Tuning:
 
     def joint(self, first: str, second: str) -> None:
         """Move two keys together: each one's best JOINT_WIDTH candidates (ranked as in the first pass, with
-        the exposure they have now), every pairing. Two collectives that hold up the same compute may only pay off together (SMs they give
-        back free a wave of a GEMM only when both give them back; a faster one is no use while the other
-        still blocks)."""
+        the exposure they have now), every pairing. Two collectives that hold up the same compute may only
+        pay off together: the SMs they take free a wave of a GEMM only when both give them back, and a
+        faster one is no use while the other still blocks."""
         per_key = self.best.per_key()
         choices = {key: [cfg for _, cfg in self.checks(key, per_key)[1][:JOINT_WIDTH]] for key in (first, second)}
         chosen = None
