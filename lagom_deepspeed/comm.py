@@ -144,7 +144,8 @@ class Subscription:
         self.names = names
         self.recorder: Any = None
         self.decompose: Decomposer | None = None
-        self.torch_tap: torch_tap.Subscription | None = None  # calls that bypass deepspeed.comm
+        # calls that bypass deepspeed.comm: recorded from ``attach`` on, under the same active() rule
+        self.torch_tap: torch_tap.Subscription | None = torch_tap.subscribe(names, None)
         self.closed = False
 
     def attach(self, recorder: Any, decompose: Decomposer | None = None) -> None:
@@ -152,8 +153,8 @@ class Subscription:
         self.recorder, self.decompose = recorder, decompose
         self.tap.follow(_current_backend())
         self.tap.refresh()
-        if self.torch_tap is None:
-            self.torch_tap = torch_tap.subscribe(self.names, recorder)
+        if self.torch_tap is not None:
+            self.torch_tap.recorder = recorder
 
     @contextmanager
     def active(self) -> Iterator[None]:

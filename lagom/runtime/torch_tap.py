@@ -196,9 +196,10 @@ class TorchTap:
                 _tap = None
 
     def receivers(self) -> tuple[Subscription, ...]:
-        """Who records a call made now: the active session, else every session; each only inside a step."""
+        """Who records a call made now: the active session, else every session; each only inside a step
+        (and once it has a recorder)."""
         candidates = self.active[-1:] if self.active else self.subscriptions
-        return tuple(s for s in candidates if s.recorder.in_step)
+        return tuple(s for s in candidates if s.recorder is not None and s.recorder.in_step)
 
     # -- hooks ------------------------------------------------------------------------------------
     def _install(self) -> None:
@@ -299,8 +300,9 @@ def current_tap() -> TorchTap | None:
 def subscribe(names: GroupNamer, recorder: Any) -> Subscription | None:
     """Record every torch.distributed call of this process into ``recorder`` (see the module docstring).
 
-    ``names`` gives a process group's plan name. Returns None, after one warning, where this torch
-    has no process-group hooks. ``close`` the subscription when the session ends.
+    ``names`` gives a process group's plan name; ``recorder`` may be set later (``subscription.recorder``),
+    nothing is recorded for the session before. Returns None, after one warning, where this torch has
+    no process-group hooks. ``close`` the subscription when the session ends.
     """
     global _tap
     if not available():
