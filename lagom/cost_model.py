@@ -218,16 +218,16 @@ class CostModel:
 
     def _nvls_time(self, coll: Collective, group: Group, nbytes: int, cfg: CommConfig, link_bw: float,
                    slow: float) -> float:
-        """NVLink SHARP: the switch reduces, so each GPU's link carries the buffer once each way; NCCL's
-        per-channel rate is the link's channel rate x its NVLS efficiency x (channels - 1) / channels."""
+        """NVLink SHARP: the switch reduces, so each GPU's link carries the buffer once each way, at NCCL's
+        NVLS efficiency x (channels - 1) / channels of what the channels (or the link) move."""
         nccl, c = self.hw.nccl, self.hw.cluster
         if not c.nvls or nccl.nvls_efficiency <= 0:
             raise ConfigError(f"hardware {self.hw.name}: cluster.nvls", "NVLS is planned but this machine has no NVLink SHARP",
                               "leave nvls out of the search space or set cluster.nvls and nccl.nvls_efficiency")
         _, factor = ring_shape(coll, group.size, Algorithm.NVLS)
         channels = max(2, cfg.channels)  # NCCL needs two NVLS channels
-        per_channel = nccl.channel_gbps["nvlink"] * GB * nccl.nvls_efficiency * (channels - 1) / channels / slow
-        return nbytes * factor / min(link_bw, channels * per_channel)
+        efficiency = nccl.nvls_efficiency * (channels - 1) / channels
+        return nbytes * factor / (min(link_bw, channels * nccl.channel_gbps["nvlink"] * GB / slow) * efficiency)
 
     def _copy_engine_time(self, coll: Collective, group: Group, nbytes: int, link_bw: float) -> float:
         """Copy-engine all-gather / all-to-all: one copy per peer, at the copy engines' rate."""

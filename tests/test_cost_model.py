@@ -49,7 +49,7 @@ def test_ll_bandwidth_is_capped_at_llmaxbw():
     model, group = CostModel(A100), Group("tp", 8, 8, 1)
     nbytes = GIB
     cfg = CommConfig(protocol=Protocol.LL, channels=64)
-    # half of the 300 GB/s link is 150 GB/s of payload, above Ampere's single-node LL cap of 87.7 GB/s
+    # half of NCCL's 240 GB/s A100 NVLink is 120 GB/s of payload, above Ampere's single-node LL cap of 87.7 GB/s
     expected = (6.6 + 7 * 0.6) * 1e-6 + nbytes * 7 / 8 / 87.7e9
     assert model.comm_time(AG, group, nbytes, cfg) == pytest.approx(expected, rel=1e-12)
 
@@ -79,8 +79,8 @@ def test_small_messages_run_on_fewer_channels_and_only_those_take_sms():
 def test_efficiency_policy_keeps_the_channels_that_add_bandwidth():
     model, group = CostModel(A100), Group("tp", 8, 8, 1)
     cfg = CommConfig(channels=32, cta_policy=CTAPolicy.EFFICIENCY)
-    # 300 GB/s link / 20 GB/s per NVLink channel = 15 channels
-    assert model.launch_shape(AG, group, GIB, cfg) == (15, 512)
+    # 240 GB/s link / 20 GB/s per NVLink channel = 12 channels
+    assert model.launch_shape(AG, group, GIB, cfg) == (12, 512)
 
 
 def test_tree_all_reduce_halves_what_the_nic_carries_on_two_nodes():
@@ -99,8 +99,8 @@ def test_tree_all_reduce_halves_what_the_nic_carries_on_two_nodes():
 def test_nvls_each_gpu_carries_the_buffer_once():
     model, nbytes = CostModel(H100), GIB
     cfg = CommConfig(algorithm=Algorithm.NVLS, channels=16)
-    per_channel = 36e9 * 0.85 * 15 / 16
-    expected = 25e-6 + nbytes * 7 / 8 / min(450e9, 16 * per_channel)
+    # 16 channels x 36 GB/s exceed NCCL's 370.8 GB/s NVLink4 figure: the link, at 0.85 x 15/16 of it
+    expected = 25e-6 + nbytes * 7 / 8 / (370.8e9 * 0.85 * 15 / 16)
     assert model.comm_time(AR, Group("tp", 8, 8, 1), nbytes, cfg) == pytest.approx(expected, rel=1e-12)
 
 
@@ -152,7 +152,7 @@ def test_all_to_all_peak_counts_the_cross_node_path():
     group = Group("ep", 16, 8, 2)
     # 8 of 15 peers are off-node: 8/16 of the buffer over 1/8 of the node's 12.5 GB/s NIC
     off = nbytes * 8 / 16 / (12.5e9 / 8)
-    on = nbytes * 7 / 16 / 300e9
+    on = nbytes * 7 / 16 / 240e9
     assert model.comm_peak_time(A2A, group, nbytes) == pytest.approx(max(off, on), rel=1e-12)
 
 
