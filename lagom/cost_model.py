@@ -260,14 +260,21 @@ class CostModel:
                           round(compute_hbm_util, 2), nic_share)
 
     def comm_peak_time(self, coll: Collective, group: Group, nbytes: int) -> float:
-        """The physical limit: bus bytes at the link's peak, no latency (all-to-all: its NIC path too)."""
+        """The physical limit: bus bytes at the link's peak, no latency (all-to-all: its NIC path too;
+        all-reduce across nodes: the tree's, where its NIC carries less than the ring's)."""
         if group.size <= 1:
             return 0.0
         _, factor = ring_shape(coll, group.size, "ring")
         link_bw, _, _ = self._links(group, "p2p")
         if coll == Collective.ALL_TO_ALL and group.nodes > 1:
             link_bw = self._alltoall_link(group, nbytes, self._within_bw(group, "p2p"), 1.0)
-        return nbytes * factor / link_bw
+        peak = nbytes * factor / link_bw
+        if coll == Collective.ALL_REDUCE and group.nodes >= max(2, self.hw.nccl.tree_min_nodes):
+            c = self.hw.cluster
+            chain = 2 * nbytes / self._within_bw(group, "p2p") if group.ranks_per_node > 1 else 0.0
+            nic = c.inter.gbps * GB * group.ranks_per_node / c.gpus_per_node
+            peak = min(peak, max(chain, 2 * nbytes * (group.nodes - 1) / group.nodes / nic))
+        return peak
 
     def comm_hbm_rate(self, coll: Collective, group: Group, nbytes: int, seconds: float) -> float:
         """HBM traffic (B/s) one GPU sees while the collective runs: payload times reads and writes."""

@@ -94,6 +94,7 @@ def test_tree_all_reduce_halves_what_the_nic_carries_on_two_nodes():
     latency = (8.4 + 2 * (7 * 4.0 + 14.0)) * 1e-6
     assert tree == pytest.approx(latency + fill + nbytes / 12.5e9, rel=1e-12)
     assert ring > 1.8 * (tree - latency - fill)  # the ring's NIC carries 2 (n-1)/n = 1.875 buffers
+    assert model.comm_peak_time(AR, group, nbytes) == pytest.approx(nbytes / 12.5e9, rel=1e-12)  # the tree's
 
 
 def test_nvls_each_gpu_carries_the_buffer_once():
