@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 from lagom.capability import Capability, capability_for
-from lagom.comm_config import CTAPolicy
+from lagom.comm_config import CTAPolicy, ProcessSettings, with_process
 from lagom.errors import ConfigError
 from lagom.hardware import Hardware
 from lagom.plan import Plan, PlanEntry
@@ -186,20 +188,36 @@ def registration(problem: Problem, result: SearchResult) -> list[dict]:
             for _, row in sorted(by_group.items())]
 
 
+def _process_of(problem: Problem, res: SearchResult) -> ProcessSettings:
+    """The per-process values a result was searched under; for a result built without them (configs kept
+    from a running plan), the values most of its keys have."""
+    if res.process is not None:
+        return res.process
+    values: dict[str, Any] = {}
+    for name in problem.cap.process_fields():
+        counts = Counter(getattr(c, name) for c in res.configs.values())
+        if counts:
+            values[name] = counts.most_common(1)[0][0]
+    return replace(problem.settings, **values)
+
+
 def plan_from(tuned: Tuned, wl: Workload, hw: Hardware, predicted: dict[str, float]) -> Plan:
+    """The plan of a search result. Every entry runs the per-process values (NCCL reads them once per
+    process), so the plan holds them once."""
     res = tuned.result
     problem = tuned.problem
+    process = _process_of(problem, res)
     per_key = res.result.per_key()
     entries = []
     for key, points in problem.keys.items():
         p = points[0]
         row = per_key.get(key, {})
+        config = with_process(res.configs[key], p, hw, process, problem.cap.process_fields())
         entries.append(PlanEntry(
             key=key, group=p.group.name, group_size=p.group.size, group_nodes=p.group.nodes,
             collective=p.collective.value, bytes=p.bytes, count=int(row.get("count", len(points))),
-            points=[q.name for q in points[:MAX_POINT_NAMES]], config=res.configs[key], note=res.notes.get(key, ""),
+            points=[q.name for q in points[:MAX_POINT_NAMES]], config=config, note=res.notes.get(key, ""),
             predicted_comm_s=row.get("time", 0.0), predicted_exposed_s=row.get("exposed", 0.0)))
-    process = res.process or problem.settings
     return Plan(workload=wl.name, workload_fingerprint=wl.fingerprint(), hardware=hw.name,
                 hardware_fingerprint=hw.fingerprint(), world_size=wl.world_size, strategy=res.strategy,
                 entries=entries, predicted_step_s=predicted, evaluations=res.evaluations,

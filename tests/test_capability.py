@@ -29,7 +29,7 @@ from lagom.runtime import apply
 from lagom.runtime.session import SessionOptions, TuningSession
 from lagom.search import Problem, SearchResult, run_strategy
 from lagom.search.base import groups
-from lagom.tune import make_plan, registration
+from lagom.tune import Tuned, make_plan, plan_from, problem_for, registration
 from lagom.workload import load_workload
 from tests.helpers import gpt_workload, synthetic_problem, write_yaml
 
@@ -127,10 +127,6 @@ def applicable(problem: Problem, found: SearchResult) -> list[str]:
     return wrong
 
 
-capabilities = st.builds(Capability, st.sampled_from(["2.26", "2.27", "2.28", "2.30.7"]), st.booleans(),
-                         st.booleans(), st.booleans())
-
-
 @st.composite
 def small_problems(draw):
     hardware = draw(st.sampled_from(["a40-2x8-nvlink", "h100-sxm-8x-400g"]))
@@ -139,7 +135,9 @@ def small_problems(draw):
                "group": draw(st.sampled_from(["dp", "tp"]))} for j in range(3)]
     segments = [(draw(st.floats(0.05, 2.0)), draw(st.floats(1.0, 300.0)), 300) for _ in range(5)]
     base = synthetic_problem(segments, points, hardware=hardware)
-    return Problem(base.graph, base.hw, SPACE, capability=draw(capabilities))
+    cap = Capability(draw(st.sampled_from(["2.26", "2.27", "2.28", "2.30.7"])), draw(st.booleans()),
+                     nvls=base.hw.cluster.nvls, nvlink_domain=draw(st.booleans()))
+    return Problem(base.graph, base.hw, SPACE, capability=cap)
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -193,6 +191,17 @@ def test_entries_that_disagree_on_a_per_process_knob_are_refused(tmp_path):
         replace(plan, entries=entries, process={})
     with pytest.raises(ConfigError, match=r"entries\[0\]\.config\.threads: 128 differs from the plan's per-process"):
         replace(plan, entries=entries)
+
+
+def test_a_result_without_its_process_values_runs_the_ones_most_keys_have(tmp_path):
+    """E.g. configs kept from a running plan beside NCCL's for new keys: the plan holds one value."""
+    wl, hw = tiny_job(tmp_path)
+    problem = problem_for(wl, hw, Capability("2.30.7", True, False, True))
+    found = run_strategy("nccl", problem)
+    keys = list(found.configs)
+    mixed = {k: replace(c, threads=256 if i else 128) for i, (k, c) in enumerate(found.configs.items())}
+    plan = plan_from(Tuned(wl, problem, replace(found, configs=mixed, process=None)), wl, hw, {"nccl": 1.0})
+    assert len(keys) > 2 and plan.process["threads"] == 256 and {e.config.threads for e in plan.entries} == {256}
 
 
 def test_zero_policy_and_nvls_reach_the_communicator_config_and_the_registration(tmp_path):
