@@ -97,14 +97,18 @@ class CostModel:
                               "add one, or leave the protocol out of the search space")
         return proto
 
+    def channel_peak(self, group: Group, cfg: CommConfig) -> float:
+        """B/s one channel moves while a chunk is on the wire (its threads copying, its slowest link)."""
+        n = self.hw.nccl
+        _, _, kind = self._links(group, cfg.transport)
+        peak = n.channel_gbps[kind] * GB * min(1.0, cfg.threads / n.threads_saturation)
+        return min(peak, n.shm_gbps * GB) if cfg.transport == "shm" else peak
+
     def channel_bandwidth(self, group: Group, cfg: CommConfig, chunk: float) -> float:
         """B/s of one channel: a pipeline of chunk steps, each paying a synchronisation overhead."""
         n = self.hw.nccl
-        _, lat, kind = self._links(group, cfg.transport)
-        peak = n.channel_gbps[kind] * GB * min(1.0, cfg.threads / n.threads_saturation)
-        if cfg.transport == "shm":
-            peak = min(peak, n.shm_gbps * GB)
-        step = chunk / peak + n.step_overhead_us * US + (lat if group.nodes > 1 else 0.0)
+        _, lat, _ = self._links(group, cfg.transport)
+        step = chunk / self.channel_peak(group, cfg) + n.step_overhead_us * US + (lat if group.nodes > 1 else 0.0)
         return chunk / step
 
     # -- communication: what NCCL launches
@@ -195,8 +199,9 @@ class CostModel:
         # A channel carries 1/channels of each step's slice; small messages use smaller chunks.
         chunk = max(1024.0, min(float(cfg.chunk_bytes), bus / max(1, steps) / channels))
         ch_bw = self.channel_bandwidth(group, run, chunk) / slow
-        # A network chunk is forwarded whole through each stage of the proxy path: the first one fills it.
-        fill = (self.hw.nccl.net_pipeline_stages - 1) * chunk / ch_bw if group.nodes > 1 else 0.0
+        # A network chunk is forwarded whole through each stage of the proxy path: the first one fills it
+        # (its transmission only: the steps' latencies are NCCL's latency above).
+        fill = (self.hw.nccl.net_pipeline_stages - 1) * chunk / self.channel_peak(group, run) * slow if group.nodes > 1 else 0.0
         if cfg.algorithm == Algorithm.TREE and coll == Collective.ALL_REDUCE and group.nodes > 1:
             return latency + fill + self._tree_time(group, nbytes, run, ch_bw, nic_share)
         bw = self._protocol_bandwidth(min(link_bw, channels * ch_bw), run, channels, group.nodes)

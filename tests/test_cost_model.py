@@ -36,6 +36,20 @@ def test_each_protocol_has_its_own_base_and_step_latency():
     assert got[Protocol.SIMPLE] == pytest.approx((8.4 + 7 * 3.4) * 1e-6, rel=1e-12)
 
 
+def test_a_tiny_all_reduce_across_nodes_costs_nccls_latency():
+    # 8 bytes, tree LL, 16 ranks on 2 H100 nodes: 6.8 + 2 (7 x 0.6 + 5.0) us, plus the network fill of a
+    # 1 KiB chunk (two transmissions on one 64-thread IB channel: 6 GB/s x 64/256) and the tree's 2 x 8
+    # bytes through that channel (a 1 KiB step also pays 3 us overhead and 5 us network latency) at
+    # NCCL's tree factor 0.92 and LL's half rate
+    model = CostModel(load_hardware("h100-sxm-4x8-400g"))
+    group, cfg = Group("dp", 16, 8, 2), CommConfig(algorithm=Algorithm.TREE, protocol=Protocol.LL, channels=32)
+    assert model.launch_shape(AR, group, 8, cfg) == (1, 64)
+    got = model.comm_time(AR, group, 8, cfg)
+    peak = 6e9 * 64 / 256
+    channel = 1024 / (1024 / peak + 3e-6 + 5e-6) * 0.92 * 0.5
+    assert got == pytest.approx(25.2e-6 + 2 * 1024 / peak + 2 * 8 / channel, rel=1e-12)
+
+
 def test_tree_latency_is_a_chain_per_node_and_log_nodes_across():
     model = CostModel(A100X2)
     lat = model.latency(AR, Group("dp", 16, 8, 2), CommConfig(algorithm=Algorithm.TREE))
@@ -88,8 +102,7 @@ def test_tree_all_reduce_halves_what_the_nic_carries_on_two_nodes():
     ring = model.comm_time(AR, group, nbytes, CommConfig(channels=16))
     tree = model.comm_time(AR, group, nbytes, CommConfig(algorithm=Algorithm.TREE, channels=16))
     chunk = 2 * 2**20
-    ch_bw = chunk / (chunk / 6e9 + 3e-6 + 5e-6)  # an IB channel: chunk time + step overhead + network latency
-    fill = 2 * chunk / ch_bw  # three store-and-forward stages: two chunks before the pipe flows
+    fill = 2 * chunk / 6e9  # three store-and-forward stages: two chunks' transmission on a 6 GB/s IB channel
     # each node's NIC carries 2 (N-1)/N = 1 buffer per direction at 12.5 GB/s
     latency = (8.4 + 2 * (7 * 4.0 + 14.0)) * 1e-6
     assert tree == pytest.approx(latency + fill + nbytes / 12.5e9, rel=1e-12)
