@@ -110,6 +110,8 @@ def call_sizes(kind: Kind, inputs: list[torch.Tensor], outputs: list[torch.Tenso
     counted = inputs if kind.counted == "input_tensors" else outputs
     if not counted:  # broadcast and reduce carry the buffer on whichever side the backend fills
         counted = outputs if counted is inputs else inputs
+    if len(counted) == 1:  # the usual case, kept cheap: this runs on every recorded call
+        return [counted[0].numel() * counted[0].element_size()]
     if kind.per_tensor and (not outputs or len(inputs) == len(outputs)):
         return [nbytes(t) for t in counted]
     return [sum(nbytes(t) for t in counted)]
@@ -153,6 +155,12 @@ class Subscription:
             self.tap.remove(self)
 
 
+class _Pending(threading.local):
+    """This thread's operation between its pre-hook and its post-hook."""
+
+    call: _Issued | None = None
+
+
 @dataclass(slots=True)
 class _Issued:
     """What a pre-hook saw, for the post-hook of the same operation."""
@@ -174,7 +182,7 @@ class TorchTap:
         self.subscriptions: list[Subscription] = []
         self.active: list[Subscription] = []  # innermost last
         self._hooked: dict[int, Any] = {}  # id -> group carrying this tap's hooks
-        self._issued = threading.local()  # .call: the _Issued awaiting its post-hook on this thread
+        self._issued = _Pending()
         self._register_original: Callable[..., Any] | None = None
         self._register_wrapper: Callable[..., Any] | None = None
         self._failed = False
@@ -199,7 +207,7 @@ class TorchTap:
         """Who records a call made now: the active session, else every session; each only inside a step
         (and once it has a recorder)."""
         candidates = self.active[-1:] if self.active else self.subscriptions
-        return tuple(s for s in candidates if s.recorder is not None and s.recorder.in_step)
+        return tuple([s for s in candidates if s.recorder is not None and s.recorder.in_step])
 
     # -- hooks ------------------------------------------------------------------------------------
     def _install(self) -> None:
@@ -248,11 +256,11 @@ class TorchTap:
             if claimed.depth or not subscriptions:
                 return
             try:
-                kind = kinds.get(args.name)
+                kind = kinds.get(args.name)  # barriers, gather and scatter are not recorded
                 receivers = self.receivers() if kind is not None else ()
-                if receivers:
-                    sizes = call_sizes(kind, args.input_tensors, args.output_tensors)  # type: ignore[arg-type]
-                    issued.call = _Issued(args.op_id, group, kind.collective, sizes, receivers)  # type: ignore[union-attr]
+                if kind is not None and receivers:
+                    sizes = call_sizes(kind, args.input_tensors, args.output_tensors)
+                    issued.call = _Issued(args.op_id, group, kind.collective, sizes, receivers)
             except Exception as err:  # noqa: BLE001 - recording must never fail the job's call
                 self._fail(err)
 
@@ -262,7 +270,7 @@ class TorchTap:
         issued = self._issued
 
         def post_hook(args: Any) -> None:
-            call = getattr(issued, "call", None)
+            call = issued.call
             if call is None:
                 return
             issued.call = None
