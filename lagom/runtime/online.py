@@ -72,12 +72,14 @@ class CalibratedModel(CostModel):
             by_group.setdefault(TuningKey.parse(key).group, []).append(s)
         self._group_scale = {g: sum(v) / len(v) for g, v in by_group.items()}
 
-    def comm_time(self, coll: Collective, group: Group, nbytes: int, cfg: CommConfig, compute_hbm_util: float = 0.0) -> float:
+    def comm_time(self, coll: Collective, group: Group, nbytes: int, cfg: CommConfig, compute_hbm_util: float = 0.0,
+                  nic_share: float = 1.0) -> float:
         scale = self.comm_scale.get(str(TuningKey(group.name, coll.value, int(nbytes))), 1.0)
-        return super().comm_time(coll, group, nbytes, cfg, compute_hbm_util) * scale
+        return super().comm_time(coll, group, nbytes, cfg, compute_hbm_util, nic_share) * scale
 
-    def p2p_step_time(self, group: Group, nbytes: float, cfg: CommConfig, compute_hbm_util: float = 0.0) -> float:
-        return super().p2p_step_time(group, nbytes, cfg, compute_hbm_util) * self._group_scale.get(group.name, 1.0)
+    def p2p_step_time(self, group: Group, nbytes: float, cfg: CommConfig, compute_hbm_util: float = 0.0,
+                      nic_share: float = 1.0) -> float:
+        return super().p2p_step_time(group, nbytes, cfg, compute_hbm_util, nic_share) * self._group_scale.get(group.name, 1.0)
 
     def compute_solo(self, seg: ComputeSegment) -> float:
         return super().compute_solo(seg) * self.compute_scale
