@@ -104,12 +104,16 @@ class CostModel:
         peak = n.channel_gbps[kind] * GB * min(1.0, cfg.threads / n.threads_saturation)
         return min(peak, n.shm_gbps * GB) if cfg.transport == "shm" else peak
 
-    def channel_bandwidth(self, group: Group, cfg: CommConfig, chunk: float) -> float:
-        """B/s of one channel: a pipeline of chunk steps, each paying a synchronisation overhead."""
+    def channel_bandwidth(self, group: Group, cfg: CommConfig, chunk: float, bus: float, steps: int) -> float:
+        """B/s one channel sustains over a call: its share of the bus bytes at its wire rate, plus a
+        synchronisation overhead (across nodes also the network's latency) for every chunk after the
+        first of each algorithm step (NCCL's step latency already covers the first)."""
         n = self.hw.nccl
         _, lat, _ = self._links(group, cfg.transport)
-        step = chunk / self.channel_peak(group, cfg) + n.step_overhead_us * US + (lat if group.nodes > 1 else 0.0)
-        return chunk / step
+        share = bus / cfg.channels
+        chunks = math.ceil(share / chunk)
+        overhead = n.step_overhead_us * US + (lat if group.nodes > 1 else 0.0)
+        return share / (share / self.channel_peak(group, cfg) + max(0, chunks - steps) * overhead)
 
     # -- communication: what NCCL launches
     def uses_copy_engines(self, coll: Collective, cfg: CommConfig) -> bool:
@@ -198,7 +202,7 @@ class CostModel:
         bus = nbytes * factor
         # A channel carries 1/channels of each step's slice; small messages use smaller chunks.
         chunk = max(1024.0, min(float(cfg.chunk_bytes), bus / max(1, steps) / channels))
-        ch_bw = self.channel_bandwidth(group, run, chunk) / slow
+        ch_bw = self.channel_bandwidth(group, run, chunk, bus, steps) / slow
         # A network chunk is forwarded whole through each stage of the proxy path: the first one fills it
         # (its transmission only: the steps' latencies are NCCL's latency above).
         fill = (self.hw.nccl.net_pipeline_stages - 1) * chunk / self.channel_peak(group, run) * slow if group.nodes > 1 else 0.0

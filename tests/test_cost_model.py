@@ -39,14 +39,14 @@ def test_each_protocol_has_its_own_base_and_step_latency():
 def test_a_tiny_all_reduce_across_nodes_costs_nccls_latency():
     # 8 bytes, tree LL, 16 ranks on 2 H100 nodes: 6.8 + 2 (7 x 0.6 + 5.0) us, plus the network fill of a
     # 1 KiB chunk (two transmissions on one 64-thread IB channel: 6 GB/s x 64/256) and the tree's 2 x 8
-    # bytes through that channel (a 1 KiB step also pays 3 us overhead and 5 us network latency) at
-    # NCCL's tree factor 0.92 and LL's half rate
+    # bytes through that channel at its wire rate (one chunk per step: no overhead beyond NCCL's step
+    # latency) at NCCL's tree factor 0.92 and LL's half rate
     model = CostModel(load_hardware("h100-sxm-4x8-400g"))
     group, cfg = Group("dp", 16, 8, 2), CommConfig(algorithm=Algorithm.TREE, protocol=Protocol.LL, channels=32)
     assert model.launch_shape(AR, group, 8, cfg) == (1, 64)
     got = model.comm_time(AR, group, 8, cfg)
     peak = 6e9 * 64 / 256
-    channel = 1024 / (1024 / peak + 3e-6 + 5e-6) * 0.92 * 0.5
+    channel = peak * 0.92 * 0.5
     assert got == pytest.approx(25.2e-6 + 2 * 1024 / peak + 2 * 8 / channel, rel=1e-12)
 
 
@@ -128,6 +128,14 @@ def test_copy_engines_take_no_sms_but_still_move_hbm():
     assert model.comm_hbm_rate(AG, group, nbytes, t) == pytest.approx(nbytes * 7 / 8 * 2 / t)
     # reduce-scatter has no copy-engine version: it runs on SMs as under the default policy
     assert model.launch_shape(Collective.REDUCE_SCATTER, group, nbytes, cfg) == (16, 512)
+
+
+def test_chunks_after_the_first_of_each_step_pay_the_step_overhead():
+    model, group = CostModel(A40), Group("tp", 2, 2, 1)
+    cfg = CommConfig(channels=1, chunk_bytes=64 * 1024)
+    nbytes = 2**20  # one step of 512 KiB: 8 chunks, the first covered by NCCL's step latency
+    rate = nbytes / 2 / (nbytes / 2 / 15e9 + 7 * 3e-6)
+    assert model.comm_time(AG, group, nbytes, cfg) == pytest.approx((8.4 + 3.4) * 1e-6 + nbytes / 2 / rate, rel=1e-12)
 
 
 def test_chunk_size_costs_both_ways():
