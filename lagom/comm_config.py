@@ -220,16 +220,20 @@ def settable_subspaces(point: OverlapPoint, hw: Hardware,
     transport, the algorithm and protocol NCCL picks itself."""
     if _capability(space, hw).per_size:
         return subspaces(point, hw, space)
-    return list(dict.fromkeys(
-        (chosen.algorithm, chosen.protocol, transport) for transport in transports_for(point, hw, space)
-        for chosen in [nccl_choice(point, hw, replace(default_config(hw), transport=transport))]))
+    return list(dict.fromkeys((*nccl_pick(point, hw, transport), transport) for transport in transports_for(point, hw, space)))
+
+
+def nccl_pick(point: OverlapPoint, hw: Hardware, transport: Transport) -> tuple[Algorithm, Protocol]:
+    """The algorithm and protocol NCCL picks for a point on a transport when nothing sets them."""
+    chosen = nccl_choice(point, hw, replace(default_config(hw), transport=transport))
+    return chosen.algorithm, chosen.protocol
 
 
 def channels_for(algorithm: Algorithm, hw: Hardware, space: SearchSpace = SearchSpace()) -> list[int]:
-    """Channel counts a config of this algorithm can have: NVLS takes the communicator's NVLS CTAs
-    (NCCL's default when they cannot be set)."""
+    """Channel counts a config of this algorithm can have: NVLS takes the communicator's NVLS CTAs, or
+    NCCL's default (what NCCL runs when they are not set)."""
     if algorithm == Algorithm.NVLS:
-        return list(space.nvls_ctas) or [hw.nccl.default_channels]
+        return list(dict.fromkeys((*space.nvls_ctas, hw.nccl.default_channels)))
     return channel_choices(hw, space)
 
 
@@ -273,6 +277,19 @@ def with_process(cfg: CommConfig, point: OverlapPoint, hw: Hardware, process: Pr
     if "transport" in values:
         values["transport"] = transports_for(point, hw, replace(SearchSpace(), transports=(process.transport,)))[0]
     return replace(cfg, **values)
+
+
+def under_process(cfg: CommConfig, point: OverlapPoint, hw: Hardware, process: ProcessSettings,
+                  cap: Capability) -> CommConfig:
+    """``cfg`` as it runs under the process's values: ``with_process``, and where no tuner sets the
+    algorithm and protocol, the ones NCCL picks on the transport the process gives the point."""
+    out = with_process(cfg, point, hw, process, cap.process_fields())
+    if cap.per_size or out.decomposition == Decomposition.P2P or out.transport == cfg.transport:
+        return out
+    algorithm, protocol = nccl_pick(point, hw, out.transport)
+    if (algorithm == Algorithm.NVLS) != (out.algorithm == Algorithm.NVLS):  # NVLS CTAs are not channels
+        out = replace(out, channels=hw.nccl.default_channels)
+    return replace(out, algorithm=algorithm, protocol=protocol)
 
 
 COMMUNICATOR_KNOBS = ("cta_policy", "channels", "nvls_ctas", "priority")  # in the order they are settled

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from lagom.capability import Capability, capability_for
-from lagom.comm_config import CTAPolicy, ProcessSettings, with_process
+from lagom.comm_config import CTAPolicy, ProcessSettings, under_process
 from lagom.errors import ConfigError
 from lagom.hardware import Hardware
 from lagom.plan import Plan, PlanEntry
@@ -212,7 +212,7 @@ def plan_from(tuned: Tuned, wl: Workload, hw: Hardware, predicted: dict[str, flo
     for key, points in problem.keys.items():
         p = points[0]
         row = per_key.get(key, {})
-        config = with_process(res.configs[key], p, hw, process, problem.cap.process_fields())
+        config = under_process(res.configs[key], p, hw, process, problem.cap)
         entries.append(PlanEntry(
             key=key, group=p.group.name, group_size=p.group.size, group_nodes=p.group.nodes,
             collective=p.collective.value, bytes=p.bytes, count=int(row.get("count", len(points))),

@@ -66,7 +66,7 @@ def test_emitters_follow_the_plan(job):
     wl, hw, plan = job
     plan = copy.deepcopy(plan)
     tp = [e for e in plan.entries if e.group == "tp"]
-    tp[0].config = replace(tp[0].config, channels=3, priority=1)
+    tp[0].config = replace(tp[0].config, channels=3, priority=1, cta_policy="default")  # on SMs, inside the CTA range
     cfgs = yaml.safe_load(emit.megatron_nccl_yaml(plan))
     assert cfgs["tp"]["min_ctas"] == min(e.config.channels for e in tp) == 3
     assert cfgs["tp"]["max_ctas"] == max(e.config.channels for e in tp)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from lagom.comm_config import with_process
+from lagom.comm_config import under_process
 from lagom.errors import ConfigError
 from lagom.search import autoccl, exhaustive, nccl, priority
 from lagom.search.base import (
@@ -65,14 +65,13 @@ def search_process(strategy: Strategy, problem: Problem, evaluator: Evaluator,
     by ``objective`` (the step; AutoCCL: its collectives' time).
     """
     first = applicable(strategy, problem, evaluator, objective)
-    fields = problem.cap.process_fields()
     best, process = first, problem.settings
     for knob, values in problem.process_choices().items():
         for value in values:
             trial_process = replace(process, **{knob: value})
             if trial_process == process:
                 continue
-            configs = {k: with_process(cfg, problem.keys[k][0], problem.hw, trial_process, fields)
+            configs = {k: under_process(cfg, problem.keys[k][0], problem.hw, trial_process, problem.cap)
                        for k, cfg in first.configs.items()}
             result = evaluator.evaluate(configs)
             if objective(result) < objective(best.result):
