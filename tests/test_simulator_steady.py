@@ -71,17 +71,18 @@ def test_skipping_periods_does_not_change_the_step(case):
 
 
 def test_skipped_periods_still_have_their_collectives_timed():
-    """Per-point timings of an exactly repeating steady state: skipped collectives are placed a whole
-    number of periods after the simulated ones, as the full simulation places them. (bert-pp4 no longer
-    repeats exactly: its stages' forward and backward sends share each host's one NIC, so its pipeline
-    converges geometrically; gpt3-13b-pp4's does repeat.)"""
+    """Per-point timings of a skipped steady state: skipped collectives are placed whole periods (plus the
+    geometric transient) after the simulated ones, as the full simulation places them. The pipeline's
+    sends across nodes share each stage's NIC, so its state converges geometrically rather than repeating
+    exactly: each place is extrapolated to within the transient's first excess (about 2e-8 s here), far
+    below a period (milliseconds)."""
     problem = job("gpt3-13b-pp4", 40)
     configs = nccl_configs(problem)
     full = Simulator(problem.graph).run(configs, problem.model, extrapolate=False).phases[0].points
     fast = Simulator(problem.graph).run(configs, problem.model).phases[0].points
     assert [p.name for p in fast] == [p.name for p in full] and len(full) == len(problem.graph.points)
     for a, b in zip(fast, full):
-        assert (a.start, a.end, a.solo, a.exposed) == pytest.approx((b.start, b.end, b.solo, b.exposed), rel=1e-9, abs=1e-12)
+        assert (a.start, a.end, a.solo, a.exposed) == pytest.approx((b.start, b.end, b.solo, b.exposed), rel=1e-9, abs=1e-7)
 
 
 def test_cost_does_not_grow_with_micro_batches():
