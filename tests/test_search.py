@@ -78,13 +78,14 @@ def many_keys(n: int) -> Problem:
 
 def test_lagom_evaluations_grow_linearly_with_the_number_of_collectives():
     """Per run of the priority search a fixed number of checks per key; the per-process decision adds one
-    evaluation per per-process value and at most one more run, settling communicators a bounded number."""
+    evaluation per value tried on every collective at once and at most one more run, settling communicators
+    a bounded number."""
     counts = {}
     for n in (2, 4, 8, 16, 32, 64):
         problem = many_keys(n)
         assert len(problem.keys) == n
         counts[n] = run_strategy("lagom", problem).evaluations
-        screens = sum(len(values) - 1 for values in problem.process_choices().values())
+        screens = sum(len(values) for values in problem.step_wide_choices().values())
         runs = 2 * (1 + MAX_CHECKS_PER_KEY * n + settle_bound(problem))
         assert n < counts[n] <= runs + screens  # at least one check per key, at most a fixed number
     per_key = [(counts[n] - 1) / n for n in counts]

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
-from lagom.comm_config import under_process
+from lagom.comm_config import CommConfig, Decomposition, ProcessSettings, under_process
 from lagom.errors import ConfigError
+from lagom.points import OverlapPoint
 from lagom.search import autoccl, exhaustive, nccl, priority
 from lagom.search.base import (
     Evaluator,
@@ -60,30 +62,41 @@ def search_process(strategy: Strategy, problem: Problem, evaluator: Evaluator,
 
     The strategy runs under NCCL's per-process values; then each per-process knob in turn takes each of
     its values on every collective at once (one evaluation per value, the best kept: one pass of
-    coordinate descent); if that moved a value, the strategy runs once more under the new ones. The
-    evaluations stay the strategy's (linear in keys) twice, plus one per per-process value. Choices go
-    by ``objective`` (the step; AutoCCL: its collectives' time).
+    coordinate descent), and so does the chunk where it is set per size; if a per-process value moved,
+    the strategy runs once more under the new ones. The evaluations stay the strategy's (linear in keys)
+    twice, plus one per value tried step-wide. Choices go by ``objective`` (the step; AutoCCL: its
+    collectives' time).
     """
+    fields = problem.cap.process_fields()
     first = applicable(strategy, problem, evaluator, objective)
-    best, process = first, problem.settings
-    for knob, values in problem.process_choices().items():
+    best, process, uniform = first, problem.settings, dict[str, Any]()
+    for knob, values in problem.step_wide_choices().items():
         for value in values:
-            trial_process = replace(process, **{knob: value})
-            if trial_process == process:
+            trial_process = replace(process, **{knob: value}) if knob in fields else process
+            trial_uniform = uniform if knob in fields else {**uniform, knob: value}
+            if trial_process == process and trial_uniform == uniform:
                 continue
-            configs = {k: under_process(cfg, problem.keys[k][0], problem.hw, trial_process, problem.cap)
+            configs = {k: _step_wide(cfg, problem.keys[k][0], problem, trial_process, trial_uniform)
                        for k, cfg in first.configs.items()}
             result = evaluator.evaluate(configs)
             if objective(result) < objective(best.result):
-                notes = {k: f"{first.notes.get(k, '')}; per-process {knob}={value} (one value for every collective)"
+                scope = "per-process" if knob in fields else "step-wide"
+                notes = {k: f"{first.notes.get(k, '')}; {scope} {knob}={value} (one value for every collective)"
                          .lstrip("; ") for k in configs}
-                best, process = SearchResult(first.strategy, configs, result, evaluator.evaluations, notes,
-                                             trial_process), trial_process
+                best = SearchResult(first.strategy, configs, result, evaluator.evaluations, notes, trial_process)
+                process, uniform = trial_process, trial_uniform
     if process != problem.settings:
         again = applicable(strategy, problem.with_process(process), evaluator, objective)
         if objective(again.result) < objective(best.result):
             best = again
     return replace(best, evaluations=evaluator.evaluations)
+
+
+def _step_wide(cfg: CommConfig, point: OverlapPoint, problem: Problem, process: ProcessSettings,
+               uniform: dict[str, Any]) -> CommConfig:
+    """A key's config with the per-process values and, on the collectives NCCL runs, the step-wide ones."""
+    out = under_process(cfg, point, problem.hw, process, problem.cap)
+    return replace(out, **uniform) if uniform and out.decomposition == Decomposition.COLLECTIVE else out
 
 
 __all__ = ["STRATEGIES", "Evaluator", "Problem", "SearchResult", "SimulatedEvaluator", "run_strategy"]

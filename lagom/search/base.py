@@ -86,6 +86,13 @@ class Problem:
             choices["chunk_bytes"] = list(dict.fromkeys((self.settings.chunk_bytes, *space.chunks)))
         return choices
 
+    def step_wide_choices(self) -> dict[str, list]:
+        """The values the search tries on every collective at once: the per-process knobs', and the chunk
+        also where the tuner plugin sets it per size (one joint move the per-key strategies do not make)."""
+        choices = self.process_choices()
+        choices.setdefault("chunk_bytes", list(dict.fromkeys((self.settings.chunk_bytes, *self.open_space.chunks))))
+        return choices
+
     @cached_property
     def model(self) -> CostModel:
         return CostModel(self.hw)
