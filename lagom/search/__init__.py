@@ -63,8 +63,9 @@ def search_process(strategy: Strategy, problem: Problem, evaluator: Evaluator,
     The strategy runs under NCCL's per-process values; then each per-process knob in turn takes each of
     its values on every collective at once (one evaluation per value, the best kept: one pass of
     coordinate descent), and so does the chunk where it is set per size; if a per-process value moved,
-    the strategy runs once more under the new ones. The evaluations stay the strategy's (linear in keys)
-    twice, plus one per value tried step-wide. Choices go by ``objective`` (the step; AutoCCL: its
+    the strategy runs once more under the new ones (where the chunk is set per size, always, with the
+    step-wide chunk). The evaluations stay the strategy's (linear in keys) twice, plus one per value
+    tried step-wide. Choices go by ``objective`` (the step; AutoCCL: its
     collectives' time).
     """
     fields = problem.cap.process_fields()
@@ -85,10 +86,15 @@ def search_process(strategy: Strategy, problem: Problem, evaluator: Evaluator,
                          .lstrip("; ") for k in configs}
                 best = SearchResult(first.strategy, configs, result, evaluator.evaluations, notes, trial_process)
                 process, uniform = trial_process, trial_uniform
-    if process != problem.settings:
-        again = applicable(strategy, problem.with_process(process), evaluator, objective)
+    per_size_chunk = "chunk_bytes" not in fields
+    if process != problem.settings or per_size_chunk:
+        # where the chunk is set per size, the second run searches the step with one chunk (a subset of
+        # the per-size space the per-key strategies rank better in)
+        chunk = uniform.get("chunk_bytes", process.chunk_bytes)
+        narrow = problem.with_process(replace(process, chunk_bytes=chunk), one_chunk=per_size_chunk)
+        again = applicable(strategy, narrow, evaluator, objective)
         if objective(again.result) < objective(best.result):
-            best = again
+            best = replace(again, process=process)
     return replace(best, evaluations=evaluator.evaluations)
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Protocol
 
@@ -67,9 +67,11 @@ class Problem:
             raise ValueError("Problem.process is set in __post_init__")
         return self.process
 
-    def with_process(self, process: ProcessSettings) -> Problem:
-        """The same problem with other per-process values (graph, model and keys shared)."""
-        other = Problem(self.graph, self.hw, self.open_space, self.capability, process)
+    def with_process(self, process: ProcessSettings, one_chunk: bool = False) -> Problem:
+        """The same problem with other per-process values (graph, model and keys shared); ``one_chunk``
+        also narrows the chunk to the process's, where the plugin would let it vary per size."""
+        space = replace(self.open_space, chunks=(process.chunk_bytes,)) if one_chunk else self.open_space
+        other = Problem(self.graph, self.hw, space, self.capability, process)
         for shared in ("model", "keys"):
             if shared in self.__dict__:
                 other.__dict__[shared] = self.__dict__[shared]
