@@ -69,9 +69,10 @@ def test_fit_recovers_latency_and_bandwidth_exactly():
         assert f["latency_us"] == pytest.approx(20.0, rel=1e-4) and f["gbps"] == pytest.approx(50.0, rel=1e-4), coll
     base = load_hardware(BASE)
     link = calibrate.link_override(fits, base)
-    # all_reduce has 14 steps of 20 us; less NCCL's 6.6 us per call spread over them and Simple's 3.4 us per step.
-    ar = (14 * 20.0 - base.nccl.base_latency_us) / 14 - base.nccl.protocols["Simple"].latency_us
-    per_step = sorted([ar] + [(20.0 * s - 6.6) / s - 3.4 for s in (7, 7, 1)])
+    # all_reduce has 14 steps of 20 us, the others 7, 7 and 1; less NCCL's ring Simple base latency per call
+    # spread over them and its per-step latency.
+    call_us, step_us = base.nccl.base_latency_us, base.nccl.protocols["Simple"].latency_us
+    per_step = sorted((20.0 * s - call_us) / s - step_us for s in (14, 7, 7, 1))
     assert link["gbps"] == pytest.approx(50.0, rel=1e-4)
     assert link["latency_us"] == pytest.approx((per_step[1] + per_step[2]) / 2, rel=1e-4)
 
