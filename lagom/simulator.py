@@ -30,6 +30,7 @@ cannot depend on those keys. A phase none of the changed keys started in is reus
 from __future__ import annotations
 
 import heapq
+import math
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -395,6 +396,7 @@ class _PhaseRun:
                 raw = self.model.p2p_step_time(group, t.shape.nbytes, t.config, util, share)  # type: ignore[arg-type]
             else:
                 raw = self.model.comm_time(t.shape.coll, group, t.shape.nbytes, t.config, util, share)  # type: ignore[arg-type]
+            self._check_duration(t, raw)
             if util == 0.0 and share == 1.0:
                 self.solo_memo[t.cost] = raw
             dur = self.comm_memo[key] = max(EPS, raw)
@@ -413,8 +415,17 @@ class _PhaseRun:
         dur = self.compute_memo.get(key)
         if dur is None:
             running = tuple(RunningComm(c.config, c.rate, self.ctas(c)) for c in beside)  # type: ignore[arg-type]
-            dur = self.compute_memo[key] = max(EPS, self.model.compute_time(_segment(t.cost), running))
+            raw = self.model.compute_time(_segment(t.cost), running)
+            self._check_duration(t, raw)
+            dur = self.compute_memo[key] = max(EPS, raw)
         return dur
+
+    def _check_duration(self, t: _Task, raw: float) -> None:
+        """A NaN would pass max(EPS, ...) as EPS and an infinity would stall the clock: both are cost-model
+        faults to name, never a step to report."""
+        if not (math.isfinite(raw) and raw >= 0.0):
+            raise LagomError(f"cost model gave duration {raw!r} for {self.lw.name(t.queue, t.pos)} "
+                             f"in phase {self.ix.phase.name}")
 
     def solo(self, t: _Task) -> float:
         """Alone on the GPU: comm with no compute beside it, compute with no comm."""
@@ -665,10 +676,15 @@ class _PhaseRun:
                 t = entry[3]
                 if entry[2] != t.version:
                     continue
-                if t.rem - (now - t.since) / t.dur <= DONE:
+                # an entry at or before now has ended by its own clock: the fraction alone would lose it
+                # where the task is shorter than DONE of a float step of now (now - since cancels)
+                if entry[0] <= now or t.rem - (now - t.since) / t.dur <= DONE:
                     finished.append(t)
                 else:
                     later.append(entry)
+            if not finished:  # the clock reached the earliest end and nothing ended: it would never move again
+                raise LagomError(f"simulation made no progress in phase {ix.phase.name} at {now!r} s: "
+                                 f"{[lw.name(e[3].queue, e[3].pos) for e in later[:4]]}")
             for entry in later:
                 heapq.heappush(heap, entry)
             for t in finished:

@@ -1,14 +1,16 @@
 """The cost model and the step simulator against values derived by hand from the same formulas."""
 
 import math
+import signal
 from dataclasses import replace
 
 import pytest
 
 from lagom.comm_config import CommConfig, default_config
 from lagom.cost_model import CostModel, RunningComm
+from lagom.errors import LagomError
 from lagom.hardware import load_hardware
-from lagom.points import Collective, ComputeSegment, Group
+from lagom.points import Collective, ComputeSegment, Group, OverlapPoint, Phase, StepGraph
 from lagom.simulator import simulate
 from tests.helpers import synthetic_problem
 
@@ -104,3 +106,49 @@ def test_reduce_scatter_decomposition_keeps_the_local_partial_last():
     names = [s[2] for s in dec.phases[0].spans if s[1] == "compute"]
     assert names[:5] == ["s0[s1c0]", "s0[s2c0]", "s0[s3c0]", "s0[s0c0]", "s0[reduce]"]
     assert math.isfinite(dec.step_s)
+
+
+def _gemm_then_reduce_scatter(decomposition: str) -> tuple[StepGraph, dict[str, CommConfig], OverlapPoint]:
+    """A GEMM, then a zero-work edge segment; a reduce-scatter released after the GEMM and needed before the
+    edge, fusable with the GEMM (the Flash-Overlap benchmark's graph)."""
+    gemm, edge = ComputeSegment("gemm", 2e12, 1e8, 840), ComputeSegment("edge", 0.0, 0.0, 1)
+    point = OverlapPoint("tp.comm", Collective.REDUCE_SCATTER, Group("tp", 4, 4, 1), 1 << 28,
+                         after="gemm", before="edge", fuse_with="gemm")
+    graph = StepGraph("flash-overlap", HW.name, 1, [Phase("op", 1, {0: [gemm, edge]}, [point])])
+    return graph, {point.key: CommConfig(decomposition=decomposition, num_chunks=4, priority=1)}, point
+
+
+def _alarm(seconds: int):
+    def expired(signum, frame):
+        raise TimeoutError(f"simulate did not return within {seconds} s")
+    signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+
+
+def test_zero_work_segment_after_a_collective_ends_the_step():
+    # the edge segment lasts the simulator's floor of 1e-12 s, ending milliseconds into the phase: its
+    # remaining fraction, (now - since) / 1e-12, is only good to a float step of now over 1e-12 (~4e-7),
+    # far above the 1e-9 that counts as done, and the event loop once spun on it forever
+    graph, configs, point = _gemm_then_reduce_scatter("collective")
+    cfg = configs[point.key]
+    _alarm(10)
+    try:
+        res = simulate(graph, configs, MODEL)
+        fused = simulate(*_gemm_then_reduce_scatter("p2p")[:2], MODEL)
+    finally:
+        signal.alarm(0)
+    gemm = graph.phases[0].segments[0][0]
+    # serial: the GEMM alone, then the reduce-scatter alone (nothing beside it), then the edge's 1e-12 s
+    hand = MODEL.compute_solo(gemm) + MODEL.comm_time(point.collective, point.group, point.bytes, cfg) + 1e-12
+    assert res.step_s == pytest.approx(hand, rel=1e-12)
+    assert MODEL.compute_solo(gemm) < fused.step_s < res.step_s
+
+
+def test_a_cost_model_that_gives_no_finite_duration_is_named_not_simulated():
+    class Broken(CostModel):
+        def compute_time(self, seg, running=()):
+            return math.nan if not seg.flops else super().compute_time(seg, running)  # the edge
+
+    graph, configs, _ = _gemm_then_reduce_scatter("collective")
+    with pytest.raises(LagomError, match=r"duration nan for .*edge.* in phase op"):
+        simulate(graph, configs, Broken(HW))
