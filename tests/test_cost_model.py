@@ -159,6 +159,27 @@ def test_a40_nvlink_joins_pairs_and_larger_groups_go_at_pcie_speed():
     assert pcie.cluster.link_within_node(2).kind == "pcie"
 
 
+def test_a40_fsdp_all_gather_two_channels_fill_the_bridge_and_more_only_take_sms():
+    """Phi-2 FSDP's all-gather on the paper's cluster A: 16 ranks, 8 a node, 2 nodes. A ring crosses each
+    node's NICs once, so the node's 2 x 400 Gbps (100 GB/s) caps all channels together, not 1/8 of it; the
+    PCIe bridge between NVLink pairs (31.5 GB/s) is the bound. One channel moves 20 GB/s (the CTA's copy
+    rate on PCIe and on the network hop alike), so two channels already reach the bridge."""
+    model, group, nbytes = CostModel(A40), Group("dp", 16, 8, 2), 157_306_880
+    bus = nbytes * 15 / 16
+    assert model._links(group, "p2p")[0] == 31.5e9
+    assert model.channel_peak(group, CommConfig()) == 20e9
+    # Simple ring: base 8.4 + 14 PCIe steps x 5.7 + 1 network step x 14 us
+    latency = (8.4 + 14 * 5.7 + 14.0) * 1e-6
+    for channels, chunk in ((2, 684 * 1024), (8, 2 * 2**20), (61, 2 * 2**20)):
+        # a chunk is at most a channel's share of one step's slice; it is staged through 3 proxy stages
+        fill = 2 * min(chunk, bus / 15 / channels) / 20e9
+        got = model.comm_time(AG, group, nbytes, CommConfig(channels=channels, chunk_bytes=chunk))
+        assert got == pytest.approx(latency + fill + bus / 31.5e9, rel=1e-12), channels
+    assert model.comm_time(AG, group, nbytes, CommConfig(channels=1)) > bus / 20e9
+    # what the extra channels cost: one GEMM CTA slot (a whole A40 SM: 80 KiB + 80.3 KiB > 100 KiB) each
+    assert [model.sm_taken(CommConfig(channels=c)) for c in (2, 8, 61)] == [2, 8, 61]
+
+
 def test_collectives_sharing_the_nic_each_get_their_share():
     model, group, nbytes = CostModel(A100X2), Group("dp", 2, 1, 2), GIB
     cfg = CommConfig(channels=64)
