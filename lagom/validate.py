@@ -14,7 +14,7 @@ Setups (``setup.kind``):
 - ``slowdown``: compute kernels' time beside a running collective over their time alone (a ratio),
   one kernel, or the mean or max over several kernels and GPUs;
 - ``window``: a collective of a workload's step at a given setting against NCCL's: the speed-up of the
-  compute windows it hides under (``local``), of the whole step (``step``), or the largest slowdown
+  compute that runs beside it under either setting (``local``), of the whole step (``step``), or the largest slowdown
   any setting of the space causes to the compute beside it (``max_slowdown``).
 """
 
@@ -340,11 +340,27 @@ class _Step:
             raise ConfigError(where, f"the step has {len(keys)} {collective} keys, not one", "pick a workload with one")
         return keys[0]
 
-    def window_time(self, key: str, cfg: CommConfig) -> float:
-        """Seconds the key's windows take per step: the compute they hide under plus what they add."""
-        wins = self.wins[key]
+    def window_time(self, key: str, cfg: CommConfig, beside: tuple[CommConfig, ...] = ()) -> float:
+        """Seconds the key's windows take per step: the compute they hide under plus what they add.
+
+        With ``beside``, each window is cut to the compute that runs beside the collective under ``cfg`` or
+        any of those configs (its segments up to the one in which the longest of them ends): a window that
+        lasts until the optimizer (a gradient reduce-scatter's) would otherwise dilute a local speed-up with
+        compute no setting touches. Segments are counted at their time alone, so the cut never falls short."""
+        wins = [self._overlapped(w, (cfg, *beside)) for w in self.wins[key]] if beside else self.wins[key]
         hide = sum(w.costs(False, self.model).hide * w.repeat for w in wins)
         return hide + estimate(cfg, wins, self.model).added
+
+    def _overlapped(self, window: Window, configs: tuple[CommConfig, ...]) -> Window:
+        point, model = window.point, self.model
+        util = window.costs(False, model).util
+        longest = max(model.comm_time(point.collective, point.group, point.bytes, c, util) for c in configs)
+        elapsed = 0.0
+        for count, seg in enumerate(window.segments, 1):
+            elapsed += model.compute_solo(seg)
+            if elapsed >= longest:
+                return Window(point, window.repeat, window.segments[:count], window.fused)
+        return window
 
 
 class Evaluator:
@@ -385,7 +401,7 @@ class Evaluator:
             return self._max_slowdown(step, key)
         cfg = replace(nccl, channels=s.channels or nccl.channels, chunk_bytes=s.chunk_bytes or nccl.chunk_bytes)
         if s.measure == "local":
-            return step.window_time(key, nccl) / step.window_time(key, cfg)
+            return step.window_time(key, nccl, (cfg,)) / step.window_time(key, cfg, (nccl,))
         base = simulate(step.graph, step.nccl, step.model).step_s
         return base / simulate(step.graph, {**step.nccl, key: cfg}, step.model).step_s
 

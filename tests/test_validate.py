@@ -229,8 +229,27 @@ def test_phi2_ordering_autoccl_slower_end_to_end_and_low_channel_smaller_chunk_w
         step.model.comm_time(point.collective, point.group, point.bytes, nccl)
     base = simulate(step.graph, step.nccl, step.model).step_s
     assert simulate(step.graph, {**step.nccl, key: autoccl}, step.model).step_s > base
-    assert step.window_time(key, lagom) < step.window_time(key, nccl)
-    assert step.window_time(key, lagom) < step.window_time(key, autoccl)
+    for beside in ((), (nccl, autoccl)):  # the whole windows, and the compute beside any of the three
+        assert step.window_time(key, lagom, beside) < step.window_time(key, nccl, beside)
+        assert step.window_time(key, lagom, beside) < step.window_time(key, autoccl, beside)
+
+
+def test_local_measure_keeps_only_the_compute_beside_the_collective(evaluator):
+    """A reduce-scatter's window lasts until the optimizer; the local measure keeps the segments up to the
+    one in which the collective ends, counted at their time alone (never fewer than it runs beside)."""
+    step = evaluator.step("phi2-fsdp", "a40-2x8-nvlink")
+    key = step.key("reduce_scatter", "test")
+    nccl, model = step.nccl[key], step.model
+    point = step.graph.keys()[key][0]
+    for window in step.wins[key]:
+        util = window.costs(False, model).util
+        comm = model.comm_time(point.collective, point.group, point.bytes, nccl, util)
+        cut = step._overlapped(window, (nccl,)).segments
+        alone = [model.compute_solo(seg) for seg in cut]
+        assert cut == window.segments[:len(cut)]
+        if sum(model.compute_solo(seg) for seg in window.segments) >= comm:
+            assert sum(alone[:-1]) < comm <= sum(alone)
+    assert step.window_time(key, nccl, (nccl,)) < step.window_time(key, nccl) / 10
 
 
 # Median relative error of each group's check points must stay under these bounds. Why these:
