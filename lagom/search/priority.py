@@ -23,7 +23,7 @@ from operator import attrgetter
 
 from lagom.comm_config import CommConfig, can_decompose, candidates
 from lagom.cost_model import CostModel, RunningComm
-from lagom.points import ComputeSegment, OverlapPoint, StepGraph
+from lagom.points import Collective, ComputeSegment, OverlapPoint, StepGraph
 from lagom.search.base import Evaluator, Problem, SearchResult, nccl_configs
 from lagom.simulator import Configs, StepResult
 
@@ -152,6 +152,8 @@ def estimate(cfg: CommConfig, wins: list[Window], model: CostModel) -> Estimate:
     compute, the compute's slowdown), plus the first P2P step for a decomposition. A comm kernel
     launched while compute holds the SMs (a window with compute in it) first waits for them
     (``CostModel.launch_wait``; none on the high-priority stream), every P2P step of a decomposition too.
+    The compute beside it loses the SMs of the CTAs NCCL launches, as in the simulator: fewer than the
+    channels for a small message, none for copy engines (CTA policy ZERO).
     """
     X = Y = added = 0.0
     for w in wins:
@@ -165,11 +167,13 @@ def estimate(cfg: CommConfig, wins: list[Window], model: CostModel) -> Estimate:
             step = model.p2p_step_time(p.group, p.bytes / n, cfg, util)
             step = _waited(step, model.p2p_step_time(p.group, p.bytes / n, cfg), wait)
             x, first = step * (n - cfg.num_chunks), step
+            ctas = model.launch_shape(Collective.SEND_RECV, model.p2p_group(p.group), int(p.bytes / n), cfg)[0]
         else:
             x = model.comm_time(p.collective, p.group, p.bytes, cfg, util)
             x, first = _waited(x, model.comm_time(p.collective, p.group, p.bytes, cfg), wait), 0.0
+            ctas = model.launch_shape(p.collective, p.group, int(p.bytes), cfg)[0]
         rate = model.comm_hbm_rate(p.collective, p.group, p.bytes, x) if x > 0 else 0.0
-        slow = _inflation(x, cost, (RunningComm(cfg, rate),), model)
+        slow = _inflation(x, cost, (RunningComm(cfg, rate, ctas),), model)
         X += x * w.repeat
         Y += slow * w.repeat
         added += (first + max(x - hide, slow)) * w.repeat
