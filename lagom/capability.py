@@ -164,5 +164,8 @@ def capability_for(hw: Hardware, nccl_version: str | None = None, tuner_plugin: 
         tuner_plugin = nccl_tuner.path() is not None
     version = nccl_version or hw.nccl.version
     parse_version(version, "--nccl-version" if nccl_version else f"hardware {hw.name}: nccl.version")
-    return Capability(nccl_version=version, tuner_plugin=tuner_plugin, nvls=hw.cluster.nvls,
-                      nvlink_domain=hw.cluster.intra.kind == "nvlink")
+    cluster = hw.cluster
+    # one NVLink domain per node: NVLink joins every GPU of it (A40 bridges join pairs only)
+    whole_node = not cluster.island_gpus or cluster.island_gpus >= cluster.gpus_per_node
+    return Capability(nccl_version=version, tuner_plugin=tuner_plugin, nvls=cluster.nvls,
+                      nvlink_domain=cluster.intra.kind == "nvlink" and whole_node)

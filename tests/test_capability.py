@@ -75,6 +75,9 @@ def test_copy_engines_and_nvls_depend_on_the_topology():
     h100, a40 = load_hardware("h100-sxm-8x-400g"), load_hardware("a40-2x8-pcie")
     assert capability_for(h100, tuner_plugin=True) == Capability("2.30.7", True, nvls=True, nvlink_domain=True)
     assert capability_for(a40, "2.27", tuner_plugin=False) == Capability("2.27", False, nvls=False, nvlink_domain=False)
+    # A40 NVLink bridges join pairs: the node is not one NVLink domain, so no copy-engine all-gather
+    bridged = capability_for(load_hardware("a40-2x8-nvlink"), tuner_plugin=True)
+    assert not bridged.nvlink_domain and not bridged.zero_applies("all_gather", 2)
     with pytest.raises(ConfigError, match="--nccl-version: 'x' is not an NCCL version"):
         capability_for(h100, "x")
 
