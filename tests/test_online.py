@@ -1,4 +1,5 @@
-"""Online tuning: calibration recovers known scales, both ranks get one plan, the cache is per world size."""
+"""Online tuning: calibration recovers known scales, the calibrated search stays within the process's
+capability and may choose per-process values, both ranks get one plan, the cache is per world size."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import pytest
 import torch.distributed as dist
 
 from lagom.calls import CallRecord
-from lagom.comm_config import CommConfig
+from lagom.capability import capability_for
+from lagom.comm_config import CommConfig, ProcessSettings, SearchSpace, Transport, nccl_pick
 from lagom.cost_model import CostModel, RunningComm
 from lagom.errors import ConfigError
 from lagom.hardware import load_hardware
@@ -17,8 +19,8 @@ from lagom.plan import Plan
 from lagom.points import Collective, ComputeSegment, Group
 from lagom.runtime.online import CalibratedModel, OnlineTuner, calibrate, describe_changes, service_times
 from lagom.search.base import nccl_configs
-from lagom.simulator import simulate
-from lagom.tune import problem_for
+from lagom.simulator import Configs, simulate
+from lagom.tune import make_plan, problem_for
 from lagom.workload import load_workload
 from tests.distributed import run_ranks
 from tests.helpers import gpt_workload, write_yaml
@@ -26,24 +28,26 @@ from tests.helpers import gpt_workload, write_yaml
 COMM_SCALE, COMPUTE_SCALE = 1.5, 1.3
 
 
-def job(tmp: Path, ranks: int = 2) -> tuple[Path, Path]:
-    """A tiny GPT with tp=2 and sequence parallel, on a 2-GPU A100 node (or dp on top for 4 ranks)."""
+def job(tmp: Path, ranks: int = 2, base: str = "a100-8x-100g") -> tuple[Path, Path]:
+    """A tiny GPT with tp=2 and sequence parallel, on a 2-GPU node of ``base`` (or dp on top for 4 ranks)."""
     wl = write_yaml(tmp / f"w{ranks}.yaml", gpt_workload(parallel={"tp": 2, "dp": ranks // 2, "sequence_parallel": True},
                                                           training={"global_batch": 4 * ranks // 2}))
-    hw = write_yaml(tmp / f"hw{ranks}.yaml", {"base": "a100-8x-100g", "name": f"a100-{ranks}x",
-                                               "cluster": {"gpus_per_node": ranks, "nodes": 1}})
+    name = f"{base.split('-')[0]}-{ranks}x"
+    hw = write_yaml(tmp / f"hw{ranks}-{base}.yaml", {"base": base, "name": name,
+                                                      "cluster": {"gpus_per_node": ranks, "nodes": 1}})
     return wl, hw
 
 
 def measured_steps(wl_path: Path, hw_path: Path, steps: int, comm: float = COMM_SCALE,
-                   compute: float = COMPUTE_SCALE) -> tuple[float, list[CallRecord]]:
-    """What a job would measure if the truth were the model with comm x``comm`` and compute x``compute``."""
+                   compute: float = COMPUTE_SCALE, configs: Configs | None = None) -> tuple[float, list[CallRecord]]:
+    """What a job running ``configs`` (default: NCCL's) would measure if the truth were the model with
+    comm x``comm`` and compute x``compute``."""
     hw = load_hardware(str(hw_path))
     problem = problem_for(load_workload(wl_path), hw)
     truth = CalibratedModel(hw)
     truth.set_comm_scale({k: comm for k in problem.keys})
     truth.compute_scale = compute
-    result = simulate(problem.graph, nccl_configs(problem), truth)
+    result = simulate(problem.graph, nccl_configs(problem) if configs is None else configs, truth)
     records = []
     for step in range(steps):
         offset, seq = 0.0, 0
@@ -105,6 +109,84 @@ def test_changes_are_split_into_now_and_next_start():
     assert now == ["tp/all_gather/8: Flash-Overlap decomposition collective -> p2p, chunks per peer step 1 -> 2"]
     assert later == ["tp/all_gather/8: CTAs (communicator max_ctas/min_ctas) 8 -> 4",
                      "dp/all_reduce/8: chunk bytes (NCCL_BUFFSIZE) 2097152 -> 65536"]
+
+
+def test_the_calibrated_search_chooses_per_process_values(tmp_path):
+    """A profile whose NCCL runs one warp per channel (32 threads) starves every collective: the job runs
+    NCCL's defaults, and the calibrated search gives the whole step more threads (NCCL_NTHREADS, applied
+    on the next start). No tuner plugin: the chunk is per process too."""
+    wl, _ = job(tmp_path)
+    hw = write_yaml(tmp_path / "one-warp.yaml", {"base": "a100-8x-100g", "name": "a100-one-warp",
+                                                 "cluster": {"gpus_per_node": 2, "nodes": 1},
+                                                 "nccl": {"default_threads": 32}})
+    hardware = load_hardware(str(hw))
+    no_plugin = capability_for(hardware, tuner_plugin=False)
+    step_s, records = measured_steps(wl, hw, steps=1)
+    tuner = OnlineTuner(wl, hw, tune_steps=1, cache_dir=tmp_path / "cache", capability=no_plugin)
+    plan = tuner.observe(step_s, records)
+    assert tuner.calibration.problem.settings.threads == 32  # what ran
+    threads = plan.process["threads"]
+    assert threads != 32 and threads in SearchSpace().threads
+    assert set(plan.process) == {"threads", "transport", "chunk_bytes"}
+    assert all(e.config.threads == threads for e in plan.entries)
+    assert any(f"threads (NCCL_NTHREADS) 32 -> {threads}" in line for line in tuner.next_start)
+
+
+def test_running_configs_carry_the_running_plans_process_values(tmp_path):
+    """A plan in force with 128 threads and 64 KiB chunks (NCCL_BUFFSIZE): every key runs them, the one
+    the plan lacks too (with NCCL's own algorithm and protocol), and the calibration models them."""
+    wl, hw = job(tmp_path)
+    hardware = load_hardware(str(hw))
+    no_plugin = capability_for(hardware, tuner_plugin=False)
+    data = make_plan(load_workload(wl), hardware, capability=no_plugin).to_dict()
+    data["process"].update(threads=128, chunk_bytes=65536)
+    gather = "tp/all_gather/524288"
+    data["entries"] = [e for e in data["entries"] if e["key"] != gather]
+    running_plan = Plan.from_dict(data)
+    tuner = OnlineTuner(wl, hw, tune_steps=1, cache_dir=tmp_path / "cache", capability=no_plugin,
+                        running_plan=running_plan)
+    problem = problem_for(load_workload(wl), hardware, no_plugin)
+    in_force, configs = tuner._running_configs(problem)
+    assert in_force.settings == ProcessSettings(128, Transport.P2P, 65536)
+    assert set(configs) == set(problem.keys) and gather not in running_plan.configs()
+    assert all(c.threads == 128 and c.chunk_bytes == 65536 for c in configs.values())
+    assert configs[gather] == nccl_configs(in_force)[gather]
+    point = problem.keys[gather][0]
+    assert (configs[gather].algorithm, configs[gather].protocol) == nccl_pick(point, hardware, Transport.P2P)
+    planned = running_plan.configs()
+    assert {k: configs[k] for k in planned} == planned
+    # measured under those configs with comm x1.5: the key the plan lacks is calibrated from what it ran
+    step_s, records = measured_steps(wl, hw, steps=1, configs=configs)
+    tuner.observe(step_s, records)
+    assert tuner.calibration.problem.settings == in_force.settings
+    assert tuner.calibration.model.comm_scale[gather] == pytest.approx(COMM_SCALE, rel=1e-2)
+    assert tuner.calibration.calibrated_step_s == pytest.approx(step_s, rel=5e-3)
+
+
+def test_a_tuner_without_the_plugin_proposes_only_what_nccl_applies(tmp_path):
+    """On two A40s the calibrated search with the plugin runs the all-gather on LL where NCCL would pick
+    Simple; a tuner told there is no plugin leaves algorithm and protocol to NCCL, and its plan needs
+    nothing the process lacks."""
+    wl, hw = job(tmp_path, base="a40-2x8-nvlink")
+    hardware = load_hardware(str(hw))
+    problem = problem_for(load_workload(wl), hardware)
+    step_s, records = measured_steps(wl, hw, steps=1)
+    plans = {}
+    for plugin in (True, False):
+        cap = capability_for(hardware, tuner_plugin=plugin)
+        tuner = OnlineTuner(wl, hw, tune_steps=1, cache_dir=tmp_path / f"cache-{plugin}", capability=cap)
+        plans[plugin] = tuner.observe(step_s, records)
+        assert plans[plugin].needs(cap) == [] and plans[plugin].capability == cap.to_dict()
+
+    def off_nccl_pick(plan: Plan) -> list[str]:
+        return [e.key for e in plan.entries if e.config.decomposition == "collective" and
+                (e.config.algorithm, e.config.protocol) != nccl_pick(problem.keys[e.key][0], hardware, e.config.transport)]
+
+    assert off_nccl_pick(plans[True]), "with the plugin some collective leaves NCCL's pick: the check below can fail"
+    assert off_nccl_pick(plans[False]) == []
+    channels = {e.config.channels for e in plans[False].entries if e.config.decomposition == "collective"}
+    assert len(channels) == 1  # one CTA range per communicator (one communicator here)
+    assert plans[False].capability["tuner_plugin"] is False
 
 
 def _tune_on_ranks(rank: int, world_size: int, tmp: str) -> dict:

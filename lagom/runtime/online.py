@@ -15,23 +15,24 @@ import math
 import os
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
 from lagom.calls import SIZE_TOLERANCE, CallRecord, KeyIndex, TuningKey
-from lagom.comm_config import CommConfig
+from lagom.capability import Capability, capability_for
+from lagom.comm_config import PROCESS_FIELDS, CommConfig, Transport
 from lagom.cost_model import CostModel, RunningComm
 from lagom.errors import ConfigError, LagomError
 from lagom.hardware import Hardware, load_hardware
 from lagom.plan import Plan
-from lagom.points import Collective, ComputeSegment, Group, StepGraph
+from lagom.points import Collective, ComputeSegment, Group
 from lagom.runtime import apply as runtime
 from lagom.search import STRATEGIES, Problem, SearchResult, run_strategy
-from lagom.search.base import nccl_configs
-from lagom.simulator import Configs, StepResult, simulate
+from lagom.search.base import SimulatedEvaluator, nccl_configs
+from lagom.simulator import Configs, Simulator, StepResult
 from lagom.tune import Tuned, plan_from, problem_for
 from lagom.workload import Workload, load_workload, validate
 
@@ -92,12 +93,18 @@ class CalibratedModel(CostModel):
 
 @dataclass
 class Calibration:
-    """The calibrated problem (its ``model`` is a CalibratedModel) and how it was fitted."""
+    """The calibrated problem (its ``model`` is a CalibratedModel) and how it was fitted.
+
+    ``problem`` keeps the input problem's open space, capability and per-process values, so a search
+    of it may choose other per-process values; ``simulator`` ran the fit and is the one to search with
+    (it has the step graph's indexes built).
+    """
 
     problem: Problem
     measured_step_s: float
     calibrated_step_s: float  # the simulated step with the settings in force, after fitting
     measured: dict[str, float]  # model key -> measured mean seconds per call
+    simulator: Simulator
     unmatched: list[str] = field(default_factory=list)  # keys seen at run time that the model lacks
     unmeasured: list[str] = field(default_factory=list)  # model keys no timed call matched (scale 1)
     bounded_calls: int = 0  # calls timed only up to their wait (no completion callback)
@@ -124,14 +131,14 @@ def service_times(records: Iterable[CallRecord]) -> list[tuple[CallRecord, float
     return out
 
 
-def _fit_compute(graph: StepGraph, configs: Configs, model: CalibratedModel, target: float) -> float:
+def _fit_compute(simulator: Simulator, configs: Configs, model: CalibratedModel, target: float) -> float:
     """The compute scale that makes the simulated step last ``target`` (the step grows with it)."""
     seen: dict[float, float] = {}
 
     def step(scale: float) -> float:
         if scale not in seen:
             model.compute_scale = scale
-            seen[scale] = simulate(graph, configs, model).step_s
+            seen[scale] = simulator.run(configs, model).step_s
         return seen[scale]
 
     lo_limit, hi_limit = SCALE_LIMITS
@@ -157,8 +164,13 @@ def _fit_compute(graph: StepGraph, configs: Configs, model: CalibratedModel, tar
 
 
 def calibrate(problem: Problem, configs: Configs, records: list[CallRecord], step_s: float,
-              size_tolerance: float = SIZE_TOLERANCE) -> Calibration:
-    """Scale the model so that, with ``configs`` (the settings in force), it reproduces the measurements."""
+              size_tolerance: float = SIZE_TOLERANCE, simulator: Simulator | None = None) -> Calibration:
+    """Scale the model so that, with ``configs`` (the settings in force), it reproduces the measurements.
+
+    ``problem`` is the planning problem under the per-process values in force; the calibrated one
+    searches the same open space within the same capability. ``simulator``: one of ``problem``'s graph
+    to reuse (default: a new one); every run of the fit goes through it.
+    """
     index = KeyIndex(problem.keys, size_tolerance)
     total: dict[str, float] = {}
     calls: dict[str, int] = {}
@@ -174,11 +186,12 @@ def calibrate(problem: Problem, configs: Configs, records: list[CallRecord], ste
         bounded += not r.exact
     measured = {k: total[k] / calls[k] for k in total}
     model = CalibratedModel(problem.hw)
-    cal = Problem(problem.graph, problem.hw, problem.space)
+    simulator = simulator or Simulator(problem.graph)
+    cal = Problem(problem.graph, problem.hw, problem.open_space, problem.capability, problem.process)
     cal.model = model  # type: ignore[misc]  # the search and its evaluator both read problem.model
     lo, hi = SCALE_LIMITS
     for _ in range(CALIBRATION_ROUNDS):
-        per_key = simulate(problem.graph, configs, model).per_key()
+        per_key = simulator.run(configs, model).per_key()
         before = {**model.comm_scale, "compute": model.compute_scale}
         scales = dict(model.comm_scale)
         for key, seconds in measured.items():
@@ -186,17 +199,18 @@ def calibrate(problem: Problem, configs: Configs, records: list[CallRecord], ste
             if row and row["count"] and row["time"] > 0:
                 scales[key] = min(hi, max(lo, scales.get(key, 1.0) * seconds / (row["time"] / row["count"])))
         model.set_comm_scale(scales)
-        _fit_compute(problem.graph, configs, model, step_s)
+        _fit_compute(simulator, configs, model, step_s)
         after = {**model.comm_scale, "compute": model.compute_scale}
         if all(abs(after[k] / before.get(k, 1.0) - 1) <= CALIBRATION_TOLERANCE for k in after):
             break
-    return Calibration(cal, step_s, simulate(problem.graph, configs, model).step_s, measured, sorted(unmatched),
+    return Calibration(cal, step_s, simulator.run(configs, model).step_s, measured, simulator, sorted(unmatched),
                        sorted(set(problem.keys) - set(measured)), bounded)
 
 
 def describe_changes(old: Configs, new: Configs) -> tuple[list[str], list[str]]:
     """(what applies now, what applies on the next start), one line per changed tuning key."""
-    now, later = [], []
+    now: list[str] = []
+    later: list[str] = []
     for key, cfg in new.items():
         before = old.get(key)
         if before is None or before == cfg:
@@ -222,14 +236,17 @@ class OnlineTuner:
     """Tunes a running job from its first ``tune_steps`` steps; see the module docstring.
 
     ``running_plan``: the plan in force while measuring (default: the active runtime's plan when it
-    was made for this workload; else NCCL's defaults are what runs).
+    was made for this workload; else NCCL's defaults are what runs). ``capability``: what this
+    process can apply, the search's limits (default: ``capability_for(hw)``, this install's plugin
+    and the profile's NCCL).
     """
 
     def __init__(self, workload: Workload | str | Path, hw: Hardware | str, *, strategy: str = "lagom",
                  tune_steps: int = 5, cache_dir: str | Path = ".lagom-cache", group: Any = None,
                  running_plan: Plan | None = None, size_tolerance: float = SIZE_TOLERANCE,
-                 model_workload: Workload | None = None) -> None:
+                 model_workload: Workload | None = None, capability: Capability | None = None) -> None:
         self.workload, self.hw = _as_workload(workload), _as_hardware(hw)
+        self.capability = capability or capability_for(self.hw)
         # what is modelled: the job as it runs (e.g. with a plan's bucket sizes); ``workload`` keys caches and plans
         self.model_workload = model_workload or self.workload
         if strategy not in STRATEGIES:
@@ -298,16 +315,27 @@ class OnlineTuner:
     def _rank(self) -> int:
         return dist.get_rank(self.group) if dist.is_initialized() else 0
 
-    def _running_configs(self, problem: Problem) -> Configs:
+    def _plan_in_force(self) -> Plan | None:
         plan = self.running_plan
         active = runtime.current()
         if plan is None and active is not None and active.plan is not None \
                 and active.plan.workload_fingerprint == self.workload.fingerprint():
             plan = active.plan
-        configs = nccl_configs(problem)
-        if plan is not None:
-            configs.update({k: c for k, c in plan.configs().items() if k in configs})
-        return configs
+        return plan
+
+    def _running_configs(self, problem: Problem) -> tuple[Problem, Configs]:
+        """``problem`` under the per-process values in force (the running plan's, else NCCL's), and each
+        key's config in force: the plan's entry, or NCCL's choice under those values where it has none."""
+        plan = self._plan_in_force()
+        if plan is None:
+            return problem, nccl_configs(problem)
+        values = {name: plan.process[name] for name in PROCESS_FIELDS if name in plan.process}
+        if "transport" in values:
+            values["transport"] = Transport(values["transport"])
+        running = problem.with_process(replace(problem.settings, **values))
+        configs = nccl_configs(running)
+        configs.update({k: c for k, c in plan.configs().items() if k in configs})
+        return running, configs
 
     def _tune(self) -> Plan:
         payload: dict[str, Any] = {}
@@ -329,18 +357,21 @@ class OnlineTuner:
 
     def _search(self) -> dict[str, Any]:
         started = time.perf_counter()
-        problem = problem_for(self.model_workload, self.hw)
-        running = self._running_configs(problem)
+        problem = problem_for(self.model_workload, self.hw, self.capability)
+        in_force, running = self._running_configs(problem)
         step_s = sum(self._steps) / len(self._steps)
-        cal = calibrate(problem, running, self._records, step_s, self.size_tolerance)
+        cal = calibrate(in_force, running, self._records, step_s, self.size_tolerance)
         self.calibration = cal
         self._log_calibration(cal)
-        result = run_strategy(self.strategy, cal.problem)
-        kept = simulate(cal.problem.graph, running, cal.model)
+        result = run_strategy(self.strategy, cal.problem, SimulatedEvaluator(cal.problem, cal.simulator))
+        kept = cal.simulator.run(running, cal.model)
         if kept.step_s < result.result.step_s:
             result = SearchResult(self.strategy, running, kept, result.evaluations,
-                                  {k: "kept the settings in force: the calibrated search found nothing faster" for k in running})
-        nccl = run_strategy("nccl", cal.problem).result.step_s
+                                  {k: "kept the settings in force: the calibrated search found nothing faster" for k in running},
+                                  cal.problem.settings)
+        # the baseline is NCCL with its own per-process values, under the calibrated model
+        baseline = cal.problem.with_process(problem.settings)
+        nccl = run_strategy("nccl", baseline, SimulatedEvaluator(baseline, cal.simulator)).result.step_s
         plan = plan_from(Tuned(self.model_workload, cal.problem, result), self.workload, self.hw,
                          {"nccl": nccl, self.strategy: result.result.step_s})
         now, later = describe_changes(running, plan.configs())

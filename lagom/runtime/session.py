@@ -273,7 +273,7 @@ class TuningSession:
         file_plan = self._load(options.plan_in) if options.plan_in and options.plan_in.exists() else None
         if options.mode == "online":
             self.tuner = OnlineTuner(workload, hw, strategy=options.strategy, tune_steps=options.tune_steps,
-                                     cache_dir=options.cache_dir)
+                                     cache_dir=options.cache_dir, capability=self.capability)
             cached = self.tuner.cached_plan()
             if cached is not None:
                 self.check_plan(cached, f"cache {options.cache_dir}")
