@@ -13,4 +13,4 @@ demo: venv
 test: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
-	$(PY) -m pytest tests
+	$(PY) -m pytest -n 2 --dist loadfile tests
