@@ -36,7 +36,7 @@ class RunningComm:
 
     config: CommConfig
     hbm_rate: float  # bytes/s of HBM traffic it causes on this GPU
-    ctas: int | None = None  # CTAs it actually runs (``CostModel.launch_shape``); None: the config's channels
+    ctas: int  # CTAs it actually runs (``CostModel.launch_shape``: fewer for small messages, none on copy engines)
 
 
 def ring_shape(coll: Collective, n: int, algorithm: str) -> tuple[int, float]:
@@ -354,15 +354,14 @@ class CostModel:
         g, con, nccl = self.hw.gpu, self.hw.contention, self.hw.nccl
         hbm = g.hbm_gbps * GB * g.hbm_efficiency
         hbm_left = max(0.1 * hbm, hbm - con.hbm_interference * sum(r.hbm_rate for r in running))
-        ctas = [r.config.channels if r.ctas is None else r.ctas for r in running]
-        staged = sum(n * r.config.chunk_bytes * nccl.buffsize_per_chunk for n, r in zip(ctas, running))
+        staged = sum(r.ctas * r.config.chunk_bytes * nccl.buffsize_per_chunk for r in running)
         l2 = 1.0 + con.l2_interference * min(1.0, staged / (g.l2_mb * 2**20))
         memory = seg.bytes / hbm_left * l2
         if seg.flops <= 0:
             return memory
         per_sm = max(1, self.gemm_ctas_per_sm())
         slots = g.sms * per_sm
-        lost = sum(n * self._lost(self.launched_threads(r.config)) for n, r in zip(ctas, running) if n)
+        lost = sum(r.ctas * self._lost(self.launched_threads(r.config)) for r in running if r.ctas)
         grid = self.grid(seg)
         rounds = math.ceil(grid / max(1, slots - lost)) / math.ceil(grid / slots)
         # each tile (each CTA of a persistent GEMM) fills its pipeline once, at the HBM bandwidth left

@@ -317,11 +317,16 @@ def _segment(hw: Hardware, kernel: Kernel) -> ComputeSegment:
 def _slowdown(hw: Hardware, comm: Comm, kernel: Kernel) -> float:
     """A kernel's time beside the collective (running for its whole duration) over its time alone."""
     hw, point, cfg = _nccl_choice(hw, comm)
-    model = CostModel(hw)
-    seg = _segment(hw, kernel)
+    return _slowdown_beside(CostModel(hw), point, cfg, _segment(hw, kernel))
+
+
+def _slowdown_beside(model: CostModel, point: OverlapPoint, cfg: CommConfig, seg: ComputeSegment) -> float:
+    """A segment's time beside the point's collective (running for its whole duration) over its time
+    alone; the collective takes the CTAs NCCL launches for it, as in the simulator."""
     seconds = model.comm_time(point.collective, point.group, point.bytes, cfg, model.hbm_util(seg))
     rate = model.comm_hbm_rate(point.collective, point.group, point.bytes, seconds)
-    return model.compute_time(seg, (RunningComm(cfg, rate),)) / model.compute_solo(seg)
+    ctas = model.launch_shape(point.collective, point.group, point.bytes, cfg)[0]
+    return model.compute_time(seg, (RunningComm(cfg, rate, ctas),)) / model.compute_solo(seg)
 
 
 @dataclass
@@ -415,9 +420,7 @@ class Evaluator:
             if cfg.decomposition != "collective":
                 continue
             for seg in segments.values():
-                seconds = model.comm_time(point.collective, point.group, point.bytes, cfg, model.hbm_util(seg))
-                rate = model.comm_hbm_rate(point.collective, point.group, point.bytes, seconds)
-                worst = max(worst, model.compute_time(seg, (RunningComm(cfg, rate),)) / model.compute_solo(seg))
+                worst = max(worst, _slowdown_beside(model, point, cfg, seg))
         return worst
 
 

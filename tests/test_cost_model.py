@@ -218,12 +218,12 @@ def test_a_persistent_gemm_beside_24_ctas_takes_two_rounds():
     model = CostModel(H100)
     seg = ComputeSegment("gemm", 1e12, 1e8, 4096)  # 4096 tiles: the persistent grid is 132 CTAs
     assert model.grid(seg) == 132
-    slowed = model.compute_time(seg, (RunningComm(CommConfig(channels=24), 0.0),))
+    slowed = model.compute_time(seg, (RunningComm(CommConfig(channels=24), 0.0, 24),))
     fill = 132 * (6 * 256 * 64 + 128 * 128) * 2 / (3350e9 * 0.85)
     solo = 1e12 / (989e12 * 0.65)
     assert slowed == pytest.approx((solo - fill) * 2 + fill, rel=1e-12)  # 108 SMs left: 2 rounds
     assert slowed / model.compute_solo(seg) > 1.98
-    tiled = CostModel(A100).compute_time(ComputeSegment("gemm", 1e12, 1e8, 4096), (RunningComm(CommConfig(channels=24), 0.0),))
+    tiled = CostModel(A100).compute_time(ComputeSegment("gemm", 1e12, 1e8, 4096), (RunningComm(CommConfig(channels=24), 0.0, 24),))
     assert tiled / CostModel(A100).compute_solo(ComputeSegment("gemm", 1e12, 1e8, 4096)) < 1.3  # tiles: 47 vs 38 waves
 
 

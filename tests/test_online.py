@@ -81,7 +81,7 @@ def test_calibrated_model_scales_without_double_counting():
     base, cal = CostModel(hw), CalibratedModel(hw)
     cal.compute_scale = 2.0
     seg = ComputeSegment("gemm", 1e12, 1e8, 1000)
-    running = (RunningComm(CommConfig(channels=16), 1e11),)
+    running = (RunningComm(CommConfig(channels=16), 1e11, 16),)
     assert cal.compute_solo(seg) == pytest.approx(2 * base.compute_solo(seg))
     assert cal.compute_time(seg) == pytest.approx(2 * base.compute_solo(seg))
     assert cal.compute_time(seg, running) == pytest.approx(2 * base.compute_time(seg, running))
