@@ -31,16 +31,17 @@ def test_ring_all_reduce_time_from_first_principles():
 
 
 def test_bandwidth_grows_with_channels_until_the_link_saturates():
-    times = [MODEL.comm_time(Collective.ALL_GATHER, G8, 64 * 2**20, replace(default_config(HW), channels=c))
+    pair = Group("tp", 2, 2, 1)  # one NVLink-bridged pair: a larger group runs at the PCIe bridge's speed
+    times = [MODEL.comm_time(Collective.ALL_GATHER, pair, 64 * 2**20, replace(default_config(HW), channels=c))
              for c in (1, 2, 4, 8, 16)]
-    # one A40 NVLink channel moves ~14.7 GB/s with 2 MiB chunks: four of them fill the 50 GB/s link
+    # one A40 NVLink channel moves under 15 GB/s with 2 MiB chunks: four of them fill the 50 GB/s link
     assert times[0] > times[1] > times[2] == times[3] == times[4]
 
 
 def test_comm_ctas_slow_a_gemm_by_whole_waves():
     seg = ComputeSegment("gemm", 2e12, 1e8, 840)  # 10 full waves on 84 SMs
     solo = MODEL.compute_solo(seg)
-    running = (RunningComm(replace(default_config(HW), channels=12), 0.0),)
+    running = (RunningComm(replace(default_config(HW), channels=12), 0.0, 12),)
     # 12 SMs taken: 72 left, ceil(840/72) = 12 waves instead of 10 for the math; each tile's pipeline fill
     # (5 stages x 256 x 32 x 2 B + the 128 x 128 x 2 B output tile) is not hidden and does not scale
     fill = 840 * (5 * 256 * 32 * 2 + 128 * 128 * 2) / (696e9 * 0.85)
@@ -60,7 +61,8 @@ def test_fluid_overlap_of_one_collective_and_one_gemm():
     util = MODEL.hbm_util(b)
     d_comm = MODEL.comm_time(pt.collective, pt.group, pt.bytes, cfg, util)
     rate = MODEL.comm_hbm_rate(pt.collective, pt.group, pt.bytes, d_comm)
-    d_b = MODEL.compute_time(b, (RunningComm(cfg, rate),))
+    ctas = MODEL.launch_shape(pt.collective, pt.group, pt.bytes, cfg)[0]
+    d_b = MODEL.compute_time(b, (RunningComm(cfg, rate, ctas),))
     assert d_comm < d_b  # the collective finishes first, then the GEMM runs alone
     expected = MODEL.compute_solo(a) + d_comm + (1 - d_comm / d_b) * MODEL.compute_solo(b)
     assert res.step_s == pytest.approx(expected, rel=1e-9)
