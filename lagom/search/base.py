@@ -12,11 +12,11 @@ from lagom.comm_config import (
     ProcessSettings,
     SearchSpace,
     Transport,
-    agreed_value,
     channel_choices,
     communicator_knobs,
     communicator_values,
     default_config,
+    is_consistent,
     nccl_choice,
     transports_for,
     with_communicator_value,
@@ -199,11 +199,10 @@ def settle_communicators(problem: Problem, evaluator: Evaluator, found: SearchRe
     for group, keys in groups(problem).items():
         for knob in communicator_knobs(cap):
             items = [(problem.keys[k][0], configs[k]) for k in keys]
-            options = communicator_values(knob, items, cap)
-            if not options or agreed_value(knob, items, cap) is not None:
+            if is_consistent(knob, items, cap):
                 continue
             trials = []
-            for value in options:
+            for value in communicator_values(knob, items, cap):
                 trial = dict(configs)
                 trial.update({k: with_communicator_value(knob, value, p, c, cap) for k, (p, c) in zip(keys, items)})
                 trials.append((evaluator.evaluate(trial), value, trial))
