@@ -40,13 +40,10 @@ import torch
 import torch.distributed as dist
 
 from lagom.runtime import torch_tap
+from lagom.runtime.torch_tap import nbytes
 from lagom_deepspeed.groups import GroupNames
 
 log = logging.getLogger("lagom.deepspeed")
-
-
-def nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def total(ts: Sequence[torch.Tensor]) -> int:

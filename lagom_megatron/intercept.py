@@ -44,7 +44,7 @@ log = logging.getLogger("lagom.megatron")
 
 
 def nbytes(tensor: torch.Tensor | None) -> int:
-    return 0 if tensor is None else tensor.numel() * tensor.element_size()
+    return 0 if tensor is None else torch_tap.nbytes(tensor)
 
 
 class _Pending:
