@@ -327,10 +327,10 @@ class CostModel:
             return 640
         return (threads or cfg.threads) + (self.hw.nccl.cta_extra_threads if cfg.protocol == "Simple" else 0)
 
-    def sm_taken(self, cfg: CommConfig, ctas: int | None = None) -> float:
-        """SMs' worth of GEMM residency the comm CTAs take: a CTA costs the GEMM CTAs it leaves no room for."""
-        if ctas is None:
-            ctas = 0 if cfg.cta_policy == CTAPolicy.ZERO else cfg.channels
+    def sm_taken(self, cfg: CommConfig, ctas: int) -> float:
+        """SMs' worth of GEMM residency ``ctas`` comm CTAs of ``cfg`` take (``launch_shape`` gives how many
+        NCCL launches: none on copy engines, fewer for small messages): a CTA costs the GEMM CTAs it
+        leaves no room for."""
         return ctas * self._lost(self.launched_threads(cfg)) / max(1, self.gemm_ctas_per_sm())
 
     def grid(self, seg: ComputeSegment) -> int:

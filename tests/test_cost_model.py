@@ -124,10 +124,11 @@ def test_copy_engines_take_no_sms_but_still_move_hbm():
     assert model.launch_shape(AG, group, nbytes, cfg) == (0, 0)
     t = model.comm_time(AG, group, nbytes, cfg)
     assert t == pytest.approx(7 * 2e-6 + nbytes * 7 / 8 / 360e9, rel=1e-12)
-    assert model.sm_taken(cfg) == 0.0
+    assert model.sm_taken(cfg, model.launch_shape(AG, group, nbytes, cfg)[0]) == 0.0
     assert model.comm_hbm_rate(AG, group, nbytes, t) == pytest.approx(nbytes * 7 / 8 * 2 / t)
     # reduce-scatter has no copy-engine version: it runs on SMs as under the default policy
     assert model.launch_shape(Collective.REDUCE_SCATTER, group, nbytes, cfg) == (16, 512)
+    assert model.sm_taken(cfg, model.launch_shape(Collective.REDUCE_SCATTER, group, nbytes, cfg)[0]) > 0
 
 
 def test_chunks_after_the_first_of_each_step_pay_the_step_overhead():
@@ -177,7 +178,7 @@ def test_a40_fsdp_all_gather_two_channels_fill_the_bridge_and_more_only_take_sms
         assert got == pytest.approx(latency + fill + bus / 31.5e9, rel=1e-12), channels
     assert model.comm_time(AG, group, nbytes, CommConfig(channels=1)) > bus / 20e9
     # what the extra channels cost: one GEMM CTA slot (a whole A40 SM: 80 KiB + 80.3 KiB > 100 KiB) each
-    assert [model.sm_taken(CommConfig(channels=c)) for c in (2, 8, 61)] == [2, 8, 61]
+    assert [model.sm_taken(CommConfig(channels=c), c) for c in (2, 8, 61)] == [2, 8, 61]
 
 
 def test_collectives_sharing_the_nic_each_get_their_share():
@@ -205,13 +206,13 @@ def test_all_to_all_peak_counts_the_cross_node_path():
 def test_a_comm_cta_costs_the_gemm_ctas_it_leaves_no_room_for_whatever_its_threads():
     model = CostModel(A40)
     # an A40 SM holds one 80 KB GEMM CTA; NCCL's CTA needs 80.3 KB of shared memory: the SM is lost
-    assert [model.sm_taken(CommConfig(channels=8, threads=t)) for t in (128, 256, 512)] == [8.0, 8.0, 8.0]
+    assert [model.sm_taken(CommConfig(channels=8, threads=t), 8) for t in (128, 256, 512)] == [8.0, 8.0, 8.0]
     small = replace(A40, gpu=replace(A40.gpu, gemm_cta=replace(A40.gpu.gemm_cta, smem_kb=16.0)))
     model = CostModel(small)
     # 16 KB GEMM CTAs of 256 x 168 registers: one per SM (registers); 160 comm threads x 96 registers
     # leave 50176 registers, room for it; 544 threads leave 13312: none
-    assert model.sm_taken(CommConfig(channels=8, threads=128)) == 0.0
-    assert model.sm_taken(CommConfig(channels=8, threads=512)) == 8.0
+    assert model.sm_taken(CommConfig(channels=8, threads=128), 8) == 0.0
+    assert model.sm_taken(CommConfig(channels=8, threads=512), 8) == 8.0
 
 
 def test_a_persistent_gemm_beside_24_ctas_takes_two_rounds():

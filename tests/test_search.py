@@ -4,11 +4,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from lagom.comm_config import CommConfig
 from lagom.errors import LagomError
 from lagom.hardware import load_hardware
 from lagom.search import Problem, run_strategy
 from lagom.search.base import settle_bound
-from lagom.search.priority import MAX_CHECKS_PER_KEY
+from lagom.search.priority import max_checks_per_key
 from lagom.tune import problem_for
 from lagom.workload import load_workload
 from tests.helpers import SMALL_SPACE, gpt_workload, synthetic_problem, write_yaml
@@ -87,10 +88,11 @@ def test_lagom_evaluations_grow_linearly_with_the_number_of_collectives():
         assert len(problem.keys) == n
         counts[n] = run_strategy("lagom", problem).evaluations
         screens = sum(len(values) for values in problem.step_wide_choices().values())
-        runs = 2 * (1 + MAX_CHECKS_PER_KEY * n + settle_bound(problem))
+        per_key_most = max_checks_per_key(problem)
+        runs = 2 * (1 + per_key_most * n + settle_bound(problem))
         assert n < counts[n] <= runs + screens  # at least one check per key, at most a fixed number
     per_key = [(counts[n] - 1) / n for n in counts]
-    assert max(per_key) <= 2 * MAX_CHECKS_PER_KEY and counts[64] > 4 * counts[8]
+    assert max(per_key) <= 2 * per_key_most and counts[64] > 4 * counts[8]
 
 
 def test_exhaustive_refuses_large_problems_with_a_clear_message():
@@ -111,7 +113,11 @@ def test_compute_bound_fsdp_window_on_a40_reproduces_the_phi2_pattern(tmp_path):
     assert auto.channels > nccl.channels
     assert r["autoccl"].result.step_s > r["nccl"].result.step_s  # faster comm, slower step
     assert r["lagom"].result.step_s < r["nccl"].result.step_s
-    sm = problem.model.sm_taken  # SMs the comm CTAs take: channels x the share of a CTA's threads
+    point, model = problem.keys[ag][0], problem.model
+
+    def sm(cfg: CommConfig) -> float:  # SMs' worth of GEMM slots the CTAs NCCL launches for it take
+        return model.sm_taken(cfg, model.launch_shape(point.collective, point.group, point.bytes, cfg)[0])
+
     assert sm(lagom) < sm(nccl) or lagom.chunk_bytes < nccl.chunk_bytes  # resources given back
     assert sm(lagom) <= sm(nccl) < sm(auto)
 

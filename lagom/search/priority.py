@@ -9,9 +9,11 @@ model ranks its candidates on its own windows, the evaluator (simulator or live 
 best few on the whole step. Then a joint revisit of collectives on different communicators that hold
 up the same compute segment (or phase end): one tuned before such another one changed gets its best
 few checked again; and each is moved together with the next such one (the pairings of both one's best
-few), since two of them may only pay off together. Each key is revisited at most once and is the
-first of at most one pair, so a search takes at most 1 + MAX_CHECKS_PER_KEY evaluations per key:
-linear in the number of keys.
+few), since two of them may only pay off together. Last, the keys that run beside one compute segment
+move as a group (``sharing_compute``), since the GEMM there gets a wave back only when all of them give
+SMs back. Each key is revisited at most once and is the first of at most one pair, and there are at
+most as many groups as keys, so a search takes at most 1 + ``max_checks_per_key`` evaluations per
+key: linear in the number of keys.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from operator import attrgetter
 
-from lagom.comm_config import CommConfig, can_decompose, candidates
+from lagom.comm_config import CommConfig, can_decompose, candidates, channel_choices, with_communicator_value
 from lagom.cost_model import CostModel, RunningComm
 from lagom.points import Collective, ComputeSegment, OverlapPoint, StepGraph
 from lagom.search.base import Evaluator, Problem, SearchResult, nccl_configs
@@ -261,6 +263,8 @@ def search(problem: Problem, evaluator: Evaluator, start: SearchResult | None = 
                      "same compute changed: ")
     for first, second in pairs(blocking, order):
         tuning.joint(first, second)
+    for keys in sharing_compute(problem)[:len(problem.keys)]:
+        tuning.together(keys)
     return SearchResult("lagom", configs, tuning.best, evaluator.evaluations, notes)
 
 
@@ -322,6 +326,75 @@ class _Tuning:
         for key, cfg, other in ((first, chosen[0], second), (second, chosen[1], first)):
             self.configs[key] = cfg
             self.notes[key] = f"moved together with {other} (both hold up the same compute): {cfg.describe()}"
+
+
+    def together(self, keys: frozenset[str]) -> None:
+        """Move every key that runs beside one compute segment at once: each to its best-ranked candidate,
+        then all to each channel count below the most any of them has. The GEMM there loses the SMs of
+        all of them together, so a wave it gets back may need every one to give some back, which no move
+        of one key (or two) shows."""
+        per_key, cap = self.best.per_key(), self.problem.cap
+        ranked = {key: self.checks(key, per_key)[1] for key in keys}
+        moves = [{key: checks[0][1] for key, checks in ranked.items() if checks}]
+        most = max(self.configs[key].channels for key in keys)
+        for channels in channel_choices(self.problem.hw, self.problem.space):
+            if channels < most:
+                moves.append({key: with_communicator_value("channels", channels, self.problem.keys[key][0],
+                                                           self.configs[key], cap) for key in keys})
+        chosen = None
+        for move in moves:
+            if all(self.configs[key] == cfg for key, cfg in move.items()):
+                continue
+            result = self.evaluator.evaluate({**self.configs, **move})
+            if result.step_s < self.best.step_s:
+                self.best, chosen = result, move
+        if chosen is None:
+            return
+        for key, cfg in chosen.items():
+            if cfg != self.configs[key]:
+                self.configs[key] = cfg
+                self.notes[key] = (f"moved with {', '.join(sorted(keys - {key}))} (all run beside the same "
+                                   f"compute): {cfg.describe()}")
+
+
+def group_moves(problem: Problem) -> int:
+    """The most evaluations one ``_Tuning.together`` makes: the best-ranked move and one per channel count."""
+    return 1 + len(channel_choices(problem.hw, problem.space))
+
+
+def max_checks_per_key(problem: Problem) -> int:
+    """Evaluations per key a search makes at most (after the first): the key-by-key pass, its revisit,
+    one pair, and one group move (at most as many groups as keys)."""
+    return MAX_CHECKS_PER_KEY + group_moves(problem)
+
+
+def sharing_compute(problem: Problem) -> list[frozenset[str]]:
+    """The sets of two or more keys whose collectives may run beside one compute segment (released before
+    it, needed after it) on one device, the most compute seconds covered first."""
+    key_of: dict[tuple, str] = {}
+    covered: dict[frozenset[str], float] = defaultdict(float)
+    for phase in problem.graph.phases:
+        for device, segs in phase.segments.items():
+            pos = {seg.name: n for n, seg in enumerate(segs)}
+            opened: dict[int, list[str]] = defaultdict(list)
+            closed: dict[int, list[str]] = defaultdict(list)
+            for p in phase.points:
+                if p.device != device or p.peer_device is not None:
+                    continue
+                what = (p.group.name, p.collective, p.bytes)
+                key = key_of.get(what) or key_of.setdefault(what, p.key)
+                opened[pos[p.after] + 1 if p.after else 0].append(key)
+                closed[pos[p.before] if p.before else len(segs)].append(key)
+            running: dict[str, int] = defaultdict(int)
+            for n, seg in enumerate(segs):
+                for key in closed[n]:
+                    running[key] -= 1
+                for key in opened[n]:
+                    running[key] += 1
+                beside = frozenset(key for key, count in running.items() if count > 0)
+                if len(beside) > 1:
+                    covered[beside] += problem.model.compute_solo(seg) * phase.repeat
+    return sorted(covered, key=covered.__getitem__, reverse=True)
 
 
 Blocking = tuple[list[set[str]], dict[str, str]]  # key sets blocking one segment each; each key's communicator
