@@ -56,6 +56,10 @@ def synthetic_problem(segments: list[tuple[float, float, int]], points: list[dic
 SMALL_SPACE = SearchSpace(channels=(1, 2, 4, 8, 16, 32), threads=(512,), chunks=(256 * 1024, 2 * 1024 * 1024),
                           protocols=("Simple",), splits=(), priorities=(0,))
 
+# Channels 2, 8 or 32 with NCCL's buffer: few enough settings for a joint brute force over three keys.
+THREE_CHANNELS = SearchSpace(channels=(2, 8, 32), threads=(512,), chunks=(2 * 1024 * 1024,), protocols=("Simple",),
+                             splits=(), priorities=(0,))
+
 
 def with_space(problem: Problem, space: SearchSpace) -> Problem:
     return replace(problem, space=space)

@@ -12,7 +12,7 @@ from lagom.search.base import settle_bound
 from lagom.search.priority import max_checks_per_key
 from lagom.tune import problem_for
 from lagom.workload import load_workload
-from tests.helpers import SMALL_SPACE, gpt_workload, synthetic_problem, write_yaml
+from tests.helpers import SMALL_SPACE, THREE_CHANNELS, gpt_workload, synthetic_problem, write_yaml
 
 
 def run_all(problem: Problem, names=("nccl", "autoccl", "lagom")):
@@ -69,6 +69,36 @@ def test_lagom_within_two_percent_of_exhaustive_on_random_small_problems(problem
     assert r["lagom"].result.step_s <= r["nccl"].result.step_s
     assert r["lagom"].result.step_s <= r["autoccl"].result.step_s * (1 + 1e-9)
 
+
+
+@st.composite
+def three_keys_beside_shared_compute(draw):
+    """Three collectives on three communicators, the first two released together and needed by the same
+    segment (so they share compute), the third anywhere: the cases where moving one key at a time stalls."""
+    segs = draw(st.lists(st.tuples(st.floats(0.05, 1.0), st.floats(1.0, 200.0), st.sampled_from([84, 300, 840, 4000])),
+                         min_size=2, max_size=4))
+    shared_after = draw(st.sampled_from([None, 0]))
+    shared_before = draw(st.sampled_from([None, *range(1 if shared_after == 0 else 0, len(segs))]))
+    third_after = draw(st.sampled_from([None, *range(len(segs) - 1)]))
+    lo = 0 if third_after is None else third_after + 1
+    windows = [(shared_after, shared_before)] * 2 + [(third_after, draw(st.sampled_from([None, *range(lo, len(segs))])))]
+    points = []
+    for j, (after, before) in enumerate(windows):
+        nodes = draw(st.sampled_from([1, 2]))
+        points.append({"collective": draw(st.sampled_from(["all_gather", "reduce_scatter", "all_reduce"])),
+                       "mb": draw(st.floats(20.0, 300.0)), "after": after, "before": before, "nodes": nodes,
+                       "size": 8 * nodes, "group": f"g{j}"})
+    return synthetic_problem(segs, points, space=THREE_CHANNELS)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(three_keys_beside_shared_compute())
+def test_lagom_within_two_percent_of_exhaustive_when_three_keys_share_compute(problem):
+    """Before keys sharing compute moved as a group, 28 of 700 such problems (a seeded loop of this
+    generator's shape) were more than 2% off exhaustive, up to 8.7%; after, none was, at most 1.02%."""
+    r = run_all(problem, ("nccl", "lagom", "exhaustive"))
+    assert r["lagom"].result.step_s <= r["exhaustive"].result.step_s * 1.02
+    assert r["lagom"].result.step_s <= r["nccl"].result.step_s
 
 
 def many_keys(n: int) -> Problem:

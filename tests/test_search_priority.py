@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from lagom.comm_config import CommConfig, SearchSpace
+from lagom.comm_config import CommConfig
 from lagom.search import Problem, SimulatedEvaluator, priority, run_strategy
 from lagom.search.base import settle_bound
 from lagom.search.priority import (
@@ -19,7 +19,7 @@ from lagom.search.priority import (
     sharing_compute,
     windows,
 )
-from tests.helpers import SMALL_SPACE, synthetic_problem
+from tests.helpers import SMALL_SPACE, THREE_CHANNELS, synthetic_problem
 
 US = 1e-6
 
@@ -61,11 +61,6 @@ def test_lagom_takes_the_high_priority_stream_where_the_wait_is_exposed():
     key = next(iter(problem.keys))
     assert with_priority.configs[key].priority == 1
     assert with_priority.result.step_s < without.result.step_s
-
-
-# Channels 2, 8 or 32 with NCCL's buffer: few enough settings for a joint brute force over three keys.
-THREE_CHANNELS = SearchSpace(channels=(2, 8, 32), threads=(512,), chunks=(2 * 1024 * 1024,), protocols=("Simple",),
-                             splits=(), priorities=(0,))
 
 
 def _without_joint_revisit(problem: Problem, monkeypatch: pytest.MonkeyPatch) -> float:
