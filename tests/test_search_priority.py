@@ -126,7 +126,7 @@ def test_three_collectives_beside_one_gemm_give_their_sms_back_as_a_group(monkey
                "size": 16, "group": "g1"},
               {"collective": "all_reduce", "mb": 118.48250893631955, "after": None, "before": 1, "group": "g2"}]
     problem = synthetic_problem(segments, points, space=THREE_CHANNELS)
-    assert sharing_compute(problem) == [frozenset(problem.keys), frozenset(k for k in problem.keys if "g2" not in k)]
+    assert sharing_compute(problem) == [frozenset(problem.keys)]  # {g0, g1} beside the others is within it
     lagom, best = run_strategy("lagom", problem), run_strategy("exhaustive", problem)
     assert lagom.result.step_s == pytest.approx(best.result.step_s, rel=1e-9)
     assert [cfg.channels for cfg in lagom.configs.values()] == [2, 2, 2]
@@ -138,15 +138,17 @@ def test_three_collectives_beside_one_gemm_give_their_sms_back_as_a_group(monkey
 def test_keys_share_compute_where_their_windows_overlap():
     """Released after segment ``after``, needed before ``before``: keys whose windows hold one segment in
     common form a group, the one covering the most compute seconds first; a window with no segment in it
-    (released right before its need) shares nothing."""
+    (released right before its need) shares nothing; a set within a larger one is left out."""
     segments = [(1.0, 10.0, 840), (2.0, 10.0, 840), (0.5, 10.0, 840), (0.1, 10.0, 840)]
     points = [{"collective": "all_gather", "mb": 8.0, "after": None, "before": 2, "group": "a"},   # 0, 1
               {"collective": "all_gather", "mb": 9.0, "after": 0, "before": None, "group": "b"},   # 1, 2, 3
               {"collective": "all_gather", "mb": 10.0, "after": 1, "before": None, "group": "c"},  # 2, 3
-              {"collective": "all_gather", "mb": 11.0, "after": 2, "before": 3, "group": "d"}]     # none
+              {"collective": "all_gather", "mb": 11.0, "after": 2, "before": 3, "group": "d"},    # none
+              {"collective": "all_gather", "mb": 12.0, "after": 2, "before": None, "group": "e"}]  # 3
     problem = synthetic_problem(segments, points, space=SMALL_SPACE)
-    a, b, c, d = problem.keys
-    assert sharing_compute(problem) == [frozenset((a, b)), frozenset((b, c))]
+    a, b, c, d, e = problem.keys
+    # segment 1: {a, b}; segment 2: {b, c}, within segment 3's {b, c, e}
+    assert sharing_compute(problem) == [frozenset((a, b)), frozenset((b, c, e))]
 
 
 def test_a_collective_is_revisited_once_the_one_beside_it_no_longer_holds_the_gemm_up():

@@ -370,7 +370,8 @@ def max_checks_per_key(problem: Problem) -> int:
 
 def sharing_compute(problem: Problem) -> list[frozenset[str]]:
     """The sets of two or more keys whose collectives may run beside one compute segment (released before
-    it, needed after it) on one device, the most compute seconds covered first."""
+    it, needed after it) on one device, the most compute seconds covered first. Only the largest: a set
+    within another is the same competition for that GEMM's SMs with fewer of its competitors moved."""
     key_of: dict[tuple, str] = {}
     covered: dict[frozenset[str], float] = defaultdict(float)
     for phase in problem.graph.phases:
@@ -394,7 +395,8 @@ def sharing_compute(problem: Problem) -> list[frozenset[str]]:
                 beside = frozenset(key for key, count in running.items() if count > 0)
                 if len(beside) > 1:
                     covered[beside] += problem.model.compute_solo(seg) * phase.repeat
-    return sorted(covered, key=covered.__getitem__, reverse=True)
+    largest = [keys for keys in covered if not any(keys < other for other in covered)]
+    return sorted(largest, key=covered.__getitem__, reverse=True)
 
 
 Blocking = tuple[list[set[str]], dict[str, str]]  # key sets blocking one segment each; each key's communicator
