@@ -2,12 +2,13 @@
 simulation depends on the pipeline, not on dp or the node count; and a 1,024-GPU job is compared end
 to end (with fewer layers and micro-batches than configs/workloads/llama3-70b-1024.yaml)."""
 
+import json
 from dataclasses import replace
 
 import pytest
 
-from lagom.cli import main
 from lagom.hardware import load_hardware
+from lagom.report import compare_json
 from lagom.search.base import nccl_configs
 from lagom.simulator import Simulator
 from lagom.tune import Progress, compare_strategies, problem_for
@@ -47,7 +48,8 @@ def test_the_shipped_1024_gpu_job_and_its_cluster_load():
 
 
 def test_compare_completes_on_a_1024_gpu_job(tmp_path):
-    """`lagom compare` on 1,024 GPUs (8 layers, 16 micro-batches instead of 80 and 256), with progress."""
+    """`lagom compare` on 1,024 GPUs (8 layers, 16 micro-batches instead of 80 and 256), with progress: the
+    comparison the command runs, then the JSON it prints (the command's own wiring is tests/test_cli.py's)."""
     data = load_workload(LLAMA)
     small = {"name": "llama3-70b-1024-small", "hardware": data.hardware,
              "model": {**vars(data.model), "layers": 8}, "training": {**vars(data.training), "global_batch": 16 * 16},
@@ -65,4 +67,7 @@ def test_compare_completes_on_a_1024_gpu_job(tmp_path):
         best = [p.best_step_s for p in seen if p.strategy == strategy]
         assert best == sorted(best, reverse=True)
     assert best[-1] == pytest.approx(steps["lagom"], rel=1e-12)  # lagom keeps the best step it simulated
-    assert main(["compare", str(path), "--json"]) == 0
+    printed = json.loads(json.dumps(compare_json(wl.name, hw.name, {k: (t.result.result, t.result.evaluations) if t else None
+                                                                    for k, t in tuned.items()})))
+    assert printed["strategies"]["exhaustive"] is None
+    assert printed["speedup"]["lagom"] == pytest.approx(steps["nccl"] / steps["lagom"], rel=1e-12) >= 1
