@@ -70,4 +70,4 @@ def test_compare_completes_on_a_1024_gpu_job(tmp_path):
     printed = json.loads(json.dumps(compare_json(wl.name, hw.name, {k: (t.result.result, t.result.evaluations) if t else None
                                                                     for k, t in tuned.items()})))
     assert printed["strategies"]["exhaustive"] is None
-    assert printed["speedup"]["lagom"] == pytest.approx(steps["nccl"] / steps["lagom"], rel=1e-12) >= 1
+    assert printed["speedup"]["lagom"] == pytest.approx(steps["nccl"] / steps["lagom"], rel=1e-12)
