@@ -332,8 +332,11 @@ class _Tuning:
         """Move every key that runs beside one compute segment at once: each to its best-ranked candidate,
         then all to each channel count below the most any of them has. The GEMM there loses the SMs of
         all of them together, so a wave it gets back may need every one to give some back, which no move
-        of one key (or two) shows."""
+        of one key (or two) shows. A set whose collectives are all exposed is left alone: they hold the
+        step up, and fewer channels only slow them."""
         per_key, cap = self.best.per_key(), self.problem.cap
+        if all(per_key[key]["exposed"] > 0 for key in keys):
+            return
         ranked = {key: self.checks(key, per_key)[1] for key in keys}
         moves = [{key: checks[0][1] for key, checks in ranked.items() if checks}]
         most = max(self.configs[key].channels for key in keys)
