@@ -81,6 +81,12 @@ class _WindowCost:
         return _WindowCost(distinct, kinds, alone, max((model.hbm_util(s) for s in segments), default=0.0), sum(alone))
 
 
+def _span(point: OverlapPoint, pos: dict[str, int], count: int) -> tuple[int, int]:
+    """The positions of the compute segments a collective can hide under on its device's stream: from
+    the one after its release to the one before its need."""
+    return pos[point.after] + 1 if point.after else 0, pos[point.before] if point.before else count
+
+
 def windows(graph: StepGraph) -> dict[str, list[Window]]:
     """Per key, the distinct windows its instances hide under, each weighted by how often it occurs.
 
@@ -100,7 +106,7 @@ def windows(graph: StepGraph) -> dict[str, list[Window]]:
             if p.peer_device is not None:  # a pipeline send: another stage waits for it, nothing here hides it
                 lo = hi = f_lo = f_hi = 0
             else:
-                lo, hi = pos[p.after] + 1 if p.after else 0, pos[p.before] if p.before else len(segs)
+                lo, hi = _span(p, pos, len(segs))
                 f_lo = pos[p.fuse_with] if p.fuse_with and can_decompose(p) else 0
                 f_hi = f_lo + 1 if p.fuse_with and can_decompose(p) else 0
             what = (p.group.name, p.collective, p.bytes)
@@ -327,7 +333,6 @@ class _Tuning:
             self.configs[key] = cfg
             self.notes[key] = f"moved together with {other} (both hold up the same compute): {cfg.describe()}"
 
-
     def together(self, keys: frozenset[str]) -> None:
         """Move every key that runs beside one compute segment at once: each to its best-ranked candidate,
         then all to each channel count below the most any of them has. The GEMM there loses the SMs of
@@ -387,8 +392,9 @@ def sharing_compute(problem: Problem) -> list[frozenset[str]]:
                     continue
                 what = (p.group.name, p.collective, p.bytes)
                 key = key_of.get(what) or key_of.setdefault(what, p.key)
-                opened[pos[p.after] + 1 if p.after else 0].append(key)
-                closed[pos[p.before] if p.before else len(segs)].append(key)
+                lo, hi = _span(p, pos, len(segs))
+                opened[lo].append(key)
+                closed[hi].append(key)
             running: dict[str, int] = defaultdict(int)
             for n, seg in enumerate(segs):
                 for key in closed[n]:
