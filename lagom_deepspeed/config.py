@@ -13,6 +13,7 @@ from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from pydantic import Field, ValidationError, field_validator
 
 from lagom.errors import ConfigError
+from lagom.runtime.control import DEFAULT_TIMEOUT_S
 from lagom.search import STRATEGIES
 
 SECTION = "lagom"
@@ -69,6 +70,9 @@ class LagomConfig(DeepSpeedConfigModel):
     monitor_interval: int = Field(20, gt=0)
     """online: every this many steps the ranks agree (one tiny all-reduce) whether any saw drift."""
     flash_overlap: FlashOverlapSection = Field(default_factory=FlashOverlapSection)
+    collective_timeout_s: float = Field(DEFAULT_TIMEOUT_S, gt=0.0)
+    """Lagom's own collectives (start plan, agreements): a rank missing this long switches Lagom off on
+    every rank instead of hanging the job."""
 
     @field_validator("strategy")
     @classmethod

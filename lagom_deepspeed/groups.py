@@ -8,6 +8,7 @@ its rank tuple: the name is what the plan's keys use and what ``group_desc`` tel
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch.distributed as dist
@@ -26,7 +27,9 @@ class GroupNames:
         self.by_ranks = by_ranks
         self.world = world
         self.p2p = p2p  # the name of point-to-point traffic with no group (pipeline send/recv)
-        self._cache: dict[int, str] = {}
+        self._world_name: str | None = None  # group None: the world
+        # weak: a group the job destroys is not kept alive, and a new group at its address is named afresh
+        self._cache: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 
     def name_of_ranks(self, ranks: tuple[int, ...]) -> str:
         if ranks in self.by_ranks:
@@ -37,10 +40,13 @@ class GroupNames:
         return "world" if len(ranks) == self.world else "ranks" + "-".join(map(str, ranks))
 
     def __call__(self, group: Any) -> str:
-        key = id(group)
-        name = self._cache.get(key)
+        if group is None:
+            if self._world_name is None:
+                self._world_name = self.name_of_ranks(_ranks(None))
+            return self._world_name
+        name = self._cache.get(group)
         if name is None:
-            name = self._cache[key] = self.name_of_ranks(_ranks(group))
+            name = self._cache[group] = self.name_of_ranks(_ranks(group))
         return name
 
     @classmethod

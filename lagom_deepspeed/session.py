@@ -12,8 +12,8 @@ boundary closes the core session's step.
 
 from __future__ import annotations
 
-import atexit
 import logging
+import weakref
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,7 @@ import torch.distributed as dist
 from lagom.errors import ConfigError
 from lagom.hardware import Hardware
 from lagom.plan import Plan
+from lagom.runtime.control import Control
 from lagom.runtime.session import KnobChange, SessionOptions, TuningSession, choose_hardware
 from lagom_deepspeed import planning
 from lagom_deepspeed.comm import Subscription, subscribe
@@ -46,13 +47,13 @@ def session_options(section: LagomConfig) -> SessionOptions:
         plan_out=plan_out, cache_dir=Path(section.cache_dir), report_files=report, flash_overlap=flash.enabled,
         flash_num_chunks=flash.num_chunks, flash_stream_priority=flash.comm_stream_priority or None,
         strict_env=section.strict_env, retune_threshold=section.retune_threshold,
-        drift_check_steps=section.monitor_interval,
+        drift_check_steps=section.monitor_interval, collective_timeout_s=section.collective_timeout_s,
         search_buckets=section.buckets.reduce_bucket_size is None and section.buckets.allgather_bucket_size is None)
 
 
-def hardware_for(section: LagomConfig, world_size: int) -> tuple[Hardware, str]:
+def hardware_for(section: LagomConfig, world_size: int, control: Control) -> tuple[Hardware, str]:
     try:
-        return choose_hardware(section.hardware, world_size, Path(section.cache_dir))
+        return choose_hardware(section.hardware, world_size, Path(section.cache_dir), control)
     except ConfigError as err:
         raise ConfigError(f"lagom.{err.key}", err.problem, err.fix) from None
 
@@ -63,13 +64,17 @@ class Session(TuningSession):
     framework = "deepspeed"
 
     def __init__(self, section: LagomConfig, hw: Hardware | None, hardware_reason: str, derived: Derived,
-                 names: GroupNames, world_size: int) -> None:
+                 names: GroupNames, world_size: int, control: Control | None = None) -> None:
         super().__init__(derived.workload, hw, session_options(section), world_size=world_size,
-                         hardware_reason=hardware_reason, why_untuned=derived.warning() if derived.workload is None else "")
+                         hardware_reason=hardware_reason, why_untuned=derived.warning() if derived.workload is None else "",
+                         control=control)
         self.section, self.derived, self.names = section, derived, names
         self.tap: Subscription | None = None
         self.flash: ZeroFlash | None = None
-        self._restore: list[tuple[Any, str, Any]] = []
+        # the engine, weakly: a session must never keep an engine (its model and optimizer state) alive
+        self._engine: weakref.ref[Any] | None = None
+        self._wrapped: list[str] = []  # engine methods this session wraps (instance attributes)
+        self._finalizer: weakref.finalize | None = None
 
     # -- start-up -------------------------------------------------------------------------------
     @classmethod
@@ -80,11 +85,20 @@ class Session(TuningSession):
         tp = mpu.get_model_parallel_world_size() if mpu is not None else 1
         derived = describe(model, ds_config, world, pp=pp, tp=tp, overrides=section.workload)
         hw, reason = None, "not needed: Lagom only records this job"
-        if derived.workload is not None:  # what Lagom cannot describe it leaves to DeepSpeed's own settings
-            hw, reason = hardware_for(section, world)
-            derived.workload = planning.pinned(derived.workload, section.buckets)
-        session = cls(section, hw, reason, derived, GroupNames.for_job(model, mpu, world), world)
-        session.start()
+        control = Control(section.collective_timeout_s)
+        try:
+            if derived.workload is not None:  # what Lagom cannot describe it leaves to DeepSpeed's own settings
+                hw, reason = hardware_for(section, world, control)
+                derived.workload = planning.pinned(derived.workload, section.buckets)
+        except BaseException:
+            control.close()
+            raise
+        session = cls(section, hw, reason, derived, GroupNames.for_job(model, mpu, world), world, control)
+        try:
+            session.start()
+        except BaseException:
+            session.close()
+            raise
         engine_cfg = ds_config
         if session.plan is not None:
             engine_cfg, changes = planning.engine_config(ds_config, session.plan, section.buckets, derived.largest_layer)
@@ -116,7 +130,11 @@ class Session(TuningSession):
 
     # -- run time -------------------------------------------------------------------------------
     def attach(self, engine: Any) -> None:
-        """Wrap the backend and the engine's step boundary; the first step starts now."""
+        """Wrap the backend and the engine's step boundary; the first step starts now.
+
+        The session ends with the engine: ``engine.destroy()`` closes it, and so does the engine's garbage
+        collection (the wrappers live on the engine, and the session holds the engine only weakly).
+        """
         from deepspeed.runtime.pipe.engine import PipelineEngine
 
         if self.tap is None:
@@ -128,10 +146,13 @@ class Session(TuningSession):
         # calls made inside these go to this engine's session only (several engines may share a process)
         for name in ("train_batch", "eval_batch") if pipeline else ("forward", "backward", "step"):
             self._wrap(engine, name, stepping=name == boundary)
+        self._wrap_destroy(engine)
+        self._engine = weakref.ref(engine)
+        # closes the session when the engine is collected; holds the session, never the engine
+        self._finalizer = weakref.finalize(engine, self.close)
         engine.lagom = self
         self.begin_step(engine.global_steps)
         self.write_report()
-        atexit.register(self.write_report)  # the final report, also when the script never calls close()
 
     def _wrap(self, engine: Any, name: str, stepping: bool) -> None:
         original = getattr(engine, name)
@@ -147,7 +168,22 @@ class Session(TuningSession):
             return out
 
         setattr(engine, name, wrapped)
-        self._restore.append((engine, name, None))
+        self._wrapped.append(name)
+
+    def _wrap_destroy(self, engine: Any) -> None:
+        """``engine.destroy()`` (DeepSpeed's own teardown) ends the session too."""
+        original = getattr(engine, "destroy", None)
+        if original is None:
+            return
+
+        def destroy(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.close()
+
+        engine.destroy = destroy
+        self._wrapped.append("destroy")
 
     def framework_report(self) -> dict[str, Any]:
         return {"inferred": self.derived.notes,
@@ -157,16 +193,22 @@ class Session(TuningSession):
                 else self.section.model_dump()}
 
     def close(self) -> None:
-        """Write the final report and undo every wrapper (the engine keeps running untuned)."""
+        """Write the final report and undo everything this session added (idempotent): the engine, if it is
+        still alive, keeps running untuned."""
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
         if self.flash is not None:  # attached: the report has steps to tell
-            atexit.unregister(self.write_report)
+            self.flash = None
             self.write_report()
         if self.tap is not None:
             self.tap.close()
-        for obj, attr, original in reversed(self._restore):
-            if original is None:
-                obj.__dict__.pop(attr, None)
-            else:
-                setattr(obj, attr, original)
-        self._restore.clear()
+            self.tap = None
+        engine = self._engine() if self._engine is not None else None
+        if engine is not None:
+            for name in self._wrapped:
+                engine.__dict__.pop(name, None)
+            if engine.__dict__.get("lagom") is self:
+                del engine.__dict__["lagom"]
+        self._wrapped.clear()
         super().close()

@@ -9,14 +9,16 @@ unpatched install, so both paths register the same flags and start the same sess
 from __future__ import annotations
 
 import argparse
-import atexit
 import functools
+import logging
 from collections.abc import Callable
 from typing import Any
 
+from lagom.runtime.control import ControlError
 from lagom_megatron.arguments import add_lagom_arguments, options_from_args
 from lagom_megatron.session import Session
 
+log = logging.getLogger("lagom.megatron")
 _session: Session | None = None
 
 
@@ -32,14 +34,16 @@ def setup(args: argparse.Namespace) -> Session | None:
         return _session
     options = options_from_args(args)
     if _session is not None:
-        atexit.unregister(_session.write_report)
         _session.close()
         _session = None
     if options is None:
         return None
-    _session = Session.start_for(args, options)
+    try:
+        _session = Session.start_for(args, options)
+    except ControlError as err:  # a rank missing from Lagom's own start-up agreement: Megatron runs alone
+        log.error("Lagom switched itself off at start-up: %s. Megatron runs with its own settings.", err)
+        return None
     _wrap_train_step(_session)
-    atexit.register(_session.write_report)
     return _session
 
 

@@ -23,6 +23,7 @@ from lagom.hardware import Hardware
 from lagom.plan import Plan
 from lagom.runtime import report
 from lagom.runtime.apply import option_value
+from lagom.runtime.control import Control
 from lagom.runtime.session import KnobChange, SessionOptions, TuningSession, choose_hardware
 from lagom.simulator import simulate
 from lagom.tune import make_plan, problem_for
@@ -44,13 +45,13 @@ def session_options(options: LagomOptions, args: argparse.Namespace) -> SessionO
         search_buckets=getattr(args, "ddp_bucket_size", None) is None)
 
 
-def _hardware(options: LagomOptions, workload: Workload) -> tuple[Hardware, str]:
+def _hardware(options: LagomOptions, workload: Workload, control: Control) -> tuple[Hardware, str]:
     """The hardware the plan is made for: the flag, else the plan file's, else detected."""
     explicit = options.hardware
     if explicit is None and options.plan is not None and options.plan.exists():
         explicit = Plan.load(options.plan).hardware
     try:
-        return choose_hardware(explicit, workload.world_size, options.cache_dir)
+        return choose_hardware(explicit, workload.world_size, options.cache_dir, control)
     except ConfigError as err:
         raise ConfigError("--lagom-hardware", f"{err.key}: {err.problem}", err.fix or
                           "pass a preset name from configs/hardware or a hardware YAML file") from None
@@ -62,10 +63,11 @@ class Session(TuningSession):
     framework = "megatron"
 
     def __init__(self, args: argparse.Namespace, options: LagomOptions, workload: Workload | None,
-                 hw: Hardware | None, hardware_reason: str = "", why_untuned: str = "") -> None:
+                 hw: Hardware | None, hardware_reason: str = "", why_untuned: str = "",
+                 control: Control | None = None) -> None:
         world_size = workload.world_size if workload is not None else int(getattr(args, "world_size", 1) or 1)
         super().__init__(workload, hw, session_options(options, args), world_size=world_size,
-                         hardware_reason=hardware_reason, why_untuned=why_untuned)
+                         hardware_reason=hardware_reason, why_untuned=why_untuned, control=control)
         self.args, self.lagom_options = args, options
         self.cp = int(getattr(args, "context_parallel_size", 1) or 1)
         self.group_options: dict[str, Any] = {}  # megatron pg_name -> options this adapter gave its group
@@ -76,14 +78,23 @@ class Session(TuningSession):
     @classmethod
     def start_for(cls, args: argparse.Namespace, options: LagomOptions) -> Session:
         """The session for these arguments; a job Lagom cannot describe runs on Megatron's settings, recorded."""
+        control = Control()
         try:
             workload = workload_from_args(args)
         except ConfigError as err:  # Megatron accepted the job: Lagom must not fail it
-            session = cls(args, options, None, None, why_untuned=f"{err}. Megatron keeps its own settings")
+            session = cls(args, options, None, None, why_untuned=f"{err}. Megatron keeps its own settings", control=control)
         else:
-            hw, reason = _hardware(options, workload)
-            session = cls(args, options, workload, hw, reason)
-        session.start()
+            try:
+                hw, reason = _hardware(options, workload, control)
+            except BaseException:
+                control.close()
+                raise
+            session = cls(args, options, workload, hw, reason, control=control)
+        try:
+            session.start()
+        except BaseException:
+            session.close()
+            raise
         session.interceptor = Interceptor(session.runtime.recorder, session.router)
         session._install()
         return session

@@ -18,6 +18,7 @@ import logging
 import os
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -121,12 +122,105 @@ def registration_message(plan: Plan) -> str | None:
             "else NCCL runs these collectives with SMs as under the DEFAULT policy")
 
 
-_current: Runtime | None = None
+_current: Runtime | None = None  # the runtime ``init`` made (the plain torch.distributed entry)
+_open: list[Runtime] = []  # every runtime with a plan in force, oldest first (sessions may overlap)
 _NEW_GROUP_OWNERS = (dist, dist.distributed_c10d)
+_original_new_group: Callable[..., Any] | None = None  # what Lagom's wrapper calls, kept once it was seen
+_hooked = False
+
+
+@dataclass
+class _Export:
+    """A process-wide NCCL variable Lagom set, the runtimes that want it, and what to undo with it."""
+
+    value: str
+    owners: set[int] = field(default_factory=set)
+    cleanup: Path | None = None  # a file the variable names (the tuner rules), removed with the variable
+
+
+_exports: dict[str, _Export] = {}
+
 
 def current() -> Runtime | None:
     """The runtime ``init`` made and ``close`` has not undone yet."""
     return _current
+
+
+def open_runtimes() -> list[Runtime]:
+    """Every runtime with a plan in force, oldest first."""
+    return list(_open)
+
+
+def exported() -> dict[str, str]:
+    """The NCCL variables Lagom has set in this process and not removed yet."""
+    return {var: e.value for var, e in _exports.items()}
+
+
+def _export(owner: Runtime, var: str, value: str, cleanup: Path | None = None) -> bool:
+    """Set ``var`` for ``owner`` unless the environment already holds it; True when ``owner`` now shares it.
+
+    A variable another open runtime exported with the same value is shared (removed with its last owner);
+    anything else already in the environment wins, as a user's setting does.
+    """
+    held = _exports.get(var)
+    if held is not None and held.value == value and os.environ.get(var) == value:
+        held.owners.add(id(owner))
+        return True
+    if var in os.environ:
+        return False
+    os.environ[var] = value
+    _exports[var] = _Export(value, {id(owner)}, cleanup)
+    return True
+
+
+def _release(owner: Runtime) -> None:
+    """Drop ``owner`` from every variable it shares; a variable nobody wants any more is removed."""
+    for var, held in list(_exports.items()):
+        held.owners.discard(id(owner))
+        if held.owners:
+            continue
+        del _exports[var]
+        if os.environ.get(var) == held.value:
+            del os.environ[var]
+        if held.cleanup is not None:
+            held.cleanup.unlink(missing_ok=True)
+
+
+def _new_group(*args: Any, **kwargs: Any) -> Any:
+    """``torch.distributed.new_group`` while any runtime is open: the newest runtime whose plan names the
+    group gives it options."""
+    original = _original_new_group
+    assert original is not None  # set before the wrapper is ever installed
+    bound = inspect.signature(original).bind(*args, **kwargs)
+    for rt in reversed(_open):
+        if rt.plan_group(bound.arguments.get("group_desc")) is not None:
+            rt._apply_options(bound.arguments)
+            break
+    return original(*bound.args, **bound.kwargs)
+
+
+def _hook_new_group() -> None:
+    global _original_new_group, _hooked
+    if _hooked:
+        return
+    _hooked = True
+    if dist.new_group is not _new_group:  # still in place when an earlier unhook could not remove it
+        _original_new_group = dist.new_group
+    _new_group.__wrapped__ = _original_new_group  # type: ignore[attr-defined]
+    for owner in _NEW_GROUP_OWNERS:
+        owner.new_group = _new_group  # type: ignore[attr-defined]
+
+
+def _unhook_new_group() -> None:
+    global _hooked
+    if not _hooked:
+        return
+    _hooked = False
+    for owner in _NEW_GROUP_OWNERS:
+        if owner.new_group is _new_group:
+            owner.new_group = _original_new_group  # type: ignore[attr-defined]
+        else:
+            log.warning("%s.new_group was re-wrapped after lagom.runtime.init; left as it is", owner.__name__)
 
 
 class Runtime:
@@ -146,7 +240,6 @@ class Runtime:
         self.tuner_env_set: dict[str, str] = {}  # NCCL_TUNER_PLUGIN and the plugin's rules file
         self.tuner_rules_file: Path | None = None
         self._comm_cfgs = communicator_configs(plan) if plan is not None else {}
-        self._original_new_group: Callable[..., Any] | None = None
         self._closed = False
 
     def options_for(self, group_name: str) -> Any:
@@ -176,8 +269,7 @@ class Runtime:
         for conflict in env_conflicts(self.plan, self.hw, os.environ):
             log.warning("%s; the environment wins (strict_env=False)", conflict)
         for var, value in nccl_env(self.plan, self.hw).items():
-            if var not in os.environ:
-                os.environ[var] = value
+            if _export(self, var, value):
                 self.env_set[var] = value
         self._export_tuner()
         if self.env_set:
@@ -201,44 +293,41 @@ class Runtime:
         if overriding:
             log.info("NCCL tuner plugin left off: %s set in the environment", ", ".join(overriding))
             return
-        rules_file = os.environ.get(nccl_tuner.RULES_FILE_ENV) or self._write_tuner_rules(self.plan)
+        rules_file = os.environ.get(nccl_tuner.RULES_FILE_ENV)
         if rules_file is None:
-            return
-        self.tuner_env_set = {var: value for var, value in tuner_env(self.plan, rules_file).items()
-                              if var not in os.environ}
-        os.environ.update(self.tuner_env_set)
+            self.tuner_rules_file = self._write_tuner_rules(self.plan)
+            if self.tuner_rules_file is None:
+                return
+            rules_file = str(self.tuner_rules_file)
+        elif nccl_tuner.RULES_FILE_ENV in _exports:
+            log.warning("NCCL tuner plugin: the rules of the Lagom runtime opened first (%s) stay in force for "
+                        "communicators created now (NCCL reads one tuner environment per process)", rules_file)
+        for var, value in tuner_env(self.plan, rules_file).items():
+            cleanup = self.tuner_rules_file if var == nccl_tuner.RULES_FILE_ENV else None
+            if _export(self, var, value, cleanup):
+                self.tuner_env_set[var] = value
         log.info("NCCL tuner plugin on: %s reads %s", plugin, rules_file)
 
-    def _write_tuner_rules(self, plan: Plan) -> str | None:
-        """The plan's rules in a file of this process's own (removed by ``close``), or None if it cannot be written."""
+    def _write_tuner_rules(self, plan: Plan) -> Path | None:
+        """The plan's rules in a file of this process's own (removed with its variable), or None if it cannot be written."""
+        path: Path | None = None
         try:
             handle, name = tempfile.mkstemp(prefix=f"lagom-nccl-tuner-{os.getpid()}-", suffix=".lagom")
-            self.tuner_rules_file = Path(name)
+            path = Path(name)
             with os.fdopen(handle, "w") as out:
                 out.write(tuner_rules(plan))
         except OSError as err:
             log.warning("NCCL tuner plugin left off: cannot write its rules file (%s)", err)
-            if self.tuner_rules_file is not None:
-                self.tuner_rules_file.unlink(missing_ok=True)
-                self.tuner_rules_file = None
+            if path is not None:
+                path.unlink(missing_ok=True)
             return None
-        return name
+        return path
 
     # -- group creation
     def _install(self) -> None:
-        original = dist.new_group
-        signature = inspect.signature(original)
-
-        def new_group(*args: Any, **kwargs: Any) -> Any:
-            bound = signature.bind(*args, **kwargs)
-            self._apply_options(bound.arguments)
-            return original(*bound.args, **bound.kwargs)
-
-        new_group.__wrapped__ = original  # type: ignore[attr-defined]
-        new_group.lagom_runtime = self  # type: ignore[attr-defined]
-        self._original_new_group = original
-        for owner in _NEW_GROUP_OWNERS:
-            owner.new_group = new_group  # type: ignore[attr-defined]
+        """Join the process's ``new_group`` hook: groups the plan names get its options while this runtime is open."""
+        _open.append(self)
+        _hook_new_group()
 
     def _apply_options(self, arguments: dict[str, Any]) -> None:
         name = self.plan_group(arguments.get("group_desc"))
@@ -264,23 +353,20 @@ class Runtime:
             log.debug("group %s: options built but not passed (backend %s is not NCCL)", name, backend)
 
     def close(self) -> None:
-        """Put ``new_group`` back, remove the NCCL variables ``init`` exported and the tuner rules file."""
+        """Leave the ``new_group`` hook (the last runtime out removes it) and drop the NCCL variables and the
+        tuner rules file this runtime exported, unless another open runtime still shares them."""
         global _current
         if self._closed:
             return
         self._closed = True
-        if self._original_new_group is not None:
-            for owner in _NEW_GROUP_OWNERS:
-                if getattr(owner.new_group, "lagom_runtime", None) is self:
-                    owner.new_group = self._original_new_group  # type: ignore[attr-defined]
-                else:
-                    log.warning("%s.new_group was re-wrapped after lagom.runtime.init; left as it is", owner.__name__)
-        for var, value in {**self.env_set, **self.tuner_env_set}.items():
-            if os.environ.get(var) == value:
-                del os.environ[var]
-        if self.tuner_rules_file is not None:
-            self.tuner_rules_file.unlink(missing_ok=True)
-            self.tuner_rules_file = None
+        if self in _open:
+            _open.remove(self)
+            if not _open:
+                _unhook_new_group()
+        _release(self)
+        if self.tuner_rules_file is not None and nccl_tuner.RULES_FILE_ENV not in self.tuner_env_set:
+            self.tuner_rules_file.unlink(missing_ok=True)  # written, never exported
+        self.tuner_rules_file = None
         if _current is self:
             _current = None
 
@@ -307,18 +393,10 @@ def _hardware_for(plan: Plan, hw: Hardware | str | None) -> Hardware:
                           "pass init(plan, hw=<profile file the plan was made with>)") from None
 
 
-def init(plan: Plan | str | Path | None = None, *, strict_env: bool = True,
-         hw: Hardware | str | None = None, capability: Capability | None = None) -> Runtime:
-    """Put a plan in force for this process (or only record, with ``plan=None``).
-
-    Call it before the process groups are created: NCCL reads its environment and a group's options
-    when the communicator is made. ``hw`` defaults to the preset the plan names. ``capability``: what this
-    process can apply (default: detected, ``runtime_capability``); a plan needing more is refused.
-    """
-    global _current
-    if _current is not None:
-        log.warning("lagom.runtime.init called again: closing the previous runtime first")
-        _current.close()
+def open_runtime(plan: Plan | str | Path | None = None, *, strict_env: bool = True,
+                 hw: Hardware | str | None = None, capability: Capability | None = None) -> Runtime:
+    """A runtime with ``plan`` in force (or one that only records, with ``plan=None``), beside any other open
+    one: each tuning session owns its own and closes it with itself. See ``init`` for the arguments."""
     if isinstance(plan, (str, Path)):
         plan = Plan.load(plan)
     hardware = None
@@ -337,5 +415,21 @@ def init(plan: Plan | str | Path | None = None, *, strict_env: bool = True,
         message = registration_message(plan)
         if message is not None:
             log.warning("%s", message)
-    _current = runtime
     return runtime
+
+
+def init(plan: Plan | str | Path | None = None, *, strict_env: bool = True,
+         hw: Hardware | str | None = None, capability: Capability | None = None) -> Runtime:
+    """Put a plan in force for this process (or only record, with ``plan=None``): the entry for plain
+    torch.distributed scripts, one runtime at a time (calling it again closes the previous one).
+
+    Call it before the process groups are created: NCCL reads its environment and a group's options
+    when the communicator is made. ``hw`` defaults to the preset the plan names. ``capability``: what this
+    process can apply (default: detected, ``runtime_capability``); a plan needing more is refused.
+    """
+    global _current
+    if _current is not None:
+        log.warning("lagom.runtime.init called again: closing the previous runtime first")
+        _current.close()
+    _current = open_runtime(plan, strict_env=strict_env, hw=hw, capability=capability)
+    return _current

@@ -30,6 +30,7 @@ from lagom.hardware import Hardware, load_hardware
 from lagom.plan import Plan
 from lagom.points import Collective, ComputeSegment, Group
 from lagom.runtime import apply as runtime
+from lagom.runtime.control import Control
 from lagom.search import STRATEGIES, Problem, SearchResult, run_strategy
 from lagom.search.base import SimulatedEvaluator, nccl_configs
 from lagom.simulator import Configs, Simulator, StepResult
@@ -299,17 +300,35 @@ class OnlineTuner:
         self._records.clear()
         self.plan = None
 
-    def observe(self, step_s: float, records: Iterable[CallRecord]) -> Plan | None:
-        """Take one measured step; after ``tune_steps`` of them, tune and return the plan (on every rank)."""
+    @property
+    def ready(self) -> bool:
+        """Enough steps measured to tune (and not tuned yet)."""
+        return self.plan is None and len(self._steps) >= self.tune_steps
+
+    def add(self, step_s: float, records: Iterable[CallRecord]) -> None:
+        """Take one measured step (this rank's own; no collective)."""
         if self.plan is not None:
-            return None
+            return
         if not step_s > 0:
             raise ConfigError("OnlineTuner.observe step_s", f"must be positive, got {step_s}")
         self._steps.append(step_s)
         self._records.extend(records)
-        if len(self._steps) < self.tune_steps:
-            return None
-        self.plan = self._tune()
+
+    def observe(self, step_s: float, records: Iterable[CallRecord], control: Control | None = None) -> Plan | None:
+        """Take one measured step; after ``tune_steps`` of them, tune and return the plan (on every rank)."""
+        self.add(step_s, records)
+        return self.decide(control) if self.ready else None
+
+    def decide(self, control: Control | None = None) -> Plan:
+        """Search on rank 0 with what was measured, and the plan on every rank through ``control`` (Lagom's
+        agreement channel; a temporary one when None). Every rank must call it at the same step."""
+        own = control is None
+        channel = control or Control()
+        try:
+            self.plan = self._tune(channel)
+        finally:
+            if own:
+                channel.close()
         return self.plan
 
     def _rank(self) -> int:
@@ -337,17 +356,14 @@ class OnlineTuner:
         configs.update({k: c for k, c in plan.configs().items() if k in configs})
         return running, configs
 
-    def _tune(self) -> Plan:
+    def _tune(self, control: Control) -> Plan:
         payload: dict[str, Any] = {}
         if self._rank() == 0:
             try:
                 payload = self._search()
-            except Exception as err:  # noqa: BLE001 - must reach every rank, or they wait in the broadcast forever
+            except Exception as err:  # noqa: BLE001 - must reach every rank, or they wait in the broadcast
                 payload = {"error": f"{type(err).__name__}: {err}"}
-        if dist.is_initialized():
-            box = [payload]
-            dist.broadcast_object_list(box, group=self.group, group_src=0)
-            payload = box[0]
+        payload = control.broadcast(payload, "the online plan")
         if "error" in payload:
             raise LagomError(f"online tuning failed on rank 0: {payload['error']}")
         plan = Plan.from_dict(json.loads(payload["plan"]), "online plan")

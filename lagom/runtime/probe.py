@@ -26,10 +26,8 @@ import os
 import re
 import socket
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,6 +41,7 @@ from lagom.hardware import (
     with_cluster,
 )
 from lagom.runtime.calibrate import fit, measure, measured_profile, write_profile
+from lagom.runtime.control import Control
 
 log = logging.getLogger("lagom.probe")
 
@@ -248,33 +247,22 @@ def _measure_world(facts: Facts, budget_s: float) -> tuple[dict[str, list[list[f
     return samples, backend, elapsed
 
 
-def _broadcast(value: Any) -> Any:
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _on_rank0(build: Callable[[], Any]) -> Any:
-    """``build()`` on rank 0, its result (or its LagomError) on every rank."""
-    result: Any = None
-    if dist.get_rank() == 0:
-        try:
-            result = build()
-        except LagomError as err:
-            result = err
-    result = _broadcast(result)
-    if isinstance(result, LagomError):
-        raise result
-    return result
-
-
 def resolve_hardware(explicit: str | None, world_size: int, *, cache_dir: Path,
-                     local_world_size: int | None = None, budget_s: float = CALIBRATION_BUDGET_S) -> HardwareChoice:
+                     local_world_size: int | None = None, budget_s: float = CALIBRATION_BUDGET_S,
+                     control: Control | None = None) -> HardwareChoice:
     """The hardware to plan for (see the module's docstring for the order); the same on every rank.
 
-    A bad explicit name or file is a ConfigError naming the key ``hardware``; with torch.distributed
-    initialised it is raised on every rank.
+    Rank 0 decides and ``control`` (Lagom's agreement channel; a temporary one when None) carries the
+    decision. A bad explicit name or file is a ConfigError naming the key ``hardware``; with
+    torch.distributed initialised it is raised on every rank.
     """
+    if control is None:
+        channel = Control()
+        try:
+            return resolve_hardware(explicit, world_size, cache_dir=cache_dir, local_world_size=local_world_size,
+                                    budget_s=budget_s, control=channel)
+        finally:
+            channel.close()
     cache_dir = Path(cache_dir)
     if not (dist.is_available() and dist.is_initialized()):
         facts = gather_facts(world_size, local_world_size)
@@ -292,9 +280,10 @@ def resolve_hardware(explicit: str | None, world_size: int, *, cache_dir: Path,
                 known = assumed(facts, "a single rank has no collectives to measure")
             return facts, known
 
-        facts, choice = _on_rank0(first_look)
+        facts, choice = control.on_rank0(first_look, "the hardware")
         if choice is None:  # every rank measures; rank 0 fits and caches
             samples, backend, elapsed = _measure_world(facts, budget_s)
-            choice = _on_rank0(lambda: _calibrated(facts, cache_dir, samples, backend, elapsed))
+            choice = control.on_rank0(lambda: _calibrated(facts, cache_dir, samples, backend, elapsed),
+                                      "the measured hardware profile")
     log.info("lagom: hardware %s (%s): %s", choice.hardware.name, choice.source, choice.reason)
     return choice

@@ -14,18 +14,30 @@ Both adapters run the same session; each subclasses it only for what its framewo
   drift        offline: a warning that the plan may be stale; online: every ``drift_check_steps``
                the ranks agree (one tiny all-reduce) and re-tune together.
   report       one schema for both adapters, written atomically as JSON and Markdown on rank 0.
+
+Lifetime and hangs. Everything a session adds to the process (its runtime: NCCL variables, tuner
+rules, the ``new_group`` hook; the adapters' taps and wrappers; its agreement group) is removed by
+``close``, which the adapters call when the framework's object goes (DeepSpeed's ``destroy`` or the
+engine's garbage collection); Lagom holds the framework's objects only weakly, so a session never
+keeps an engine alive. Lagom's own collectives run only through ``control`` (every rank or none,
+under a timeout) and only at agreed steps: the steps every rank knows from the agreement before
+(``_next_agreement``). A rank whose Lagom step logic raised keeps counting steps and, at the next
+agreed step, says so; every rank then switches Lagom off together (``switch_off``) and the framework
+runs on. A collective of Lagom's own that fails or times out switches Lagom off on the rank that saw
+it; its peers, waiting in the same collective, time out the same way.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from lagom import emit
@@ -36,8 +48,8 @@ from lagom.flash_overlap import FlashOverlapConfig
 from lagom.hardware import Hardware
 from lagom.plan import Plan, PlanEntry
 from lagom.runtime import report
-from lagom.runtime.apply import init as init_runtime
-from lagom.runtime.apply import registration_message, runtime_capability
+from lagom.runtime.apply import open_runtime, registration_message, runtime_capability
+from lagom.runtime.control import DEFAULT_TIMEOUT_S, Control, ControlError
 from lagom.runtime.monitor import Monitor
 from lagom.runtime.online import OnlineTuner, describe_changes
 from lagom.tune import make_plan, running_workload
@@ -50,35 +62,15 @@ def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def any_rank(flag: bool) -> bool:
-    """True when any rank says so, on every rank: ranks must start a re-tune at the same step, or the
-    tuner's broadcast waits forever. One one-element all-reduce on the default group's device."""
-    if not dist.is_initialized():
-        return flag
-    nccl = "nccl" in str(dist.get_backend()).lower()
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    flag_tensor = torch.tensor([int(flag)], device=device)
-    dist.all_reduce(flag_tensor, op=dist.ReduceOp.MAX)
-    return bool(flag_tensor.item())
-
-
-def same_on_all_ranks(plan: Plan) -> Plan:
-    """Rank 0's plan on every rank, so no rank runs other buckets or options than its peers."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return plan
-    box: list[Any] = [plan if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def choose_hardware(explicit: str | None, world_size: int, cache_dir: Path) -> tuple[Hardware, str]:
-    """The hardware to plan for and why (named, detected, or measured now; see lagom.runtime.probe).
+def choose_hardware(explicit: str | None, world_size: int, cache_dir: Path, control: Control) -> tuple[Hardware, str]:
+    """The hardware to plan for and why (named, detected, or measured now; see lagom.runtime.probe),
+    agreed through ``control``.
 
     A named profile must describe this job's world size: a plan for another cluster is refused.
     """
     from lagom.runtime.probe import resolve_hardware
 
-    choice = resolve_hardware(explicit, world_size, cache_dir=cache_dir)
+    choice = resolve_hardware(explicit, world_size, cache_dir=cache_dir, control=control)
     hw = choice.hardware
     if hw.cluster.world_size != world_size:
         raise ConfigError("hardware", f"'{hw.name}' describes {hw.cluster.world_size} GPUs ({hw.cluster.nodes} x "
@@ -108,6 +100,7 @@ class SessionOptions:
     warmup_steps: int = 0  # first steps left out of every measurement (allocations, first-batch paths)
     search_buckets: bool = True  # False when the user pinned bucket sizes
     capability: Capability | None = None  # what this process can apply; None: detected (runtime_capability)
+    collective_timeout_s: float = DEFAULT_TIMEOUT_S  # Lagom's own collectives: a rank missing this long switches Lagom off
 
 
 @dataclass
@@ -216,8 +209,13 @@ class TuningSession:
     framework = "torch"
 
     def __init__(self, workload: Workload | None, hw: Hardware | None, options: SessionOptions, *,
-                 world_size: int, hardware_reason: str = "", why_untuned: str = "") -> None:
+                 world_size: int, hardware_reason: str = "", why_untuned: str = "",
+                 control: Control | None = None) -> None:
         self.workload, self.hw, self.options, self.world_size = workload, hw, options, world_size
+        self.control = control or Control(options.collective_timeout_s)  # Lagom's own collectives, nothing else
+        self.failure: str | None = None  # what raised inside Lagom's step logic on this rank, told at the next agreement
+        self.off: str | None = None  # why Lagom switched itself off (the framework runs on its own settings)
+        self._next_agreement: int | None = None  # the step (``steps_seen``) at which every rank agrees next
         self.hardware_reason = hardware_reason
         self.why_untuned = why_untuned  # set when Lagom cannot describe the job: it then only records
         self.plan: Plan | None = None
@@ -245,15 +243,16 @@ class TuningSession:
     # -- start-up ---------------------------------------------------------------------------------
     def start(self) -> None:
         """Choose the start plan and put it in force (NCCL env, group options, routing, monitor)."""
+        _open_sessions.add(self)
         if self.workload is None or self.hw is None:
-            self.runtime = init_runtime(None)
+            self.runtime = open_runtime(None)
             self.event(f"Lagom only records this job: {self.why_untuned}", level=logging.WARNING)
             return
         if self.capability is None:
             self.capability = runtime_capability(self.hw)
         start = self.within_capability(self.start_plan())
         self.plan_source = start.source
-        self.runtime = init_runtime(start.plan, strict_env=self.options.strict_env, hw=self.hw,
+        self.runtime = open_runtime(start.plan, strict_env=self.options.strict_env, hw=self.hw,
                                     capability=self.capability)
         if start.plan is not None:
             message = registration_message(start.plan)
@@ -270,11 +269,14 @@ class TuningSession:
         workload, hw, options = self.workload, self.hw, self.options
         if workload is None or hw is None:
             raise ConfigError("workload", "a start plan needs a workload and hardware")
-        file_plan = self._load(options.plan_in) if options.plan_in and options.plan_in.exists() else None
+        # files are read on rank 0 and shared: a node that lacks one must not take another path than its peers
+        plan_in = options.plan_in
+        file_plan = self.control.on_rank0(lambda: self._load(plan_in) if plan_in and plan_in.exists() else None,
+                                          "the plan file")
         if options.mode == "online":
-            self.tuner = OnlineTuner(workload, hw, strategy=options.strategy, tune_steps=options.tune_steps,
-                                     cache_dir=options.cache_dir, capability=self.capability)
-            cached = self.tuner.cached_plan()
+            tuner = self.tuner = OnlineTuner(workload, hw, strategy=options.strategy, tune_steps=options.tune_steps,
+                                             cache_dir=options.cache_dir, capability=self.capability)
+            cached = self.control.on_rank0(tuner.cached_plan, "the cached online plan")
             if cached is not None:
                 self.check_plan(cached, f"cache {options.cache_dir}")
                 self._measuring(cached)
@@ -284,8 +286,8 @@ class TuningSession:
             self._measuring(file_plan)
             return StartPlan(file_plan, f"loaded from {options.plan_in}")
         started = time.perf_counter()
-        plan = same_on_all_ranks(make_plan(workload, hw, options.strategy, search_buckets=options.search_buckets,
-                                           capability=self.capability))
+        plan = self.control.on_rank0(lambda: make_plan(workload, hw, options.strategy, search_buckets=options.search_buckets,
+                                                       capability=self.capability), "the start plan")
         source = f"searched with the cost model at start-up ({time.perf_counter() - started:.1f} s)"
         if options.plan_out is not None:
             self._save(plan)
@@ -301,8 +303,10 @@ class TuningSession:
         missing = plan.needs(available)
         if not missing:
             return start
-        replanned = same_on_all_ranks(make_plan(self.workload, self.hw, self.options.strategy,
-                                                search_buckets=self.options.search_buckets, capability=available))
+        workload, hw, options = self.workload, self.hw, self.options
+        replanned = self.control.on_rank0(lambda: make_plan(workload, hw, options.strategy,
+                                                            search_buckets=options.search_buckets, capability=available),
+                                          "the start plan within this process's capability")
         self.event(f"the plan {start.source} needs {'; '.join(missing)}: re-planned within what this process has "
                    f"({available.describe()})", level=logging.WARNING)
         self._measuring(replanned)
@@ -316,6 +320,8 @@ class TuningSession:
         self.tuner.running_plan = plan
         self.tuner.model_workload = running_workload(self.tuner.workload, plan)
         self.tuning = True
+        # the steps measured are those after the warm-up: every rank agrees on the plan after the last of them
+        self._next_agreement = max(self.steps_seen, self.options.warmup_steps) + self.options.tune_steps
 
     def _load(self, path: Path) -> Plan:
         try:
@@ -359,29 +365,90 @@ class TuningSession:
         self._t0 = time.perf_counter()
 
     def end_step(self) -> Plan | None:
-        """Close the step; returns a plan the online tuner adopted at this step, else None."""
+        """Close the step; returns a plan the online tuner adopted at this step, else None.
+
+        Nothing here raises into the framework: a failure inside Lagom is kept for the next agreed
+        step (or, where no agreement is due, switches Lagom off on this rank at once).
+        """
         step_s = time.perf_counter() - self._t0
         records = self.runtime.recorder.end_step()
         self.steps_seen += 1
         self.steps.append(StepStats(self.iteration, step_s, sum(r.duration_s for r in records), len(records),
                                     f"tuned {len(self.tuned)}" if self.tuned else "start"))
-        if self.steps_seen <= self.options.warmup_steps or self.workload is None:
-            if self.workload is None:
-                self.measured.add(step_s, records)
+        if self.workload is None or self.off is not None:
+            self.measured.add(step_s, records)
             return None
+        if self.failure is None:
+            try:
+                self._observe(step_s, records)
+            except Exception as err:  # noqa: BLE001 - Lagom must never fail the framework's step
+                self._failed(err)
+        if self.steps_seen != self._next_agreement:
+            return None
+        return self._agree()
+
+    def _observe(self, step_s: float, records: list[CallRecord]) -> None:
+        """This rank's own bookkeeping of a step; no collective."""
+        if self.steps_seen <= self.options.warmup_steps:
+            return
         if self.tuning and self.tuner is not None:
             self.baseline = self.baseline or Measured()
             self.baseline.add(step_s, records)
-            plan = self.tuner.observe(step_s, records)
-            if plan is not None:
-                self.tuning = False
-                self.adopt(plan, self.iteration, (self.tuner.applies_now, self.tuner.next_start))
-            return plan
+            self.tuner.add(step_s, records)
+            return
         self.measured.add(step_s, records)
         if self.measured.steps == self.options.tune_steps:
             self.write_report()
         self._watch(step_s, records)
+
+    def _failed(self, err: Exception) -> None:
+        self.failure = f"{type(err).__name__}: {err}"
+        log.error("Lagom failed on rank %d at step %d (%s)", rank(), self.iteration, self.failure, exc_info=err)
+        if self._next_agreement is None:  # nothing to agree on: no rank waits for this one inside Lagom
+            self.switch_off(f"rank {rank()}: {self.failure}")
+
+    def _agree(self) -> Plan | None:
+        """The agreed step: whether any rank failed or saw drift, then the tuner's decision, on every rank."""
+        try:
+            failed, drift = self.control.any([self.failure is not None, self._drift is not None],
+                                             f"the agreement of step {self.iteration}")
+            if failed:
+                self.switch_off(self.failure and f"rank {rank()}: {self.failure}" or "a failure inside Lagom on "
+                                "another rank (its log says what)")
+                return None
+            if self.tuning and self.tuner is not None:
+                plan = self.tuner.decide(self.control)
+                self.tuning = False
+                self._next_agreement = self.steps_seen + self.options.drift_check_steps
+                self.adopt(plan, self.iteration, (self.tuner.applies_now, self.tuner.next_start))
+                return plan
+            self._next_agreement = self.steps_seen + self.options.drift_check_steps
+            if drift and self.tuner is not None:
+                self.tuner.reset()
+                self._measuring(self.plan)  # type: ignore[arg-type]
+                self.baseline = None
+                self.event(f"step {self.iteration}: {self._drift or 'drift seen on another rank'}; re-tuning from "
+                           f"the next {self.options.tune_steps} steps")
+            self._drift = None
+        except Exception as err:  # noqa: BLE001 - ControlError: a peer is gone; else rank 0's error, raised on every rank
+            self.switch_off(str(err) if isinstance(err, ControlError) else f"{type(err).__name__}: {err}")
         return None
+
+    def switch_off(self, why: str) -> None:
+        """Stop every decision Lagom makes in this job, on this rank: the framework's own settings from now on
+        (what was fixed at start-up stays as it was made). Said once, at ERROR, and kept for the report."""
+        if self.off is not None:
+            return
+        self.off = why
+        self.tuning = False
+        self.tuner = None
+        self.monitor = None
+        self._next_agreement = None
+        self.router.plan = None  # Flash-Overlap decompositions go back to the framework's collectives
+        self.control.close()
+        self.events.append(f"Lagom switched itself off: {why}")
+        log.error("Lagom switched itself off on rank %d: %s. The job runs on with the framework's own settings.",
+                  rank(), why)
 
     def adopt(self, plan: Plan, step: int, changes: tuple[list[str], list[str]] | None = None) -> None:
         """Take a plan found while running: the routing applies now, the rest on the next start.
@@ -421,16 +488,7 @@ class TuningSession:
                 self.event(f"step {self.iteration}: {reason}; the offline plan may be stale (re-run `lagom tune`, "
                            "or use online mode)", level=logging.WARNING)
             return
-        self._drift = reason or self._drift
-        if self.measured.steps % self.options.drift_check_steps:
-            return
-        if any_rank(self._drift is not None):
-            self.tuner.reset()
-            self._measuring(self.plan)  # type: ignore[arg-type]
-            self.baseline = None
-            self.event(f"step {self.iteration}: {self._drift or 'drift seen on another rank'}; re-tuning from "
-                       f"the next {self.options.tune_steps} steps")
-        self._drift = None
+        self._drift = reason or self._drift  # every rank hears of it at the next agreed step
 
     def event(self, text: str, level: int = logging.INFO) -> None:
         """Something the user should know: logged once (rank 0) and kept for the report."""
@@ -453,8 +511,25 @@ class TuningSession:
         report.write(self.report(), self.options.report_files)
 
     def close(self) -> None:
+        """Remove what this session added to the process (idempotent); adapters extend it with their own."""
+        _open_sessions.discard(self)
+        self.control.close()
         if self.runtime is not None:
             self.runtime.close()
+
+
+_open_sessions: weakref.WeakSet[TuningSession] = weakref.WeakSet()
+
+
+@atexit.register
+def _final_reports() -> None:
+    """The final report of every session still open when the process ends (held weakly: an engine the
+    program dropped takes its session with it)."""
+    for session in list(_open_sessions):
+        try:
+            session.write_report()
+        except Exception as err:  # noqa: BLE001 - one session's report must not stop the others'
+            log.warning("Lagom's final report could not be written: %s", err)
 
 
 

