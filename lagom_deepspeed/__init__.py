@@ -61,15 +61,18 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     from deepspeed import comm as ds_dist
     from deepspeed.accelerator import get_accelerator
 
-    from lagom.runtime.control import ControlError
+    from lagom.errors import ConfigError
     from lagom_deepspeed.session import Session
 
     ds_dist.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                              distributed_port=distributed_port, dist_init_required=dist_init_required)
     try:
         session, engine_config = Session.prepare(section, model, mpu, ds_config)
-    except ControlError as err:  # a rank missing from Lagom's own start-up agreement: DeepSpeed runs alone
-        log.error("Lagom switched itself off at start-up: %s. DeepSpeed runs with its own settings.", err)
+    except ConfigError:  # the user's section or files: the same on every rank, and theirs to fix
+        raise
+    except Exception as err:  # noqa: BLE001 - Lagom's own failure must not fail a job DeepSpeed accepts
+        log.error("Lagom switched itself off at start-up (%s: %s). DeepSpeed runs with its own settings.",
+                  type(err).__name__, err)
         return _deepspeed_initialize(**passthrough)
     session.start_runtime()
     if where != "config":  # DeepSpeed refuses a config argument next to args.deepspeed_config

@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from lagom.runtime.control import ControlError
+from lagom.errors import ConfigError
 from lagom_megatron.arguments import add_lagom_arguments, options_from_args
 from lagom_megatron.session import Session
 
@@ -40,8 +40,11 @@ def setup(args: argparse.Namespace) -> Session | None:
         return None
     try:
         _session = Session.start_for(args, options)
-    except ControlError as err:  # a rank missing from Lagom's own start-up agreement: Megatron runs alone
-        log.error("Lagom switched itself off at start-up: %s. Megatron runs with its own settings.", err)
+    except ConfigError:  # the user's flags or files: the same on every rank, and theirs to fix
+        raise
+    except Exception as err:  # noqa: BLE001 - Lagom's own failure must not fail a job Megatron accepts
+        log.error("Lagom switched itself off at start-up (%s: %s). Megatron runs with its own settings.",
+                  type(err).__name__, err)
         return None
     _wrap_train_step(_session)
     return _session

@@ -158,3 +158,98 @@ def test_nothing_of_lagom_outlives_its_engine(long_lived: list) -> None:
 def test_threads_and_files_come_back(long_lived: list) -> None:
     for rank_out in long_lived:
         assert [(r["threads"], r["files"]) for r in rank_out["rows"]] == [(0, 0)] * ENGINES
+
+
+# -- a failure on one rank inside Lagom ------------------------------------------------------------
+TIMEOUT_S = 3.0  # Lagom's collective timeout in these runs: a rank that does not arrive costs this long
+FAILURES = {  # case -> (mode, where rank 1 fails)
+    "start_plan": ("offline", "the start plan"),
+    "online_plan": ("online", "the online plan"),
+    "agreement": ("online", "the agreement of step"),
+    "hook": ("online", None),  # rank 1's own step bookkeeping raises; no collective is missed
+}
+
+
+def _inject(rank: int, what: str | None) -> None:
+    """Rank 1 raises inside Lagom: before issuing the collective ``what``, or in its online bookkeeping."""
+    from lagom.runtime.control import Control
+    from lagom.runtime.online import OnlineTuner
+
+    if rank != 1:
+        return
+    if what is None:
+        def add(self: Any, step_s: float, records: Any) -> None:
+            raise RuntimeError("injected failure in the online tuner's bookkeeping")
+
+        OnlineTuner.add = add  # type: ignore[method-assign]
+        return
+    original = Control._run  # noqa: SLF001
+
+    def _run(self: Any, name: str, call: Any) -> Any:
+        if name.startswith(what):
+            raise RuntimeError(f"injected failure before {name}")
+        return original(self, name, call)
+
+    Control._run = _run  # type: ignore[method-assign]
+
+
+def one_rank_fails(rank: int, world: int, tmp: str, case: str) -> dict[str, Any]:
+    import logging
+
+    import lagom_deepspeed
+
+    watchdog = threading.Timer(120, os._exit, args=(3,))  # a hang fails the test instead of stalling it
+    watchdog.daemon = True
+    watchdog.start()
+    errors: list[str] = []
+
+    class Errors(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.ERROR and "switched itself off" in record.getMessage():
+                errors.append(record.getMessage())
+
+    logging.getLogger("lagom").addHandler(Errors())
+    plain = _train_fresh(rank, ds_config(1, False, False))
+    mode, what = FAILURES[case]
+    _inject(rank, what)
+    section = {"enabled": True, "hardware": f"{tmp}/hw.yaml", "cache_dir": f"{tmp}/cache-{case}", "mode": mode,
+               "tune_steps": 2, "monitor_interval": 2, "collective_timeout_s": TIMEOUT_S}
+    model = _model()
+    engine, *_ = lagom_deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                            config=ds_config(1, False, False, lagom=section))
+    sys.path.insert(0, str(EXAMPLES))
+    from tiny_gpt import train
+
+    losses = train(engine, 6, rank)
+    session = getattr(engine, "lagom", None)
+    out = {"same_losses": losses == plain, "errors": errors, "session": session is not None,
+           "off_at": session.off_at if session is not None else None}
+    engine.destroy()
+    watchdog.cancel()
+    return out
+
+
+def _train_fresh(rank: int, config: dict[str, Any]) -> list[float]:
+    import deepspeed
+
+    model = _model()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    sys.path.insert(0, str(EXAMPLES))
+    from tiny_gpt import train
+
+    losses = train(engine, 6, rank)
+    engine.destroy()
+    return losses
+
+
+@pytest.mark.parametrize("case", list(FAILURES))
+def test_one_rank_failing_inside_lagom_never_hangs_the_job(tmp_path: Path, case: str) -> None:
+    (tmp_path / "hw.yaml").write_text(HW)
+    ranks = run_ranks(one_rank_fails, 2, str(tmp_path), case)
+    for rank, out in enumerate(ranks):
+        assert out["same_losses"], f"rank {rank}: training did not go on as plain DeepSpeed"
+        assert len(out["errors"]) == 1, f"rank {rank}: {out['errors']}"
+    if case == "start_plan":  # no plan was agreed: DeepSpeed was built without Lagom on both ranks
+        assert [out["session"] for out in ranks] == [False, False]
+    else:  # both switched off at the agreed step (2: the end of the 2 tuning steps)
+        assert [out["off_at"] for out in ranks] == [2, 2]

@@ -21,7 +21,6 @@ from lagom.errors import ConfigError
 from lagom.hardware import load_hardware
 from lagom.plan import Plan, PlanEntry
 from lagom.runtime import Recorder, init, nccl_options
-from lagom.runtime import apply as runtime
 from lagom.runtime.recorder import STALE_STEPS
 from tests.distributed import run_ranks
 
@@ -315,23 +314,23 @@ def test_init_again_closes_the_previous_runtime():
     first = init(make_plan())
     second = init(make_plan())
     assert runtime.current() is second and first._closed  # noqa: SLF001
-    assert runtime.open_runtimes() == [second] and dist.new_group.__wrapped__ is REAL_NEW_GROUP
+    assert runtime.apply.open_runtimes() == [second] and dist.new_group.__wrapped__ is REAL_NEW_GROUP
     second.close()
     assert dist.new_group is REAL_NEW_GROUP
 
 
 def test_runtimes_open_side_by_side_share_the_environment_until_the_last_closes():
     """Two sessions (engines) alive at once: closing one leaves the other's NCCL variables and group hook."""
-    first = runtime.open_runtime(make_plan())
+    first = runtime.apply.open_runtime(make_plan())
     exported = dict(first.env_set)
     assert exported and all(os.environ[k] == v for k, v in exported.items())
-    second = runtime.open_runtime(make_plan())
-    assert second.env_set == exported and runtime.open_runtimes() == [first, second]
+    second = runtime.apply.open_runtime(make_plan())
+    assert second.env_set == exported and runtime.apply.open_runtimes() == [first, second]
     first.close()
     assert all(os.environ[k] == v for k, v in exported.items()) and dist.new_group.__wrapped__ is REAL_NEW_GROUP
     second.close()
     assert not any(k in os.environ for k in exported) and dist.new_group is REAL_NEW_GROUP
-    assert runtime.exported() == {} and runtime.open_runtimes() == []
+    assert runtime.apply.exported() == {} and runtime.apply.open_runtimes() == []
 
 
 def test_nccl_options_rejects_bad_values():

@@ -215,6 +215,7 @@ class TuningSession:
         self.control = control or Control(options.collective_timeout_s)  # Lagom's own collectives, nothing else
         self.failure: str | None = None  # what raised inside Lagom's step logic on this rank, told at the next agreement
         self.off: str | None = None  # why Lagom switched itself off (the framework runs on its own settings)
+        self.off_at: int | None = None  # the step (``steps_seen``) it did
         self._next_agreement: int | None = None  # the step (``steps_seen``) at which every rank agrees next
         self.hardware_reason = hardware_reason
         self.why_untuned = why_untuned  # set when Lagom cannot describe the job: it then only records
@@ -439,7 +440,7 @@ class TuningSession:
         (what was fixed at start-up stays as it was made). Said once, at ERROR, and kept for the report."""
         if self.off is not None:
             return
-        self.off = why
+        self.off, self.off_at = why, self.steps_seen
         self.tuning = False
         self.tuner = None
         self.monitor = None
