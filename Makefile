@@ -2,7 +2,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: venv demo test
+.PHONY: venv demo test test-slow
 venv:
 	@bash scripts/bootstrap.sh
 
@@ -14,3 +14,7 @@ test: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -n 2 --dist loadfile tests
+
+# CI's slower tier: the long-lived-process test at full length (50 engines in one pair of ranks)
+test-slow: venv
+	LAGOM_LONG_LIVED_ENGINES=50 $(PY) -m pytest tests/test_long_lived.py -k "engine or outlives or threads"

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
+import weakref
 from pathlib import Path
 
 import torch
@@ -63,9 +65,13 @@ def build(dist_opt: bool):
     return model, DistributedDataParallel(config, ddp_config, model)
 
 
-def train(rank: int, world: int, dist_opt: bool, session=None) -> tuple[list[torch.Tensor], list[list[int]]]:
-    """STEPS of SGD; returns the parameters and, per bucket group, its buckets' gradient buffer sizes."""
+def train(rank: int, world: int, dist_opt: bool, session=None, alive: list | None = None
+          ) -> tuple[list[torch.Tensor], list[list[int]]]:
+    """STEPS of SGD; returns the parameters and, per bucket group, its buckets' gradient buffer sizes.
+    ``alive`` gets a weak reference to the DDP wrapper (to check nothing keeps it once training is over)."""
     model, ddp = build(dist_opt)
+    if alive is not None:
+        alive.append(weakref.ref(ddp))
     data = torch.Generator().manual_seed(100 + rank)
     positions = torch.arange(SEQ).expand(2, SEQ)
     causal = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)  # True: masked out
@@ -137,6 +143,22 @@ def ddp_rank(rank: int, world: int, report: Path) -> dict:
         out[f"records_{opt}"] = [(r.step, r.group, r.collective, r.nbytes, r.end_s >= r.start_s) for r in records]
     session.write_report()  # rank 0; megatron's training loop leaves this to the exit hook
     session.close()
+
+    # a second session in the same process, as a notebook or a test suite makes one: it starts as if first,
+    # and neither session keeps a model alive or leaves a hook behind
+    from lagom.runtime import torch_tap
+    from megatron.core.tensor_parallel import mappings
+
+    alive: list = []
+    again = argparse.Namespace(**{**vars(args), "lagom_report": f"{report}-second"})
+    second = Session.start_for(again, options_from_args(again))
+    params, _ = train(rank, world, True, second, alive)
+    out["second_equal"] = all(torch.equal(a, b) for a, b in zip(params, reference[True][0]))
+    out["second_recorded"] = len(second.runtime.recorder.records) > 0
+    second.close()
+    gc.collect()
+    out["models_alive"] = sum(ref() is not None for ref in alive)
+    out["left_behind"] = [torch_tap.current_tap() is not None, hasattr(mappings._reduce, "__wrapped__")]
     return out
 
 
@@ -146,6 +168,8 @@ def test_ddp_buckets_are_recorded_and_training_is_unchanged(tmp_path: Path) -> N
         assert all(torch.equal(a, b) and a.isfinite().all() for a, b in zip(results[0][f"params_{opt}"],
                                                                              results[1][f"params_{opt}"]))
     for rank, out in enumerate(results):
+        assert out["second_equal"] and out["second_recorded"] and out["models_alive"] == 0
+        assert out["left_behind"] == [False, False]
         for opt in (False, True):
             assert out[f"equal_{opt}"], f"rank {rank}, distributed optimizer {opt}: parameters differ from the reference"
             groups = out[f"buckets_{opt}"]
