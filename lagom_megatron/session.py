@@ -53,7 +53,7 @@ def _hardware(options: LagomOptions, workload: Workload) -> tuple[Hardware, str]
         return choose_hardware(explicit, workload.world_size, options.cache_dir)
     except ConfigError as err:
         raise ConfigError("--lagom-hardware", f"{err.key}: {err.problem}", err.fix or
-                          "pass a preset name from configs/hardware or a hardware YAML file") from None
+                          "pass a preset name (shipped, or in a LAGOM_HARDWARE_PATH folder) or a hardware YAML file") from None
 
 
 class Session(TuningSession):
