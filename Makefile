@@ -1,8 +1,9 @@
 # The two commands a fresh machine needs: `make demo` and `make test`. Both build .venv first.
+# `make smoke`: Lagom built into a wheel and an sdist, installed and run from outside the checkout (CI runs it).
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: venv demo test
+.PHONY: venv demo test smoke
 venv:
 	@bash scripts/bootstrap.sh
 
@@ -14,3 +15,6 @@ test: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -n 2 --dist loadfile tests
+
+smoke: venv
+	PYTHON=$(PY) bash scripts/wheel_smoke.sh
