@@ -1,8 +1,9 @@
 # The two commands a fresh machine needs: `make demo` and `make test`. Both build .venv first.
+# `make smoke`: Lagom built into a wheel and an sdist, installed and run from outside the checkout (CI runs it).
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: venv demo test test-slow
+.PHONY: venv demo test test-slow smoke
 venv:
 	@bash scripts/bootstrap.sh
 
@@ -18,3 +19,6 @@ test: venv
 # CI's slower tier: the long-lived-process test at full length (50 engines in one pair of ranks)
 test-slow: venv
 	LAGOM_LONG_LIVED_ENGINES=50 $(PY) -m pytest tests/test_long_lived.py -k "engine or outlives or threads"
+
+smoke: venv
+	PYTHON=$(PY) bash scripts/wheel_smoke.sh

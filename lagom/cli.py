@@ -10,6 +10,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+from lagom import __version__
 from lagom.errors import LagomError
 from lagom.outputs import output_file, output_folder
 
@@ -113,7 +114,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def _workload_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("workload", help="workload YAML (or a name under configs/workloads/)")
+    p.add_argument("workload", help="workload YAML, or the name of a shipped one (lagom/configs/workloads/)")
     p.add_argument("--hardware", help="hardware preset name or YAML file (default: the workload's)")
 
 
@@ -168,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     from lagom.search import STRATEGIES
 
     parser = _Parser(prog="lagom", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"lagom {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("tune", help="choose a config per overlap point and write a plan")

@@ -1,7 +1,8 @@
 """The machine a plan is made for: GPU, cluster links, NCCL behaviour and contention constants.
 
-Every number the cost model uses lives in a YAML preset under ``configs/hardware/`` (or a file the
-user passes, e.g. one written by ``lagom calibrate``); none is hard-coded here. A file may start with
+Every number the cost model uses lives in a YAML preset (shipped in ``lagom/configs/hardware/``, or a
+user's own in a ``LAGOM_HARDWARE_PATH`` folder) or a file the user passes, e.g. one written by ``lagom
+calibrate``; none is hard-coded here. A file may start with
 ``base: <preset or file>`` and override only what it measured; a relative file is found beside the
 file that names it.
 
@@ -23,8 +24,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from lagom.config_file import read_mapping
 from lagom.errors import ConfigError
+from lagom.resources import HARDWARE_DIR, HARDWARE_PATH_ENV, hardware_dirs
 
-HARDWARE_DIR = Path(__file__).resolve().parent.parent / "configs" / "hardware"
 BASE_FILE = "_base.yaml"
 
 
@@ -175,7 +176,23 @@ class Hardware:
 
 
 def preset_names() -> list[str]:
-    return sorted(p.stem for p in HARDWARE_DIR.glob("*.yaml") if not p.name.startswith("_"))
+    """Every preset a name can reach: the user's (``LAGOM_HARDWARE_PATH``) and the shipped ones."""
+    return sorted({p.stem for folder in hardware_dirs() for p in folder.glob("*.yaml") if not p.name.startswith("_")})
+
+
+def _preset_file(name: str, key: str, taken: tuple[Path, ...]) -> Path:
+    """The first file for preset ``name`` along the search path that is not ``taken`` (already in the
+    base chain): a user's preset may shadow a shipped one and still build on it with ``base: <name>``."""
+    dirs = hardware_dirs()
+    found = [path.resolve() for folder in dirs if (path := folder / f"{name}.yaml").is_file()]
+    free = [path for path in found if path not in taken]
+    if free:
+        return free[0]
+    if found:
+        return found[0]  # every file of that name is already in the chain: _layers reports the cycle
+    looked = ", ".join(str(folder) for folder in dirs)
+    raise ConfigError(key, f"unknown hardware '{name}' (no {name}.yaml in {looked})",
+                      f"use one of {', '.join(preset_names())}, a YAML file, or a folder in {HARDWARE_PATH_ENV} holding {name}.yaml")
 
 
 def _is_preset_name(ref: str) -> bool:
@@ -183,13 +200,10 @@ def _is_preset_name(ref: str) -> bool:
     return not Path(ref).suffix and "/" not in ref and "\\" not in ref
 
 
-def _resolve(ref: str, key: str, folder: Path | None) -> Path:
+def _resolve(ref: str, key: str, folder: Path | None, taken: tuple[Path, ...] = ()) -> Path:
     """The file a hardware reference names; ``folder``: where a relative file is looked for."""
     if _is_preset_name(ref):
-        path = HARDWARE_DIR / f"{ref}.yaml"
-        if not path.is_file():
-            raise ConfigError(key, f"unknown hardware '{ref}'", f"use one of {', '.join(preset_names())} or a YAML file")
-        return path
+        return _preset_file(ref, key, taken)
     path = Path(ref).expanduser()
     if folder is not None and not path.is_absolute():
         path = folder / path
@@ -205,7 +219,7 @@ def _layers(ref: str, key: str = "hardware", folder: Path | None = None,
             chain: tuple[tuple[Path, str], ...] = ()) -> list[DictConfig]:
     """The YAML layers of a preset or file, base first: ``base:`` chains are followed, each relative
     file from the folder of the file that names it, and a chain that comes back is refused as a cycle."""
-    path = _resolve(ref, key, folder)
+    path = _resolve(ref, key, folder, tuple(seen for seen, _ in chain))
     label = ref if _is_preset_name(ref) else path.name
     if any(seen == path for seen, _ in chain):
         cycle = " -> ".join([name for _, name in chain] + [label])
@@ -228,7 +242,7 @@ def load_hardware(source: str) -> Hardware:
         hw: Hardware = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", None) or "hardware"
-        raise ConfigError(f"hardware.{key}", str(err).splitlines()[0], "check the key against configs/hardware/_base.yaml") from None
+        raise ConfigError(f"hardware.{key}", str(err).splitlines()[0], f"check the key against {HARDWARE_DIR / BASE_FILE}") from None
     _validate(hw)
     return hw
 

@@ -38,12 +38,12 @@ from lagom.errors import ConfigError
 from lagom.hardware import Hardware, gpu_family, load_hardware, with_cluster
 from lagom.outputs import output_folder
 from lagom.points import Collective, ComputeSegment, Group, OverlapPoint, Phase, StepGraph, points_for
+from lagom.resources import FIDELITY_DIR
 from lagom.search.base import Problem, nccl_configs
 from lagom.search.priority import Window, estimate, windows
 from lagom.simulator import simulate
 from lagom.workload import load_workload
 
-FIDELITY_DIR = Path(__file__).resolve().parent.parent / "configs" / "fidelity"
 ROLES = ("fit", "check")
 BF16 = 2  # bytes per element of the kernels a point describes by shape
 

@@ -16,11 +16,11 @@ from omegaconf.errors import OmegaConfBaseException
 
 from lagom.config_file import read_mapping
 from lagom.errors import ConfigError
+from lagom.resources import WORKLOAD_DIR
 
 ARCHITECTURES = ("gpt", "bert", "t5", "moe")
 FRAMEWORKS = ("megatron", "deepspeed")
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-WORKLOAD_DIR = Path(__file__).resolve().parent.parent / "configs" / "workloads"
 
 # The step graph (lagom.points) holds every compute segment and collective of one step, about 300 bytes
 # each; building 4M of them takes about a minute and 1.2 GB. A Llama-70B-like job on 1,024 GPUs (80
@@ -145,7 +145,7 @@ def workload_names() -> list[str]:
 
 
 def load_workload(source: str | Path) -> Workload:
-    """Load a workload YAML (or a name under configs/workloads/) strictly, then check its layout."""
+    """Load a workload YAML (or the name of a shipped one, lagom/configs/workloads/) strictly, then check its layout."""
     path = Path(source)
     if not path.exists() and not path.suffix and (WORKLOAD_DIR / f"{source}.yaml").exists():
         path = WORKLOAD_DIR / f"{source}.yaml"

@@ -53,7 +53,7 @@ class LagomConfig(DeepSpeedConfigModel):
     """Plan file to start from; when it does not exist, the plan searched at start-up is saved there.
     online: used until tuned; the tuned plan is cached in ``cache_dir`` and preferred on the next start."""
     hardware: str | None = None
-    """Preset name (configs/hardware/) or YAML file whose cluster has as many GPUs as ranks;
+    """Preset name (shipped, or in a LAGOM_HARDWARE_PATH folder) or YAML file whose cluster has as many GPUs as ranks;
     None: the session detects the machine."""
     strategy: str = "lagom"
     tune_steps: int = Field(5, gt=0)

@@ -203,7 +203,7 @@ class Derived:
         body = ", ".join(f'"{section}": {{' + ", ".join(f'"{k}": {v}' for k, v in names.items()) + "}"
                          for section, names in nested.items())
         fields_part = f'set "lagom": {{"workload": {{{body}}}}} in the DeepSpeed config, or ' if body else "set "
-        return fields_part + '"lagom": {"workload": "<file.yaml>"} (a workload file as in configs/workloads/)'
+        return fields_part + '"lagom": {"workload": "<file.yaml>"} (a workload file like those in lagom/configs/workloads/)'
 
     def warning(self) -> str:
         """The one warning a session logs when it runs with DeepSpeed's own settings instead of a plan."""

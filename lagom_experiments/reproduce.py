@@ -37,6 +37,7 @@ from lagom.hardware import load_hardware  # noqa: E402
 from lagom.outputs import output_folder  # noqa: E402
 from lagom.plot import timeline  # noqa: E402
 from lagom.points import Collective, ComputeSegment, Group, OverlapPoint, Phase, StepGraph  # noqa: E402
+from lagom.resources import PUBLISHED_FILE  # noqa: E402
 from lagom.search import (  # noqa: E402
     Problem,
     exhaustive,  # noqa: E402
@@ -47,7 +48,6 @@ from lagom.simulator import simulate  # noqa: E402
 from lagom.tune import Tuned, compare_strategies, problem_for  # noqa: E402
 from lagom.workload import Workload, load_workload  # noqa: E402
 
-PUBLISHED_FILE = Path(__file__).resolve().parent.parent / "configs" / "published.yaml"
 COMPARED = ("autoccl", "lagom")  # the strategies with published speedups
 TOLERANCE = 0.05  # rows further than this from the published figure get a line on why
 # --quick: the user's three runs, and one paper workload per A40 cluster (the paper's headline FSDP

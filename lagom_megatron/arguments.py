@@ -1,6 +1,6 @@
 """The ``--lagom`` flags, registered on Megatron's own argparse parser, and their checked form.
 
-Both ways of getting the flags (the patch under ``patches/`` and the ``lagom_megatron.run``
+Both ways of getting the flags (the patch under ``lagom_megatron/patches/`` and the ``lagom_megatron.run``
 launcher) call :func:`add_lagom_arguments`, so the flags and their errors are the same. argparse
 rejects a bad value with a message that names the flag; what argparse cannot check (a plan file
 that does not exist, a flag given without ``--lagom``) is a ``ConfigError`` naming the flag.
@@ -54,7 +54,7 @@ def add_lagom_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                        help="offline: the plan decides at start-up; online: measure the first steps, "
                             "search, broadcast rank 0's plan, cache it for the next start")
     group.add_argument("--lagom-hardware", metavar="NAME|FILE",
-                       help="hardware preset (configs/hardware) or YAML file the plan is made for "
+                       help="hardware preset (shipped, or in a LAGOM_HARDWARE_PATH folder) or YAML file the plan is made for "
                             "(default: the --lagom-plan's, else detected)")
     group.add_argument("--lagom-strategy", choices=list(STRATEGIES), default="lagom",
                        help="search strategy (default: lagom)")

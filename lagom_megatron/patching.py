@@ -1,4 +1,4 @@
-"""`lagom patch megatron [--path DIR] [--revert]`: apply or undo patches/megatron-training.patch.
+"""`lagom patch megatron [--path DIR] [--revert]`: apply or undo lagom_megatron/patches/megatron-training.patch.
 
 The patch is a plain unified diff (``patch -p1`` takes it too). Each hunk is placed by its exact
 lines wherever they are in the file, so one patch fits megatron/training as shipped in several
@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lagom.errors import ConfigError
+from lagom.resources import megatron_patch
 
-PATCH_FILE = Path(__file__).resolve().parent.parent / "patches" / "megatron-training.patch"
+PATCH_FILE = megatron_patch()
 FITS = "megatron-core 0.18, 0.19 and Megatron-LM main (0.20 dev)"
 LAUNCHER = "python -m lagom_megatron.run pretrain_gpt.py <megatron args> --lagom ..."
 

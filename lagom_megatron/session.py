@@ -54,7 +54,7 @@ def _hardware(options: LagomOptions, workload: Workload, control: Control) -> tu
         return choose_hardware(explicit, workload.world_size, options.cache_dir, control)
     except ConfigError as err:
         raise ConfigError("--lagom-hardware", f"{err.key}: {err.problem}", err.fix or
-                          "pass a preset name from configs/hardware or a hardware YAML file") from None
+                          "pass a preset name (shipped, or in a LAGOM_HARDWARE_PATH folder) or a hardware YAML file") from None
 
 
 class Session(TuningSession):

@@ -46,7 +46,7 @@ main() {
   lagom_state() {  # the commit Lagom's code comes from, and whether its files differ from it
     local rev dirty
     rev=$(git -C "$repo" rev-parse --short HEAD 2>/dev/null) || { echo "no git"; return; }
-    dirty=$(git -C "$repo" status --porcelain -- lagom lagom_megatron patches | wc -l)
+    dirty=$(git -C "$repo" status --porcelain -- lagom lagom_megatron | wc -l)
     [ "$dirty" -eq 0 ] && echo "$rev" || echo "$rev + $dirty uncommitted files"
   }
   lagom_rev=$(lagom_state)

@@ -18,7 +18,7 @@ set -euo pipefail
 : "${MEGATRON_LM:?set MEGATRON_LM to a Megatron-LM checkout (it has pretrain_gpt.py)}"
 MODE="${1:-online}"
 GPUS="${GPUS:-8}"
-HARDWARE="${HARDWARE:-a100-8x-100g}"        # a preset in configs/hardware or a YAML file
+HARDWARE="${HARDWARE:-a100-8x-100g}"        # a preset (configs/hardware, LAGOM_HARDWARE_PATH) or a YAML file
 OUT="$(realpath -m "${OUT:-out/megatron-gpt-lagom}")"
 LAUNCH="${LAUNCH:-launcher}"
 FLASH_OVERLAP="${FLASH_OVERLAP:-1}"

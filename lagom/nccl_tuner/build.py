@@ -31,8 +31,10 @@ class BuildError(RuntimeError):
 
 
 def c_compiler() -> list[str] | None:
-    """The compiler command: $CC, else the one Python was built with, else cc, gcc or clang on PATH."""
-    candidates = [os.environ.get("CC", ""), str(sysconfig.get_config_var("CC") or ""), "cc", "gcc", "clang"]
+    """The compiler command: $CC when set, and then only it (as for make: ``CC=/nonexistent`` means no
+    compiler, not another one); else the one Python was built with, else cc, gcc or clang on PATH."""
+    chosen = os.environ.get("CC", "").strip()
+    candidates = [chosen] if chosen else [str(sysconfig.get_config_var("CC") or ""), "cc", "gcc", "clang"]
     for candidate in candidates:
         words = shlex.split(candidate)
         if words and shutil.which(words[0]):
@@ -44,7 +46,8 @@ def compile_plugin(output: Path, extra_flags: Sequence[str] = ()) -> Path:
     """Builds the shared library at ``output`` (flags such as ``-fsanitize=address`` go in ``extra_flags``)."""
     compiler = c_compiler()
     if compiler is None:
-        raise BuildError("no C compiler found (set CC, or install gcc or clang)")
+        chosen = os.environ.get("CC", "").strip()
+        raise BuildError(f"CC={chosen} names no program" if chosen else "no C compiler found (set CC, or install gcc or clang)")
     output.parent.mkdir(parents=True, exist_ok=True)
     command = [*compiler, *FLAGS, *extra_flags, *(str(SOURCE_DIR / name) for name in SOURCES), "-o", str(output)]
     try:
