@@ -64,6 +64,8 @@ class Plan:
     capability: dict[str, Any] = field(default_factory=dict)  # Capability.to_dict() it was planned under
     # Buffers the framework must register symmetrically (ZERO CTA policy): {group, collectives, bytes}
     registration: list[dict[str, Any]] = field(default_factory=list)
+    # A plan tuned on live steps: how many steps and trials decided it and the confidence of its gain
+    measured: dict[str, Any] = field(default_factory=dict)
     version: int = PLAN_VERSION
     created: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S"))
 

@@ -14,6 +14,7 @@ from pydantic import Field, ValidationError, field_validator
 
 from lagom.errors import ConfigError
 from lagom.runtime.control import DEFAULT_TIMEOUT_S
+from lagom.runtime.live import DEFAULT_BUDGET_S
 from lagom.search import STRATEGIES
 
 SECTION = "lagom"
@@ -56,7 +57,10 @@ class LagomConfig(DeepSpeedConfigModel):
     """Preset name (shipped, or in a LAGOM_HARDWARE_PATH folder) or YAML file whose cluster has as many GPUs as ranks;
     None: the session detects the machine."""
     strategy: str = "lagom"
-    tune_steps: int = Field(5, gt=0)
+    tune_steps: int = Field(60, gt=0)
+    """online: the step budget of tuning; the first 5 steps fit the model, the rest try settings live."""
+    tune_seconds: float = Field(DEFAULT_BUDGET_S, gt=0.0)
+    """online: the wall-clock budget of trying settings live."""
     report: str | None = None
     """Path prefix: writes <report>.json and <report>.md on rank 0; None writes no report."""
     workload: str | dict[str, Any] | None = None

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lagom.errors import ConfigError
+from lagom.runtime.live import DEFAULT_BUDGET_S
 from lagom.search import STRATEGIES
 
 log = logging.getLogger("lagom.megatron")
@@ -36,6 +37,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"'{text}' is not an integer") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
     return value
 
 
@@ -58,8 +69,12 @@ def add_lagom_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                             "(default: the --lagom-plan's, else detected)")
     group.add_argument("--lagom-strategy", choices=list(STRATEGIES), default="lagom",
                        help="search strategy (default: lagom)")
-    group.add_argument("--lagom-tune-iters", type=_positive_int, default=5, metavar="N",
-                       help="online mode: steps measured (after one warm-up step) before the search runs (default 5)")
+    group.add_argument("--lagom-tune-steps", "--lagom-tune-iters", dest="lagom_tune_iters", type=_positive_int,
+                       default=60, metavar="N",
+                       help="online mode: the step budget of tuning (after one warm-up step): the first 5 fit the "
+                            "model, the rest try settings on live steps (default 60)")
+    group.add_argument("--lagom-tune-seconds", type=_positive_float, default=DEFAULT_BUDGET_S, metavar="S",
+                       help=f"online mode: the wall-clock budget of trying settings live (default {DEFAULT_BUDGET_S:g})")
     group.add_argument("--lagom-report", metavar="PATH",
                        help="where the tuning report goes: a .json file (Markdown beside it) or a directory")
     group.add_argument("--lagom-out", metavar="DIR",
@@ -86,6 +101,7 @@ class LagomOptions:
     hardware: str | None  # None: the plan's, else detected by the session
     strategy: str
     tune_iters: int
+    tune_seconds: float
     report: Path | None
     out_dir: Path  # plans Lagom makes and the userbuffers config
     cache_dir: Path  # online plan cache
@@ -107,7 +123,7 @@ class LagomOptions:
 
 
 _DEFAULTS = {"lagom_plan": None, "lagom_mode": "offline", "lagom_hardware": None, "lagom_strategy": "lagom",
-             "lagom_tune_iters": 5, "lagom_report": None, "lagom_out": None, "lagom_cache_dir": None,
+             "lagom_tune_iters": 60, "lagom_tune_seconds": DEFAULT_BUDGET_S, "lagom_report": None, "lagom_out": None, "lagom_cache_dir": None,
              "lagom_flash_overlap": False}
 
 
@@ -183,5 +199,6 @@ def options_from_args(args: argparse.Namespace) -> LagomOptions | None:
     return LagomOptions(mode=getattr(args, "lagom_mode", "offline"), plan=plan,
                         hardware=getattr(args, "lagom_hardware", None),
                         strategy=getattr(args, "lagom_strategy", "lagom"),
-                        tune_iters=getattr(args, "lagom_tune_iters", 5), report=report, out_dir=out_dir,
+                        tune_iters=getattr(args, "lagom_tune_iters", 60),
+                        tune_seconds=getattr(args, "lagom_tune_seconds", DEFAULT_BUDGET_S), report=report, out_dir=out_dir,
                         cache_dir=Path(cache) if cache else DEFAULT_CACHE, flash_overlap=flash and not blockers)

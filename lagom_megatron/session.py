@@ -39,7 +39,7 @@ USER_COMM_FLAGS = "--nccl-communicator-config-path / --high-priority-stream-grou
 
 def session_options(options: LagomOptions, args: argparse.Namespace) -> SessionOptions:
     return SessionOptions(
-        mode=options.mode, strategy=options.strategy, tune_steps=options.tune_iters, plan_in=options.plan,
+        mode=options.mode, strategy=options.strategy, tune_steps=options.tune_iters, tune_seconds=options.tune_seconds, plan_in=options.plan,
         plan_out=options.plan_out, cache_dir=options.cache_dir, report_files=options.report_files,
         flash_overlap=options.flash_overlap, warmup_steps=1,
         search_buckets=getattr(args, "ddp_bucket_size", None) is None)

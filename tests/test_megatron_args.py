@@ -53,7 +53,7 @@ def test_launcher_hooks_register_the_flags_beside_a_scripts_own(parse, tmp_path:
     assert (args.lagom, args.lagom_plan, args.lagom_strategy, args.lagom_mode, args.my_flag) == \
         (True, str(plan), "autoccl", "offline", 3)
     opts = options_from_args(args)
-    assert opts is not None and opts.plan == plan and opts.tune_iters == 5
+    assert opts is not None and opts.plan == plan and opts.tune_iters == 60 and opts.tune_seconds == 300.0
     assert parse(MODEL).lagom is False and options_from_args(parse(MODEL)) is None
     install_launcher_hooks()  # a second install (patched megatron + launcher) adds nothing twice
     assert parse([*MODEL, "--lagom-report", "r.json", "--lagom"]).lagom_report == "r.json"
@@ -61,7 +61,9 @@ def test_launcher_hooks_register_the_flags_beside_a_scripts_own(parse, tmp_path:
 
 @pytest.mark.parametrize("argv,message", [
     (["--lagom", "--lagom-mode", "fast"], "argument --lagom-mode: invalid choice: 'fast'"),
-    (["--lagom", "--lagom-tune-iters", "x"], "argument --lagom-tune-iters: 'x' is not an integer"),
+    (["--lagom", "--lagom-tune-iters", "x"], "argument --lagom-tune-steps/--lagom-tune-iters: 'x' is not an integer"),
+    (["--lagom", "--lagom-tune-steps", "0"], "argument --lagom-tune-steps/--lagom-tune-iters: must be at least 1, got 0"),
+    (["--lagom", "--lagom-tune-seconds", "-1"], "argument --lagom-tune-seconds: must be positive, got -1.0"),
     (["--lagom", "--lagom-strategy", "best"], "argument --lagom-strategy: invalid choice: 'best'"),
 ])
 def test_bad_flag_values_name_the_flag(parse, capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:

@@ -146,8 +146,9 @@ def ddp_rank(rank: int, world: int, report: Path) -> dict:
 
     # a second session in the same process, as a notebook or a test suite makes one: it starts as if first,
     # and neither session keeps a model alive or leaves a hook behind
-    from lagom.runtime import torch_tap
     from megatron.core.tensor_parallel import mappings
+
+    from lagom.runtime import torch_tap
 
     alive: list = []
     again = argparse.Namespace(**{**vars(args), "lagom_report": f"{report}-second"})

@@ -102,17 +102,21 @@ class Control:
             raise result
         return result
 
-    def any(self, flags: list[bool], what: str) -> list[bool]:
-        """For each flag, whether any rank raised it (one small all-reduce)."""
+    def max(self, values: list[float], what: str) -> list[float]:
+        """Each value's maximum over the ranks (one small all-reduce)."""
         if not self.distributed:
-            return list(flags)
+            return list(values)
 
-        def call(group: Any) -> list[bool]:
-            tensor = torch.tensor([int(f) for f in flags], dtype=torch.int32)
+        def call(group: Any) -> list[float]:
+            tensor = torch.tensor(values, dtype=torch.float64)
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-            return [bool(v) for v in tensor.tolist()]
+            return [float(v) for v in tensor.tolist()]
 
         return self._run(what, call)
+
+    def any(self, flags: list[bool], what: str) -> list[bool]:
+        """For each flag, whether any rank raised it."""
+        return [v > 0 for v in self.max([float(f) for f in flags], what)]
 
     def _destroy(self) -> None:
         group, self.group = self.group, None

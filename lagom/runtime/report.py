@@ -78,6 +78,8 @@ def build(session: TuningSession) -> dict[str, Any]:
         "env_conflicts": session.env_conflicts, "events": session.events,
         "steps": [asdict(s) for s in session.steps],
         "plan": json.loads(plan.to_json()) if plan is not None else None,
+        "live": session.live_summary, "trials": [asdict(t) for t in session.trials],
+        "switched_off": {"why": session.off, "at_step": session.off_at} if session.off else None,
         "details": session.framework_report(),
     }
 
@@ -134,6 +136,19 @@ def markdown(report: dict[str, Any]) -> str:
                          f"{pt['planned_calls_per_step']} / {pt['measured_calls_per_step']:.1f} | "
                          f"{pt['predicted_comm_ms']:.3f} / {pt['measured_comm_ms']:.3f} | {pt['flash_overlap_calls']} | "
                          f"{pt['why']} |")
+    if report["trials"]:
+        live = report["live"]
+        lines += ["", f"## Settings tried on live steps ({live.get('steps', 0)} steps, {live.get('evaluations', 0)} "
+                  f"evaluations; {live.get('why', '')})", "",
+                  "| trial | steps | changed | step ms predicted / measured / reference | decision | confidence |",
+                  "|---|---|---|---:|---|---:|"]
+        for t in report["trials"]:
+            moved = "; ".join(f"{k}: {c['algorithm']}/{c['protocol']}/{c['channels']}ch/{c['chunk_bytes']}B"
+                              for k, c in t["changed"].items()) or "(the reference)"
+            lines.append(f"| {t['id']} | {t['steps'][0]}-{t['steps'][-1]} | {moved} | "
+                         f"{t['predicted']['step_s'] * 1e3:.2f} / {t['measured']['step_s'] * 1e3:.2f} / "
+                         f"{t['measured']['reference_step_s'] * 1e3:.2f} | {t['decision']}: {t['note']} | "
+                         f"{t['confidence']:.2f} |")
     if report["unplanned_calls"]:
         lines += ["", "## Calls with no plan entry", *[f"- `{k}`: {n}" for k, n in sorted(report["unplanned_calls"].items())]]
     return "\n".join(lines) + "\n"

@@ -34,14 +34,14 @@ import logging
 import os
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
 from lagom import emit
-from lagom.calls import CallRecord
+from lagom.calls import CallRecord, KeyIndex
 from lagom.capability import Capability
 from lagom.errors import ConfigError
 from lagom.flash_overlap import FlashOverlapConfig
@@ -49,13 +49,15 @@ from lagom.hardware import Hardware
 from lagom.plan import Plan, PlanEntry
 from lagom.runtime import report
 from lagom.runtime.apply import open_runtime, registration_message, runtime_capability
-from lagom.runtime.control import DEFAULT_TIMEOUT_S, Control, ControlError
+from lagom.runtime.control import DEFAULT_TIMEOUT_S, Control
+from lagom.runtime.live import DEFAULT_BUDGET_S, LiveSearch, Trial, describe_live
 from lagom.runtime.monitor import Monitor
 from lagom.runtime.online import OnlineTuner, describe_changes
 from lagom.tune import make_plan, running_workload
 from lagom.workload import Workload
 
 log = logging.getLogger("lagom.session")
+CALIBRATION_STEPS = 5  # online: steps measured under the start plan before the model is fitted to them
 
 
 def rank() -> int:
@@ -86,7 +88,8 @@ class SessionOptions:
 
     mode: str = "offline"  # offline | online
     strategy: str = "lagom"
-    tune_steps: int = 5
+    tune_steps: int = 60  # online: the step budget; the first CALIBRATION_STEPS fit the model, the rest try settings live
+    tune_seconds: float = DEFAULT_BUDGET_S  # online: the wall-clock budget of the live search
     plan_in: Path | None = None  # a plan to start from; never written
     plan_out: Path | None = None  # where plans Lagom makes are written (rank 0)
     cache_dir: Path = Path(".lagom-cache")
@@ -217,6 +220,15 @@ class TuningSession:
         self.off: str | None = None  # why Lagom switched itself off (the framework runs on its own settings)
         self.off_at: int | None = None  # the step (``steps_seen``) it did
         self._next_agreement: int | None = None  # the step (``steps_seen``) at which every rank agrees next
+        self._last: tuple[float, list[CallRecord]] = (0.0, [])  # the step just ended, for the agreement
+        # live tuning: every rank knows the keys and the settings in force when it began; rank 0 searches
+        self.live: LiveSearch | None = None
+        self.live_on = False
+        self.live_keys: list[str] = []
+        self.live_reference: Plan | None = None
+        self.live_table: Any = None  # lagom.nccl_tuner.live.LiveTable, where the plugin is built
+        self.trials: list[Trial] = []
+        self.live_summary: dict[str, Any] = {}
         self.hardware_reason = hardware_reason
         self.why_untuned = why_untuned  # set when Lagom cannot describe the job: it then only records
         self.plan: Plan | None = None
@@ -275,7 +287,7 @@ class TuningSession:
         file_plan = self.control.on_rank0(lambda: self._load(plan_in) if plan_in and plan_in.exists() else None,
                                           "the plan file")
         if options.mode == "online":
-            tuner = self.tuner = OnlineTuner(workload, hw, strategy=options.strategy, tune_steps=options.tune_steps,
+            tuner = self.tuner = OnlineTuner(workload, hw, strategy=options.strategy, tune_steps=self.calibration_steps,
                                              cache_dir=options.cache_dir, capability=self.capability)
             cached = self.control.on_rank0(tuner.cached_plan, "the cached online plan")
             if cached is not None:
@@ -322,7 +334,11 @@ class TuningSession:
         self.tuner.model_workload = running_workload(self.tuner.workload, plan)
         self.tuning = True
         # the steps measured are those after the warm-up: every rank agrees on the plan after the last of them
-        self._next_agreement = max(self.steps_seen, self.options.warmup_steps) + self.options.tune_steps
+        self._next_agreement = max(self.steps_seen, self.options.warmup_steps) + self.calibration_steps
+
+    @property
+    def calibration_steps(self) -> int:
+        return min(self.options.tune_steps, CALIBRATION_STEPS)
 
     def _load(self, path: Path) -> Plan:
         try:
@@ -374,6 +390,7 @@ class TuningSession:
         step_s = time.perf_counter() - self._t0
         records = self.runtime.recorder.end_step()
         self.steps_seen += 1
+        self._last = (step_s, records)
         self.steps.append(StepStats(self.iteration, step_s, sum(r.duration_s for r in records), len(records),
                                     f"tuned {len(self.tuned)}" if self.tuned else "start"))
         if self.workload is None or self.off is not None:
@@ -397,6 +414,8 @@ class TuningSession:
             self.baseline.add(step_s, records)
             self.tuner.add(step_s, records)
             return
+        if self.live_on:  # the live search's steps: judged at the agreement, not measured as the tuned plan's
+            return
         self.measured.add(step_s, records)
         if self.measured.steps == self.options.tune_steps:
             self.write_report()
@@ -406,46 +425,167 @@ class TuningSession:
         self.failure = f"{type(err).__name__}: {err}"
         log.error("Lagom failed on rank %d at step %d (%s)", rank(), self.iteration, self.failure, exc_info=err)
         if self._next_agreement is None:  # nothing to agree on: no rank waits for this one inside Lagom
-            self.switch_off(f"rank {rank()}: {self.failure}")
+            self.switch_off(f"rank {rank()}: {self.failure}", agreed=False)
 
     def _agree(self) -> Plan | None:
-        """The agreed step: whether any rank failed or saw drift, then the tuner's decision, on every rank."""
+        """The agreed step: whether any rank failed or saw drift (and, while tuning live, the slowest rank's
+        step and collective times), then the tuner's decision, on every rank.
+
+        Settings that every rank must share (the tuner table, Flash-Overlap routing) change only here, after
+        an agreement every rank took part in; when the agreement itself fails, they stay as they are.
+        """
         try:
-            failed, drift = self.control.any([self.failure is not None, self._drift is not None],
-                                             f"the agreement of step {self.iteration}")
-            if failed:
-                self.switch_off(self.failure and f"rank {rank()}: {self.failure}" or "a failure inside Lagom on "
-                                "another rank (its log says what)")
-                return None
+            values = self.control.max([float(self.failure is not None), float(self._drift is not None),
+                                       *self._live_values()], f"the agreement of step {self.iteration}")
+        except Exception as err:  # noqa: BLE001 - a peer missing: nothing more can be agreed
+            self.switch_off(str(err), agreed=False)
+            return None
+        if values[0] > 0:
+            self.switch_off(self.failure and f"rank {rank()}: {self.failure}" or "a failure inside Lagom on "
+                            "another rank (its log says what)", agreed=True)
+            return None
+        try:
+            if self.live_on:
+                return self._live_step(values[2:])
             if self.tuning and self.tuner is not None:
                 plan = self.tuner.decide(self.control)
                 self.tuning = False
                 self._next_agreement = self.steps_seen + self.options.drift_check_steps
                 self.adopt(plan, self.iteration, (self.tuner.applies_now, self.tuner.next_start))
+                if self.options.tune_steps > self.calibration_steps:
+                    self._start_live()
                 return plan
             self._next_agreement = self.steps_seen + self.options.drift_check_steps
-            if drift and self.tuner is not None:
+            if values[1] > 0 and self.tuner is not None:
                 self.tuner.reset()
                 self._measuring(self.plan)  # type: ignore[arg-type]
                 self.baseline = None
                 self.event(f"step {self.iteration}: {self._drift or 'drift seen on another rank'}; re-tuning from "
-                           f"the next {self.options.tune_steps} steps")
+                           f"the next {self.calibration_steps} steps")
             self._drift = None
-        except Exception as err:  # noqa: BLE001 - ControlError: a peer is gone; else rank 0's error, raised on every rank
-            self.switch_off(str(err) if isinstance(err, ControlError) else f"{type(err).__name__}: {err}")
+        except Exception as err:  # noqa: BLE001 - rank 0's error reaches every rank; a local one must not fail the job
+            self.switch_off(f"{type(err).__name__}: {err}", agreed=False)
         return None
 
-    def switch_off(self, why: str) -> None:
-        """Stop every decision Lagom makes in this job, on this rank: the framework's own settings from now on
-        (what was fixed at start-up stays as it was made). Said once, at ERROR, and kept for the report."""
+    # -- live tuning ------------------------------------------------------------------------------
+    def _start_live(self) -> None:
+        """Try settings on the next steps, every step an agreed one; rank 0 runs the search (``lagom.runtime.live``)."""
+        plan = self.plan
+        assert plan is not None and self.tuner is not None
+        self.live_reference = plan
+        self.live_keys = sorted(e.key for e in plan.entries)
+        self.live_on = True
+        self._next_agreement = self.steps_seen + 1
+        budget = self.options.tune_steps - self.calibration_steps
+        if rank() == 0 and self.tuner.calibration is not None:
+            cal = self.tuner.calibration
+            reference = {k: cfg for k, cfg in plan.configs().items() if k in cal.problem.keys}
+            self.live = LiveSearch(cal.problem, cal.simulator, reference, max_channels=self._max_channels(),
+                                   budget_steps=budget, budget_s=self.options.tune_seconds)
+        self.event(f"step {self.iteration}: trying settings on live steps (at most {budget} steps or "
+                   f"{self.options.tune_seconds:g} s){self._live_reach()}")
+
+    def _max_channels(self) -> dict[str, int]:
+        """Per group, the most channels its communicator was made with (NCCL cannot go above it live)."""
+        out = {}
+        for group, cfg in emit.communicator_configs(self.plan).items() if self.plan is not None else []:
+            if "max_ctas" in cfg:
+                out[group] = int(cfg["max_ctas"])
+        return out
+
+    def _live_reach(self) -> str:
+        """What the live settings reach in this process, for the log and the report."""
+        if self.live_table is None:
+            return "; NCCL's settings cannot change live here (no tuner plugin table): only Flash-Overlap routing does"
+        if "nccl" not in str(dist.get_backend() if dist.is_initialized() else "").lower():
+            return "; this job's backend is not NCCL, so the tuner table changes nothing it runs (the loop is the same)"
+        return ""
+
+    def _live_values(self) -> list[float]:
+        """This rank's last step for the agreement: its time and each key's mean seconds per call (0: none)."""
+        if not self.live_on:
+            return []
+        step_s, records = self._last
+        index = KeyIndex(self.live_keys)
+        total: dict[str, list[float]] = {}
+        for r in records:
+            key = index.match(r.key)
+            if key is not None:
+                row = total.setdefault(key, [0, 0.0])
+                row[0] += 1
+                row[1] += r.duration_s
+        return [step_s, *((total[k][1] / total[k][0]) if k in total else 0.0 for k in self.live_keys)]
+
+    def _live_step(self, values: list[float]) -> Plan | None:
+        from lagom.runtime.live import Decision
+
+        decision: Decision | None = None
+        if self.live is not None:
+            keys = {k: v for k, v in zip(self.live_keys, values[1:]) if v > 0}
+            decision = self.live.after_step(self.iteration, values[0], keys)
+        decision = self.control.broadcast(decision, f"the live decision of step {self.iteration}")
+        if decision.configs is not None:
+            self._put_live(decision.configs)
+        if not decision.done:
+            self._next_agreement = self.steps_seen + 1
+            return None
+        return self._end_live(decision.configs or {})
+
+    def _with_configs(self, configs: dict[str, Any]) -> Plan:
+        plan = self.live_reference or self.plan
+        assert plan is not None
+        return replace(plan, entries=[replace(e, config=configs[e.key]) if e.key in configs else e for e in plan.entries])
+
+    def _put_live(self, configs: dict[str, Any]) -> None:
+        """Every rank, at the same step: the tuner table and the Flash-Overlap routing for ``configs``."""
+        plan = self._with_configs(configs)
+        self.router.plan = plan
+        if self.live_table is not None:
+            self.live_table.put(emit.tuner_rules(plan))
+
+    def _end_live(self, configs: dict[str, Any]) -> Plan:
+        reference = self.live_reference
+        assert reference is not None
+        final = self._with_configs(configs)
+        summary: dict[str, Any] = {}
+        if self.live is not None:
+            summary = {"why": getattr(self.live, "why", ""), "evaluations": self.live.evaluations,
+                       "steps": self.live.steps_used, "confidence": self.live.confidence(),
+                       "clamped": sorted(self.live.clamped),
+                       "trials": [asdict(t) for t in self.live.trials]}
+        summary = self.control.broadcast(summary, "the live tuning summary")
+        self.trials = [Trial(**t) for t in summary.pop("trials", [])]
+        final.measured = {"steps": summary.get("steps", 0), "confidence": summary.get("confidence", 1.0),
+                          "trials": len(self.trials)}
+        self.live_summary = summary
+        self.live_on, self.live = False, None
+        now = describe_live(final.configs(), reference.configs())
+        self._next_agreement = self.steps_seen + self.options.drift_check_steps
+        self.adopt(final, self.iteration, (now, self.next_start))
+        if self.tuner is not None:
+            self.tuner.plan = final
+            self.tuner._save(final)  # noqa: SLF001 - the cache holds the measured plan
+        return final
+
+    def switch_off(self, why: str, agreed: bool) -> None:
+        """Stop every decision Lagom makes in this job, on this rank. Said once, at ERROR, and kept for the report.
+
+        ``agreed``: every rank switches off at this step, so the settings ranks must share go back to the
+        framework's own (Flash-Overlap calls to its collectives, NCCL's own choices); otherwise they stay as
+        they are, the same on every rank, since changing them on one rank alone could hang the framework.
+        What was fixed at start-up stays as it was made.
+        """
         if self.off is not None:
             return
         self.off, self.off_at = why, self.steps_seen
-        self.tuning = False
-        self.tuner = None
+        self.tuning = self.live_on = False
+        self.tuner = self.live = None
         self.monitor = None
         self._next_agreement = None
-        self.router.plan = None  # Flash-Overlap decompositions go back to the framework's collectives
+        if agreed:
+            self.router.plan = None
+            if self.live_table is not None:
+                self.live_table.put("")  # no rules: NCCL's own choices
         self.control.close()
         self.events.append(f"Lagom switched itself off: {why}")
         log.error("Lagom switched itself off on rank %d: %s. The job runs on with the framework's own settings.",

@@ -1,0 +1,344 @@
+"""Live tuning: the priority search with the job's own steps as its evaluator.
+
+The cost model ranks each key's candidates and orders the keys, as offline; each move the search wants
+checked is put in force on the running job (through the tuner plugin's live table and the Flash-Overlap
+routing, the settings that can change between steps) and judged by the steps that follow. The search
+runs in a thread on rank 0 (``LiveSearch``): its ``evaluate`` hands a candidate to the step loop and
+waits; the step loop (``after_step``, called once per agreed step with the step's slowest-rank
+measurements) runs the candidate for ``window`` steps, then the reference for ``window`` steps, and
+answers. Every rank puts the same settings in force at the same step because rank 0's decision reaches
+every rank through Lagom's agreement channel before the next step is issued (the session does that).
+
+Measuring:
+- noise: the reference (the settings in force when tuning began) runs ``noise_steps`` steps first; the
+  spread of its steps gives the noise of a window's mean;
+- drift: reference windows alternate with candidate windows (A/B/A); a candidate is judged against the
+  mean of the reference windows before and after it, and reported on the first reference's scale;
+- acceptance: a candidate is reported faster only when its gain exceeds ``z`` times the noise of the
+  difference; otherwise it is reported no faster than the best so far, so the search does not take it;
+- guard: a candidate step slower than ``GUARD`` times the reference ends its window at once;
+- budget: once ``budget_steps`` steps or ``budget_s`` seconds are spent, every further candidate is
+  answered "no gain" without running, so the search ends with what it has measured;
+- last: the search's final settings run once more against the reference; if they are not faster, the
+  reference stays. The job never ends tuning on settings slower than the measured baseline.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from lagom.comm_config import CommConfig
+from lagom.search.base import Problem, SearchResult
+from lagom.search.priority import search
+from lagom.simulator import Configs, Simulator, StepResult
+
+log = logging.getLogger("lagom.online")
+
+LIVE_FIELDS = ("algorithm", "protocol", "channels", "chunk_bytes", "decomposition", "num_chunks")
+GUARD = 2.0  # a candidate step this many times the reference's is switched back at once
+Z = 2.0  # a gain counts when it exceeds this many standard deviations of the measured difference
+WINDOW = 2  # steps per candidate window and per reference window
+NOISE_STEPS = 4  # reference steps measured before the first candidate
+DEFAULT_BUDGET_S = 300.0  # wall-clock budget of the live search (steps: the tune_steps option)
+ANSWER_TIMEOUT_S = 600.0  # the search thread's longest think between two candidates
+
+
+def live_part(cfg: CommConfig, running: CommConfig, max_channels: int | None,
+              live_fields: tuple[str, ...] = LIVE_FIELDS) -> tuple[CommConfig, bool]:
+    """``cfg``'s live-settable fields on ``running``'s fixed ones (threads, buffer, priority, CTA policy
+    wait for the next start); channels above the communicator's maximum are clamped (the bool says so)."""
+    live = replace(running, **{name: getattr(cfg, name) for name in live_fields})
+    if max_channels is not None and live.channels > max_channels:
+        return replace(live, channels=max_channels), True
+    return live, False
+
+
+def changed(configs: Configs, reference: Configs) -> dict[str, dict[str, Any]]:
+    """Keys whose live fields differ from the reference: their configs, as dicts (the report's form)."""
+    return {k: cfg.to_dict() for k, cfg in configs.items()
+            if any(getattr(cfg, n) != getattr(reference[k], n) for n in LIVE_FIELDS)}
+
+
+def describe_live(configs: Configs, reference: Configs) -> list[str]:
+    """One line per key whose live fields moved: what was put in force on the running job."""
+    out = []
+    for key, cfg in configs.items():
+        before = reference.get(key)
+        moved = [f"{n} {getattr(before, n)} -> {getattr(cfg, n)}" for n in LIVE_FIELDS
+                 if before is not None and getattr(cfg, n) != getattr(before, n)]
+        if moved:
+            out.append(f"{key}: {', '.join(moved)} (measured live)")
+    return out
+
+
+@dataclass
+class Window:
+    """Steps run under one setting: each step's time and each key's collective seconds per call."""
+
+    steps: list[int] = field(default_factory=list)
+    step_s: list[float] = field(default_factory=list)
+    keys: list[dict[str, float]] = field(default_factory=list)
+
+    def add(self, step: int, step_s: float, keys: dict[str, float]) -> None:
+        self.steps.append(step)
+        self.step_s.append(step_s)
+        self.keys.append(keys)
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.step_s)
+
+    def key_means(self) -> dict[str, float]:
+        out: dict[str, list[float]] = {}
+        for row in self.keys:
+            for k, v in row.items():
+                out.setdefault(k, []).append(v)
+        return {k: statistics.fmean(v) for k, v in out.items()}
+
+
+@dataclass
+class Trial:
+    """One tried setting, as the report keeps it (``validate --measured`` reads these)."""
+
+    id: str
+    steps: list[int]
+    changed: dict[str, dict[str, Any]]
+    predicted: dict[str, Any]  # {"step_s", "collectives_s": {key: s}}
+    measured: dict[str, Any]  # {"step_s", "collectives_s": {key: s}, "reference_step_s"}
+    decision: str  # kept | rejected | reverted
+    confidence: float  # probability that the setting is faster than the reference, from the measured noise
+    note: str = ""
+
+
+class MeasuredStep(StepResult):
+    """A step as the search sees it live: the model's prediction for the settings (exposure, the windows the
+    search ranks by) with the measured step time and per-key collective seconds put in."""
+
+    measured_keys: dict[str, float]
+
+    def per_key(self) -> dict[str, dict[str, float]]:
+        rows = super().per_key()
+        for key, seconds in self.measured_keys.items():
+            if key in rows and rows[key]["count"]:
+                rows[key] = {**rows[key], "time": seconds * rows[key]["count"]}
+        return rows
+
+
+def measured_step(predicted: StepResult, step_s: float, keys: dict[str, float]) -> MeasuredStep:
+    out = MeasuredStep(**{f.name: getattr(predicted, f.name) for f in fields(StepResult)})
+    out.step_s = step_s
+    out.measured_keys = keys
+    return out
+
+
+@dataclass
+class Decision:
+    """What rank 0 tells every rank after a step: the settings for the next step (None: unchanged), and
+    when tuning is over, the settings it ends on."""
+
+    configs: Configs | None = None
+    done: bool = False
+
+
+class LiveSearch:
+    """Rank 0's live search: the priority search in a thread, the step loop's state, the trials."""
+
+    def __init__(self, problem: Problem, simulator: Simulator, reference: Configs, *,
+                 max_channels: dict[str, int] | None = None, budget_steps: int = 100,
+                 budget_s: float = DEFAULT_BUDGET_S, window: int = WINDOW, noise_steps: int = NOISE_STEPS,
+                 z: float = Z) -> None:
+        self.problem, self.simulator = problem, simulator
+        self.reference = dict(reference)
+        self.max_channels = max_channels or {}
+        # the chunk is live only where the plugin sets it per size; else it is NCCL_BUFFSIZE, per process
+        self.fields = tuple(f for f in LIVE_FIELDS if f not in problem.cap.process_fields())
+        self.budget_steps, self.budget_s, self.window, self.noise_steps, self.z = budget_steps, budget_s, window, noise_steps, z
+        self.evaluations = 0
+        self.trials: list[Trial] = []
+        self.clamped: set[str] = set()
+        self.result: SearchResult | None = None
+        self.error: BaseException | None = None
+        self.final: Configs = dict(reference)
+        self.steps_used = 0
+        self._started = time.perf_counter()
+        self._requests: queue.Queue[Configs | None] = queue.Queue(maxsize=1)
+        self._answers: queue.Queue[tuple[float, dict[str, float]]] = queue.Queue(maxsize=1)
+        self._cache: dict[tuple, tuple[float, dict[str, float]]] = {}
+        self._floor = math.inf  # the smallest step reported to the search so far (its best)
+        self._ref0 = 0.0  # the reference's mean over the noise steps: the scale every report is on
+        self._noise = 0.0  # relative standard deviation of one window's mean
+        self._state = "noise"
+        self._window = Window()
+        self._before: Window | None = None  # the reference window before the candidate
+        self._candidate: Configs | None = None
+        self._candidate_window: Window | None = None
+        self._thread: threading.Thread | None = None
+        self.spent = False
+
+    # -- the search thread's side --------------------------------------------------------------------------
+    def live_configs(self, configs: Configs) -> Configs:
+        out = {}
+        for key, cfg in configs.items():
+            group = self.problem.keys[key][0].group.name if key in self.problem.keys else ""
+            out[key], clamped = live_part(cfg, self.reference.get(key, cfg), self.max_channels.get(group), self.fields)
+            if clamped:
+                self.clamped.add(key)
+        return out
+
+    def evaluate(self, configs: Configs) -> StepResult:
+        self.evaluations += 1
+        live = self.live_configs(configs)
+        predicted = self.simulator.run(live, self.problem.model)
+        frozen = tuple(sorted((k, tuple(getattr(c, n) for n in LIVE_FIELDS)) for k, c in live.items()))
+        answer = self._cache.get(frozen)
+        if answer is None:
+            if self.spent:
+                answer = (self._floor, {})  # the budget is spent: no gain, nothing run
+            else:
+                self._requests.put(live)
+                answer = self._answers.get()
+                self._cache[frozen] = answer
+        return measured_step(predicted, *answer)
+
+    def _search(self) -> None:
+        try:
+            start = SearchResult("live", dict(self.reference), self.evaluate(self.reference), 0)
+            self.result = search(self.problem, self, start)
+        except BaseException as err:  # noqa: BLE001 - told to the step loop, which ends tuning on the reference
+            self.error = err
+        finally:
+            self._requests.put(None)
+
+    # -- the step loop's side ------------------------------------------------------------------------------
+    def after_step(self, step: int, step_s: float, keys: dict[str, float]) -> Decision:
+        """One measured step (the slowest rank's); the settings for the next one."""
+        self.steps_used += 1
+        self.spent = self.spent or self.steps_used >= self.budget_steps or \
+            time.perf_counter() - self._started >= self.budget_s
+        self._window.add(step, step_s, keys)
+        if self._state == "noise":
+            if len(self._window.step_s) < self.noise_steps:
+                return Decision()
+            self._noise_measured(self._window)
+            return self._next()
+        if self._state in ("candidate", "final"):
+            too_slow = step_s > GUARD * self._ref_mean()
+            if len(self._window.step_s) < self.window and not too_slow:
+                return Decision()
+            self._candidate_window, self._window = self._window, Window()
+            self._reverted = too_slow
+            self._state = "after_" + self._state
+            return Decision(configs=dict(self.reference))
+        if len(self._window.step_s) < self.window:  # a reference window after a candidate
+            return Decision()
+        after, self._window = self._window, Window()
+        if self._state == "after_final":
+            return self._settle(after)
+        self._answers.put(self._judge(after))
+        self._before = after
+        return self._next()
+
+    def _noise_measured(self, window: Window) -> None:
+        self._ref0 = window.mean
+        spread = statistics.stdev(window.step_s) if len(window.step_s) > 1 else 0.0
+        self._noise = spread / self._ref0 / math.sqrt(self.window) if self._ref0 > 0 else 0.0
+        self._floor = self._ref0
+        self._cache[tuple(sorted((k, tuple(getattr(c, n) for n in LIVE_FIELDS)) for k, c in self.reference.items()))] = \
+            (self._ref0, window.key_means())
+        self._before = window
+        self._window = Window()
+        self._thread = threading.Thread(target=self._search, name="lagom-live-search", daemon=True)
+        self._thread.start()
+
+    def _ref_mean(self) -> float:
+        return self._before.mean if self._before is not None else self._ref0
+
+    def _next(self) -> Decision:
+        """The search's next candidate in force, or (search over) the final check, or the end."""
+        try:
+            request = self._requests.get(timeout=ANSWER_TIMEOUT_S)
+        except queue.Empty:
+            self.error = TimeoutError(f"the live search thought for over {ANSWER_TIMEOUT_S:g} s")
+            request = None
+        if request is not None:
+            self._candidate, self._state = request, "candidate"
+            return Decision(configs=dict(request))
+        found = self.result.configs if self.result is not None and self.error is None else self.reference
+        self._candidate = self.live_configs(found)
+        if not changed(self._candidate, self.reference):
+            return self._end(self.reference, "the search kept the settings in force")
+        self._state = "final"
+        return Decision(configs=dict(self._candidate))
+
+    def _judge(self, after: Window) -> tuple[float, dict[str, float]]:
+        """The candidate's step on the first reference's scale, thresholded by the noise; its trial recorded."""
+        window, candidate = self._candidate_window, self._candidate
+        assert window is not None and candidate is not None and self._before is not None
+        reference = (self._before.mean + after.mean) / 2
+        ratio = window.mean / reference if reference > 0 else 1.0
+        value = self._ref0 * ratio
+        sigma = self._noise * math.sqrt(2)
+        gain = 1 - ratio
+        confidence = 0.5 * (1 + math.erf(gain / sigma / math.sqrt(2))) if sigma > 0 else float(gain > 0)
+        if self._reverted:
+            decision, note = "reverted", f"a step took over {GUARD:g}x the reference: switched back at once"
+        elif gain > self.z * sigma and value < self._floor:
+            decision, note = "kept", f"{gain:.1%} faster than the reference (noise {sigma:.1%})"
+        elif gain <= 0:
+            decision, note = "rejected", f"{-gain:.1%} slower than the reference"
+        else:
+            decision, note = "rejected", f"{gain:.1%} faster: within the noise ({sigma:.1%}) or not the best so far"
+        reported = value if decision == "kept" else max(value, self._floor)
+        self._floor = min(self._floor, reported)
+        self._record(window, candidate, after, decision, confidence, note)
+        return reported, window.key_means()
+
+    def _record(self, window: Window, configs: Configs, reference: Window, decision: str, confidence: float,
+                note: str) -> None:
+        predicted = self.simulator.run(configs, self.problem.model)
+        per_key = predicted.per_key()
+        self.trials.append(Trial(
+            f"t{len(self.trials) + 1}", window.steps, changed(configs, self.reference),
+            {"step_s": predicted.step_s,
+             "collectives_s": {k: r["time"] / r["count"] for k, r in per_key.items() if r["count"]}},
+            {"step_s": window.mean, "collectives_s": window.key_means(), "reference_step_s": reference.mean},
+            decision, confidence, note))
+
+    def _settle(self, after: Window) -> Decision:
+        """The final settings against the reference: kept only when faster."""
+        window, candidate = self._candidate_window, self._candidate
+        assert window is not None and candidate is not None
+        faster = not self._reverted and window.mean < after.mean
+        self._record(window, candidate, after, "kept" if faster else "reverted",
+                     0.5 * (1 + math.erf((1 - window.mean / after.mean) / max(self._noise * math.sqrt(2), 1e-12)
+                                         / math.sqrt(2))),
+                     "final check against the reference" + ("" if faster else ": not faster, the reference stays"))
+        return self._end(candidate if faster else self.reference,
+                         "the search's settings confirmed faster" if faster else "the reference was faster")
+
+    def _end(self, configs: Configs, why: str) -> Decision:
+        self.final = dict(configs)
+        ending = changed(self.final, self.reference)
+        for trial in self.trials:  # a gain the search later beat is not what the job keeps
+            if trial.decision == "kept" and trial.changed != ending:
+                trial.decision, trial.note = "rejected", trial.note + "; superseded by a faster setting"
+        self._state = "done"
+        if self.error is not None:
+            why += f" (the search stopped early: {type(self.error).__name__}: {self.error})"
+        self.why = why
+        return Decision(configs=dict(configs), done=True)
+
+    @property
+    def done(self) -> bool:
+        return self._state == "done"
+
+    def confidence(self) -> float:
+        """Of the final settings: the last trial's, or 1.0 when the reference stayed."""
+        return self.trials[-1].confidence if self.trials and self.final != self.reference else 1.0

@@ -1,0 +1,114 @@
+"""The live search (lagom.runtime.live) driven step by step by a plant: a machine whose step time is a known
+function of the settings in force, with noise and drift, as the job's steps would be.
+
+The plant is the simulator (the "true" step under the settings in force) times a drift, plus Gaussian
+noise; the search ranks candidates with its own model and accepts only what the plant's steps show.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import pytest
+
+from lagom.runtime.live import GUARD, NOISE_STEPS, WINDOW, LiveSearch
+from lagom.search import run_strategy
+from lagom.search.base import Problem, nccl_configs
+from lagom.search.priority import max_checks_per_key
+from lagom.simulator import Configs, Simulator
+from tests.helpers import THREE_CHANNELS, synthetic_problem
+
+NOISE = 0.01  # relative standard deviation of one step
+
+
+def two_reduces_one_gemm() -> Problem:
+    """Seed 1173 of the 3-key loop (tests/test_search_priority.py): NCCL's channels are 4% off the optimum,
+    which needs two all-reduces to give SMs back together."""
+    segments = [(0.8637563278269482, 144.7763315152631, 300), (0.3782691776934125, 1.316564875405267, 840),
+                (0.17992317110980455, 60.71976640134377, 300)]
+    points = [{"collective": "all_reduce", "mb": 197.2823314275096, "after": None, "before": 2, "group": "g0"},
+              {"collective": "all_reduce", "mb": 257.3947151738264, "after": None, "before": 2, "group": "g1"},
+              {"collective": "all_gather", "mb": 236.3976682609433, "after": 0, "before": 2, "nodes": 2, "size": 16,
+               "group": "g2"}]
+    return synthetic_problem(segments, points, space=THREE_CHANNELS)
+
+
+def drive(live: LiveSearch, truth: Callable[[Configs], float], seed: int, drift: float = 0.0) -> list[Configs]:
+    """Run the plant until the search ends; every step's settings in force, in order."""
+    rng = random.Random(seed)
+    in_force = dict(live.reference)
+    history = []
+    step = 0
+    while not live.done:
+        step += 1
+        history.append(in_force)
+        seconds = truth(in_force) * (1 + drift * step) * (1 + rng.gauss(0, NOISE))
+        decision = live.after_step(step, seconds, {})
+        if decision.configs is not None:
+            in_force = decision.configs
+        assert step < 10_000, "the live search did not end"
+    return history
+
+
+def simulated(problem: Problem) -> Callable[[Configs], float]:
+    simulator = Simulator(problem.graph)
+    return lambda configs: simulator.run(configs, problem.model).step_s
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_finds_the_plants_optimum_within_the_noise_in_linear_steps(seed: int) -> None:
+    problem = two_reduces_one_gemm()
+    truth = simulated(problem)
+    reference = nccl_configs(problem)
+    live = LiveSearch(problem, Simulator(problem.graph), reference, budget_steps=10_000, budget_s=1e9)
+    history = drive(live, truth, seed, drift=0.001)  # +0.1% per step: A/B/A must cancel it
+    best = run_strategy("exhaustive", problem).result.step_s
+    assert truth(reference) > best * 1.04  # there is something to find
+    assert truth(live.final) <= best * (1 + 2 * NOISE)
+    bound = 1 + max_checks_per_key(problem) * len(problem.keys)
+    assert live.evaluations <= bound
+    # each distinct setting costs a candidate window and a reference window; plus the noise steps and the final check
+    assert len(history) <= NOISE_STEPS + 2 * WINDOW * (live.evaluations + 1)
+    assert live.trials and live.trials[-1].decision == "kept"
+
+
+def test_never_ends_slower_than_the_measured_baseline() -> None:
+    """A plant on which every setting but the one in force is 5% slower, whatever the model predicts."""
+    problem = two_reduces_one_gemm()
+    reference = nccl_configs(problem)
+    base = simulated(problem)(reference)
+    live = LiveSearch(problem, Simulator(problem.graph), reference, budget_steps=10_000, budget_s=1e9)
+    drive(live, lambda configs: base if configs == reference else base * 1.05, seed=3)
+    assert live.final == reference
+    assert all(t.decision == "rejected" for t in live.trials)
+
+
+def test_a_step_over_twice_the_reference_is_switched_back_at_once() -> None:
+    problem = two_reduces_one_gemm()
+    reference = nccl_configs(problem)
+    base = simulated(problem)(reference)
+    live = LiveSearch(problem, Simulator(problem.graph), reference, budget_steps=10_000, budget_s=1e9)
+    history = drive(live, lambda configs: base if configs == reference else base * (GUARD + 1), seed=4)
+    reverted = [t for t in live.trials if t.decision == "reverted"]
+    assert reverted and all(len(t.steps) == 1 for t in reverted)  # one slow step, then the reference again
+    slow_in_a_row = max_run([c != reference for c in history])
+    assert slow_in_a_row == 1 and live.final == reference
+
+
+def test_the_step_budget_ends_the_search_with_what_it_measured() -> None:
+    problem = two_reduces_one_gemm()
+    reference = nccl_configs(problem)
+    live = LiveSearch(problem, Simulator(problem.graph), reference, budget_steps=12, budget_s=1e9)
+    history = drive(live, simulated(problem), seed=5)
+    # once spent, the window under way ends and the final check runs: at most two more windows each
+    assert len(history) <= 12 + 4 * WINDOW
+    assert len(live.trials) <= 3
+
+
+def max_run(flags: list[bool]) -> int:
+    best = run = 0
+    for flag in flags:
+        run = run + 1 if flag else 0
+        best = max(best, run)
+    return best
