@@ -342,3 +342,24 @@ def test_nccl_options_rejects_bad_values():
         nccl_options({"bogus": 1})
     opts = nccl_options({"max_ctas": 16, "min_ctas": 2, "cga_cluster_size": 2, "net_name": "IB"})
     assert (opts.config.max_ctas, opts.config.min_ctas, opts.config.cga_cluster_size) == (16, 2, 2)
+
+
+def _init_records_through_the_tap(rank: int, world: int) -> dict:
+    import lagom
+    from lagom.runtime import torch_tap as tap
+
+    rt = lagom.init(None)
+    group = dist.new_group([0, 1], group_desc="dp")
+    rt.recorder.begin_step(1)
+    dist.all_reduce(torch.ones(1000), group=group)
+    records = rt.recorder.end_step()
+    subscribed = tap.current_tap() is not None
+    rt.close()
+    return {"records": [(r.group, r.collective, r.nbytes) for r in records], "subscribed": subscribed,
+            "after_close": tap.current_tap() is not None}
+
+
+def test_init_alone_records_every_collective_in_a_step():
+    """``lagom.init()`` without an adapter: the torch.distributed tap records under the group's group_desc."""
+    for out in run_ranks(_init_records_through_the_tap, 2):
+        assert out == {"records": [("dp", "all_reduce", 4000)], "subscribed": True, "after_close": False}

@@ -41,6 +41,7 @@ from lagom.emit import (
 from lagom.errors import ConfigError
 from lagom.hardware import Hardware, load_hardware
 from lagom.plan import Plan
+from lagom.runtime import torch_tap
 from lagom.runtime.recorder import Recorder
 
 log = logging.getLogger("lagom.runtime")
@@ -240,7 +241,16 @@ class Runtime:
         self.tuner_env_set: dict[str, str] = {}  # NCCL_TUNER_PLUGIN and the plugin's rules file
         self.tuner_rules_file: Path | None = None
         self._comm_cfgs = communicator_configs(plan) if plan is not None else {}
+        self.tap: torch_tap.Subscription | None = None  # ``init``'s: the plain torch.distributed entry records through it
         self._closed = False
+
+    def export(self, var: str, value: str) -> bool:
+        """Set a process-wide variable for as long as this runtime is open (shared with other runtimes that want
+        the same value); False when the environment already holds another value, which wins."""
+        if _export(self, var, value):
+            self.env_set[var] = value
+            return True
+        return False
 
     def options_for(self, group_name: str) -> Any:
         """NCCL options the plan gives a group (by plan name or megatron group_desc), else None."""
@@ -253,6 +263,11 @@ class Runtime:
         config = getattr(options, "config", None)
         same = all(getattr(config, key, None) == option_value(key, cfg[key]) for key in OPTION_KEYS if key in cfg)
         return same and bool(getattr(options, "is_high_priority_stream", False)) == bool(cfg.get("is_high_priority_stream", False))
+
+    def group_name(self, group: Any) -> str:
+        """A process group's name in the plan: its ``group_desc`` mapped as ``plan_group`` does, else the desc."""
+        desc = getattr(group, "group_desc", None) or getattr(group, "group_name", "") or "world"
+        return self.plan_group(desc) or desc
 
     def plan_group(self, desc: str | None) -> str | None:
         if desc is None:
@@ -359,6 +374,9 @@ class Runtime:
         if self._closed:
             return
         self._closed = True
+        if self.tap is not None:
+            self.tap.close()
+            self.tap = None
         if self in _open:
             _open.remove(self)
             if not _open:
@@ -432,4 +450,6 @@ def init(plan: Plan | str | Path | None = None, *, strict_env: bool = True,
         log.warning("lagom.runtime.init called again: closing the previous runtime first")
         _current.close()
     _current = open_runtime(plan, strict_env=strict_env, hw=hw, capability=capability)
+    # every torch.distributed collective between the recorder's begin_step and end_step is recorded
+    _current.tap = torch_tap.subscribe(_current.group_name, _current.recorder)
     return _current

@@ -267,6 +267,8 @@ class TuningSession:
         self.plan_source = start.source
         self.runtime = open_runtime(start.plan, strict_env=self.options.strict_env, hw=self.hw,
                                     capability=self.capability)
+        if self.options.mode == "online":
+            self.live_table = self._open_live_table()
         if start.plan is not None:
             message = registration_message(start.plan)
             if message is not None:
@@ -276,6 +278,23 @@ class TuningSession:
             self.apply_at_startup(start.plan)
         self.event(f"{self.options.mode} mode: plan {self.plan_source}" + (
             f" ({start.plan.strategy}, {len(start.plan.entries)} keys)" if start.plan else ""))
+
+    def _open_live_table(self) -> Any:
+        """The tuner plugin's live table for this session (private to this user), or None where it cannot be had."""
+        from lagom import nccl_tuner
+
+        try:
+            from lagom.nccl_tuner.live import LIVE_TABLE_ENV, LiveTable
+
+            table = LiveTable.create(self.world_size)
+        except Exception as err:  # noqa: BLE001 - no plugin, no table: live tuning still switches Flash-Overlap
+            self.event(f"no live tuner table ({err if nccl_tuner.path() is not None else nccl_tuner.UNAVAILABLE}): "
+                       "algorithm, protocol, channels and chunk are tried on the model only", level=logging.WARNING)
+            return None
+        if not self.runtime.export(LIVE_TABLE_ENV, str(table.path)):
+            self.event(f"{LIVE_TABLE_ENV} is set in the environment: this session's live table is not the one NCCL "
+                       "reads, so live tuning does not change NCCL's settings", level=logging.WARNING)
+        return table
 
     def start_plan(self) -> StartPlan:
         """Online: the cached plan, else the plan file, else a search; offline: the file, else a search."""
@@ -655,6 +674,9 @@ class TuningSession:
         """Remove what this session added to the process (idempotent); adapters extend it with their own."""
         _open_sessions.discard(self)
         self.control.close()
+        if self.live_table is not None:
+            self.live_table.close()
+            self.live_table = None
         if self.runtime is not None:
             self.runtime.close()
 
