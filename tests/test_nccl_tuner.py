@@ -324,8 +324,15 @@ BAD_FILES = {
     "long": ("lagom-nccl-tuner 1\nworld 16\nallreduce 1 2 16 2 ring simple 1 1 extra\n", "this line has more than 9"),
     "zero channels": ("lagom-nccl-tuner 1\nworld 16\nallreduce 1 2 16 2 ring simple 0 1\n", "line 3: channels '0' is not a positive int"),
     "nodes": ("lagom-nccl-tuner 1\nworld 16\nallreduce 1 2 2 4 ring simple 1 1\n", "line 3: 4 nodes for 2 ranks"),
-    "bigger than world": ("lagom-nccl-tuner 1\nworld 16\nallreduce 1 2 32 4 ring simple 1 1\n", "line 3: a rule for 32 ranks in a world of 16"),
-    "huge line": ("lagom-nccl-tuner 1\nworld 16\n#" + "x" * 5000 + "\n", "line 3: longer than 1022 characters"),
+    "bigger than world": ("lagom-nccl-tuner 1\nworld 16\nallreduce 1 2 32 4 ring simple 1 512\n", "line 3: a rule for 32 ranks in a world of 16"),
+    "huge line": ("lagom-nccl-tuner 1\nworld 16\n#" + "x" * 5000 + "\n", "line 3: longer than 1023 characters"),
+    # NCCL rounds a chunk down to the protocol's grain and divides by the result (enqueue.cc, 2.30.7)
+    "chunk below simple's grain": ("lagom-nccl-tuner 1\nworld 16\nallreduce 1 2 16 2 ring simple 1 100\n",
+                                   "line 3: chunk_bytes 100 is below simple's grain of 512 bytes"),
+    "chunk below ll128's grain": ("lagom-nccl-tuner 1\nworld 16\nallreduce 1 2 16 2 ring ll128 1 1024\n",
+                                  "line 3: chunk_bytes 1024 is below ll128's grain of 1920 bytes"),
+    "channels over 64": ("lagom-nccl-tuner 1\nworld 16\nallreduce 1 2 16 2 collnet_direct simple 65 512\n",
+                         "line 3: channels 65 exceeds NCCL's 64 channels per communicator"),
 }
 
 
@@ -529,3 +536,11 @@ def test_a_plan_with_nothing_for_the_tuner_turns_nothing_on(library, clean_env):
     assert rt.tuner_env_set == {} and "NCCL_TUNER_PLUGIN" not in os.environ
     assert emit.tuner_env(plan, "rules.lagom") == {}
     rt.close()
+
+
+def test_a_last_line_of_1023_characters_without_a_newline_is_read(v6, rules_file):
+    rule = "allreduce 1 2000000 16 2 ring simple 4 524288"
+    rules_file.write_text("lagom-nccl-tuner 1\nworld 16\n" + rule + " #" + "x" * (1023 - len(rule) - 2))
+    comm = Comm(v6, 16, 2)
+    _, channels = comm.coll_info("all_reduce", 1_000_000, cost_table())
+    assert channels == 4 and comm.log[0][0] == LOG_INFO, comm.log

@@ -8,27 +8,37 @@
  * problem (no file, a bad file, a file for another job, no memory) is one line in NCCL's log and
  * leaves the communicator to NCCL: every entry point returns success.
  *
+ * The live table. A running job may replace the rules between steps: it writes a rules file of its own
+ * (private to its user) and calls lagom_tuner_live_reload in this process (ctypes reaches the instance NCCL
+ * loaded: the same file dlopen'ed twice is one library). The file is checked (owner, mode, format, world
+ * size) and read whole before it is published with one atomic store; getCollInfo reads the table in force
+ * with one atomic load, so a call sees the old table or the new one, whole, and never reads a file. While
+ * a live table is in force it replaces the start rules for every communicator (an empty one leaves every
+ * call to NCCL). A refused file keeps the table in force. A reader counts itself in ``readers`` before it
+ * loads the table and out after its call; a reload frees the tables it replaced only when, after
+ * publishing, it sees no reader, since a reader that arrives later can only load the new table.
+ *
  * getCollInfo's nBytes is the whole buffer (an all-gather's output, a reduce-scatter's input), as
  * Lagom's plan counts it. Collectives of one NCCL group with the same function, operation and type
  * and sizes within 4x of each other are aggregated: NCCL asks once, for their total.
  */
 #define _POSIX_C_SOURCE 200809L
 
+#include <fcntl.h>
+#include <pthread.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "lagom_nccl_tuner.h"
 #include "rules.h"
 
 #define EXPORT __attribute__((visibility("default")))
 #define PLUGIN_NAME "Lagom"
-
-/* A rule of this communicator, and the last preparation round in which getCollInfo applied it. */
-typedef struct {
-  lagom_rule rule;
-  uint64_t applied_round;
-} comm_rule;
 
 /*
  * NCCL prepares a group of collectives (getCollInfo for each) and then schedules them
@@ -39,14 +49,27 @@ typedef struct {
  * and protocol agree on the chunk.
  */
 typedef struct {
-  comm_rule* rules;
+  size_t n_ranks, n_nodes;
+  lagom_rule* rules; /* the start rules for this communicator's rank and node counts */
   size_t count;
+  lagom_rule* applied; /* copies of the rules applied in the current round */
+  size_t applied_count, applied_capacity;
   uint64_t round;
   int scheduling;
   uint64_t uncovered_round[LAGOM_NCCL_TUNED_FUNCTIONS]; /* last round with a call no applied rule covered */
 } tuner_context;
 
-static void say(lagom_nccl_logger logger, int level, const char* fmt, ...) {
+typedef struct live_table {
+  lagom_rule_set set;
+  struct live_table* retired_next;
+} live_table;
+
+static _Atomic(live_table*) live_in_force = NULL;
+static atomic_long readers = 0; /* calls between their load of live_in_force and their last use of it */
+static pthread_mutex_t reloading = PTHREAD_MUTEX_INITIALIZER;
+static live_table* retired = NULL; /* newest first; under ``reloading`` */
+
+static void say_at(lagom_nccl_logger logger, int level, const char* file, int line, const char* fmt, ...) {
   if (logger == NULL) return;
   char message[512];
   va_list args;
@@ -54,8 +77,9 @@ static void say(lagom_nccl_logger logger, int level, const char* fmt, ...) {
   vsnprintf(message, sizeof message, fmt, args);
   va_end(args);
   /* Formatted here and passed as one %s argument, so the logger never reads our variadic arguments. */
-  logger(level, LAGOM_NCCL_SUBSYS_INIT | LAGOM_NCCL_SUBSYS_TUNING, __FILE__, __LINE__, "%s", message);
+  logger(level, LAGOM_NCCL_SUBSYS_INIT | LAGOM_NCCL_SUBSYS_TUNING, file, line, "%s", message);
 }
+#define say(logger, level, ...) say_at(logger, level, __FILE__, __LINE__, __VA_ARGS__)
 
 /* The job's world size from the launcher's environment, or 0 when it does not say. */
 static uint64_t launcher_world_size(void) {
@@ -66,63 +90,73 @@ static uint64_t launcher_world_size(void) {
   return (*end == '\0' && text[0] >= '0' && text[0] <= '9') ? (uint64_t)value : 0;
 }
 
-/* Builds this communicator's context; NULL (and one logged line) when nothing applies. */
-static tuner_context* load(size_t n_ranks, size_t n_nodes, lagom_nccl_logger logger) {
+/* This communicator's start rules from the rules file, into ctx (none, and one logged line, when none apply). */
+static void load_start_rules(tuner_context* ctx, lagom_nccl_logger logger) {
   const char* path = getenv(LAGOM_NCCL_TUNER_FILE_ENV);
   if (path == NULL || *path == '\0') {
     say(logger, LAGOM_NCCL_LOG_INFO, "Lagom tuner: %s is not set; NCCL tunes this communicator",
         LAGOM_NCCL_TUNER_FILE_ENV);
-    return NULL;
+    return;
   }
   lagom_rule_set set;
   char reason[512];
   if (lagom_rules_read(path, &set, reason, sizeof reason) != 0) {
     say(logger, LAGOM_NCCL_LOG_WARN, "Lagom tuner: ignoring %s; NCCL tunes this communicator", reason);
-    return NULL;
+    return;
   }
   uint64_t world = launcher_world_size();
-  if ((world != 0 && world != set.world) || (uint64_t)n_ranks > set.world) {
+  if ((world != 0 && world != set.world) || (uint64_t)ctx->n_ranks > set.world) {
     say(logger, LAGOM_NCCL_LOG_WARN,
         "Lagom tuner: ignoring %s: written for %llu ranks, this job has %llu; NCCL tunes this communicator", path,
-        (unsigned long long)set.world, (unsigned long long)(world != 0 ? world : n_ranks));
+        (unsigned long long)set.world, (unsigned long long)(world != 0 ? world : ctx->n_ranks));
     lagom_rules_free(&set);
-    return NULL;
+    return;
   }
   size_t matching = 0;
   for (size_t i = 0; i < set.count; i++) {
-    matching += set.rules[i].ranks == n_ranks && set.rules[i].nodes == n_nodes;
+    matching += set.rules[i].ranks == ctx->n_ranks && set.rules[i].nodes == ctx->n_nodes;
   }
-  tuner_context* ctx = NULL;
   if (matching > 0) {
-    ctx = calloc(1, sizeof *ctx);
-    comm_rule* rules = calloc(matching, sizeof *rules);
-    if (ctx == NULL || rules == NULL) {
-      free(ctx);
-      free(rules);
+    ctx->rules = calloc(matching, sizeof *ctx->rules);
+    if (ctx->rules == NULL) {
       lagom_rules_free(&set);
       say(logger, LAGOM_NCCL_LOG_WARN, "Lagom tuner: out of memory; NCCL tunes this communicator");
-      return NULL;
+      return;
     }
     for (size_t i = 0; i < set.count; i++) {
-      if (set.rules[i].ranks == n_ranks && set.rules[i].nodes == n_nodes) rules[ctx->count++].rule = set.rules[i];
+      if (set.rules[i].ranks == ctx->n_ranks && set.rules[i].nodes == ctx->n_nodes) ctx->rules[ctx->count++] = set.rules[i];
     }
-    ctx->rules = rules;
-    ctx->round = 1;
   }
   say(logger, LAGOM_NCCL_LOG_INFO, "Lagom tuner: %s: %zu of %zu rules are for this communicator (%zu ranks, %zu nodes)",
-      path, matching, set.count, n_ranks, n_nodes);
+      path, matching, set.count, ctx->n_ranks, ctx->n_nodes);
   lagom_rules_free(&set);
+}
+
+/* Builds this communicator's context; NULL (and one logged line) without memory. */
+static tuner_context* load(size_t n_ranks, size_t n_nodes, lagom_nccl_logger logger) {
+  tuner_context* ctx = calloc(1, sizeof *ctx);
+  if (ctx == NULL) {
+    say(logger, LAGOM_NCCL_LOG_WARN, "Lagom tuner: out of memory; NCCL tunes this communicator");
+    return NULL;
+  }
+  ctx->n_ranks = n_ranks;
+  ctx->n_nodes = n_nodes;
+  ctx->round = 1;
+  load_start_rules(ctx, logger);
   return ctx;
 }
 
-static comm_rule* find(tuner_context* ctx, int collective, size_t n_bytes) {
-  for (size_t i = 0; i < ctx->count; i++) {
-    const lagom_rule* rule = &ctx->rules[i].rule;
-    if (rule->collective == collective && rule->min_bytes <= n_bytes && n_bytes <= rule->max_bytes) {
-      return &ctx->rules[i];
-    }
+/* Keeps a copy of an applied rule for getChunkSize; 0 when it could not (the call then counts as uncovered). */
+static int remember(tuner_context* ctx, const lagom_rule* rule) {
+  if (ctx->applied_count == ctx->applied_capacity) {
+    size_t grown = ctx->applied_capacity == 0 ? 8 : ctx->applied_capacity * 2;
+    lagom_rule* applied = realloc(ctx->applied, grown * sizeof *applied);
+    if (applied == NULL) return 0;
+    ctx->applied = applied;
+    ctx->applied_capacity = grown;
   }
-  return NULL;
+  ctx->applied[ctx->applied_count++] = *rule;
+  return 1;
 }
 
 static lagom_nccl_result get_coll_info(void* context, lagom_nccl_func coll_type, size_t n_bytes, int num_pipe_ops,
@@ -135,19 +169,25 @@ static lagom_nccl_result get_coll_info(void* context, lagom_nccl_func coll_type,
   if (ctx->scheduling) {
     ctx->round++;
     ctx->scheduling = 0;
+    ctx->applied_count = 0;
   }
-  comm_rule* match = find(ctx, coll_type, n_bytes);
-  if (match != NULL && cost_table != NULL && match->rule.algorithm < num_algo && match->rule.protocol < num_proto) {
+  atomic_fetch_add(&readers, 1);
+  const live_table* live = atomic_load(&live_in_force);
+  const lagom_rule* match =
+      live != NULL ? lagom_rules_pick(live->set.rules, live->set.count, coll_type, n_bytes, ctx->n_ranks, ctx->n_nodes)
+                   : lagom_rules_pick(ctx->rules, ctx->count, coll_type, n_bytes, ctx->n_ranks, ctx->n_nodes);
+  int applied = 0;
+  if (match != NULL && cost_table != NULL && match->algorithm < num_algo && match->protocol < num_proto) {
     /* NCCL's table is float[num_algo][num_proto], passed as float**. */
-    float* cost = (float*)cost_table + (size_t)match->rule.algorithm * (size_t)num_proto + (size_t)match->rule.protocol;
-    if (*cost >= 0.0f) { /* negative: NCCL will not run it, so neither do we */
+    float* cost = (float*)cost_table + (size_t)match->algorithm * (size_t)num_proto + (size_t)match->protocol;
+    if (*cost >= 0.0f && remember(ctx, match)) { /* negative: NCCL will not run it, so neither do we */
       *cost = 0.0f;
-      if (n_channels != NULL) *n_channels = match->rule.channels;
-      match->applied_round = ctx->round;
-      return LAGOM_NCCL_SUCCESS;
+      if (n_channels != NULL) *n_channels = match->channels;
+      applied = 1;
     }
   }
-  ctx->uncovered_round[coll_type] = ctx->round;
+  atomic_fetch_sub_explicit(&readers, 1, memory_order_release);
+  if (!applied) ctx->uncovered_round[coll_type] = ctx->round;
   return LAGOM_NCCL_SUCCESS;
 }
 
@@ -160,10 +200,10 @@ static lagom_nccl_result get_chunk_size(void* context, lagom_nccl_func coll_type
   if ((int)coll_type < 0 || coll_type >= LAGOM_NCCL_TUNED_FUNCTIONS) return LAGOM_NCCL_SUCCESS;
   if (ctx->uncovered_round[coll_type] == ctx->round) return LAGOM_NCCL_SUCCESS;
   uint64_t chunk = 0;
-  for (size_t i = 0; i < ctx->count; i++) {
-    const lagom_rule* rule = &ctx->rules[i].rule;
-    if (ctx->rules[i].applied_round != ctx->round || rule->collective != (int)coll_type || rule->algorithm != algo ||
-        rule->protocol != proto || n_bytes > rule->max_bytes) {
+  for (size_t i = 0; i < ctx->applied_count; i++) {
+    const lagom_rule* rule = &ctx->applied[i];
+    if (rule->collective != (int)coll_type || rule->algorithm != algo || rule->protocol != proto ||
+        n_bytes > rule->max_bytes) {
       continue;
     }
     if (chunk != 0 && chunk != rule->chunk_bytes) return LAGOM_NCCL_SUCCESS; /* ambiguous: NCCL's chunk stays */
@@ -177,6 +217,7 @@ static lagom_nccl_result finalize(void* context) {
   tuner_context* ctx = context;
   if (ctx != NULL) {
     free(ctx->rules);
+    free(ctx->applied);
     free(ctx);
   }
   return LAGOM_NCCL_SUCCESS;
@@ -195,6 +236,98 @@ static lagom_nccl_result init_v5_v6(void** context, uint64_t comm_id, size_t n_r
 static lagom_nccl_result init_v4(size_t n_ranks, size_t n_nodes, lagom_nccl_logger logger, void** context) {
   if (context != NULL) *context = load(n_ranks, n_nodes, logger);
   return LAGOM_NCCL_SUCCESS;
+}
+
+/* Retires ``old``; frees every retired table when no reader is counted (after the new table is published, a
+ * reader that arrives can only load the new one). Under ``reloading``. */
+static void retire(live_table* old) {
+  if (old != NULL) {
+    old->retired_next = retired;
+    retired = old;
+  }
+  if (atomic_load(&readers) != 0) return; /* someone may still hold a retired table: free it at a later reload */
+  while (retired != NULL) {
+    live_table* next = retired->retired_next;
+    lagom_rules_free(&retired->set);
+    free(retired);
+    retired = next;
+  }
+}
+
+static int refuse(char* reason, size_t reason_len, const char* fmt, ...) {
+  if (reason != NULL && reason_len > 0) {
+    va_list args;
+    va_start(args, fmt);
+    vsnprintf(reason, reason_len, fmt, args);
+    va_end(args);
+  }
+  return -1;
+}
+
+static int reload_locked(const char* path, int world_size, char* reason, size_t reason_len) {
+  int fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) return refuse(reason, reason_len, "%s: cannot open it as a regular file of this user", path);
+  struct stat st;
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    close(fd);
+    return refuse(reason, reason_len, "%s: not a regular file", path);
+  }
+  if (st.st_uid != geteuid() || (st.st_mode & (S_IWGRP | S_IWOTH)) != 0) {
+    close(fd);
+    return refuse(reason, reason_len, "%s: owned by another user or writable by group or others (mode %o): only "
+                  "the job's own user may change its NCCL settings", path, (unsigned)(st.st_mode & 07777));
+  }
+  FILE* file = fdopen(fd, "r");
+  if (file == NULL) {
+    close(fd);
+    return refuse(reason, reason_len, "%s: cannot read it", path);
+  }
+  live_table* table = calloc(1, sizeof *table);
+  if (table == NULL) {
+    fclose(file);
+    return refuse(reason, reason_len, "%s: out of memory", path);
+  }
+  int status = lagom_rules_read_file(file, path, &table->set, reason, reason_len);
+  fclose(file);
+  if (status == 0 && world_size > 0 && table->set.world != (uint64_t)world_size) {
+    status = refuse(reason, reason_len, "%s: written for %llu ranks, this job has %d", path,
+                    (unsigned long long)table->set.world, world_size);
+  }
+  if (status != 0) {
+    lagom_rules_free(&table->set);
+    free(table);
+    return -1;
+  }
+  retire(atomic_exchange(&live_in_force, table));
+  return 0;
+}
+
+/* Reads the live table at ``path`` and puts it in force for every communicator of this process; 0 on success.
+ * Any problem keeps the table in force and writes one line into ``reason``. */
+EXPORT int lagom_tuner_live_reload(const char* path, int world_size, char* reason, size_t reason_len) {
+  if (path == NULL) return refuse(reason, reason_len, "no path");
+  pthread_mutex_lock(&reloading);
+  int status = reload_locked(path, world_size, reason, reason_len);
+  pthread_mutex_unlock(&reloading);
+  return status;
+}
+
+/* The live table's rule for a call, picked as getCollInfo picks it: 1 and its fields, or 0 (no live table in
+ * force, or no rule: NCCL decides). */
+EXPORT int lagom_tuner_lookup(int collective, uint64_t n_bytes, uint64_t n_ranks, uint64_t n_nodes, int* algorithm,
+                              int* protocol, int* channels, uint64_t* chunk_bytes) {
+  atomic_fetch_add(&readers, 1);
+  const live_table* live = atomic_load(&live_in_force);
+  const lagom_rule* rule =
+      live == NULL ? NULL : lagom_rules_pick(live->set.rules, live->set.count, collective, n_bytes, n_ranks, n_nodes);
+  if (rule != NULL) {
+    *algorithm = rule->algorithm;
+    *protocol = rule->protocol;
+    *channels = rule->channels;
+    *chunk_bytes = rule->chunk_bytes;
+  }
+  atomic_fetch_sub_explicit(&readers, 1, memory_order_release);
+  return rule != NULL;
 }
 
 EXPORT lagom_nccl_tuner_v6 ncclTunerPlugin_v6 = {PLUGIN_NAME, init_v5_v6, get_coll_info, finalize,

@@ -108,9 +108,18 @@ static int parse_rule(reader* rd, char** tok, int ntok, lagom_rule* rule) {
   if (parse_count(tok[7], &channels) != 0 || channels == 0 || channels > INT_MAX) {
     return fail(rd, "channels '%s' is not a positive int", tok[7]);
   }
+  if (channels > LAGOM_MAX_CHANNELS) {
+    return fail(rd, "channels %s exceeds NCCL's %d channels per communicator", tok[7], LAGOM_MAX_CHANNELS);
+  }
   rule->channels = (int)channels;
   if (parse_count(tok[8], &rule->chunk_bytes) != 0 || rule->chunk_bytes == 0) {
     return fail(rd, "chunk_bytes '%s' is not positive", tok[8]);
+  }
+  /* NCCL rounds a chunk down to the protocol's grain and divides by it: below the grain it would divide by 0 */
+  static const uint64_t GRAIN[LAGOM_NCCL_PROTOCOLS] = {16, 1920, 512}; /* LL, LL128, Simple */
+  if (rule->chunk_bytes < GRAIN[rule->protocol]) {
+    return fail(rd, "chunk_bytes %s is below %s's grain of %llu bytes", tok[8], tok[6],
+                (unsigned long long)GRAIN[rule->protocol]);
   }
   return 0;
 }
@@ -137,8 +146,9 @@ static int read_lines(reader* rd, FILE* file, lagom_rule_set* set) {
   while (fgets(line, sizeof line, file) != NULL) {
     rd->line++;
     size_t len = strlen(line);
-    if (len == sizeof line - 1 && line[len - 1] != '\n' && !feof(file)) {
-      return fail(rd, "longer than %d characters", MAX_LINE - 2);
+    if (len == sizeof line - 1 && line[len - 1] != '\n') { /* full buffer: the line goes on, or the file ends here */
+      int next = fgetc(file);
+      if (next != EOF) return fail(rd, "longer than %d characters", MAX_LINE - 1);
     }
     char* comment = strchr(line, '#');
     if (comment != NULL) *comment = '\0';
@@ -178,20 +188,41 @@ static int read_lines(reader* rd, FILE* file, lagom_rule_set* set) {
   return 0;
 }
 
-int lagom_rules_read(const char* path, lagom_rule_set* out, char* reason, size_t reason_len) {
-  reader rd = {path, 0, reason, reason_len};
+int lagom_rules_read_file(FILE* file, const char* name, lagom_rule_set* out, char* reason, size_t reason_len) {
+  reader rd = {name, 0, reason, reason_len};
   lagom_rule_set set = {0, NULL, 0};
-  FILE* file = fopen(path, "r");
-  if (file == NULL) {
-    char why[128] = "unknown error";
-    strerror_r(errno, why, sizeof why); /* XSI form: communicators may be created from several threads */
-    return fail(&rd, "cannot open (%s)", why);
-  }
   int status = read_lines(&rd, file, &set);
-  fclose(file);
   if (status != 0) lagom_rules_free(&set);
   *out = set;
   return status;
+}
+
+int lagom_rules_read(const char* path, lagom_rule_set* out, char* reason, size_t reason_len) {
+  FILE* file = fopen(path, "r");
+  if (file == NULL) {
+    reader rd = {path, 0, reason, reason_len};
+    char why[128] = "unknown error";
+    strerror_r(errno, why, sizeof why); /* XSI form: communicators may be created from several threads */
+    out->world = 0;
+    out->rules = NULL;
+    out->count = 0;
+    return fail(&rd, "cannot open (%s)", why);
+  }
+  int status = lagom_rules_read_file(file, path, out, reason, reason_len);
+  fclose(file);
+  return status;
+}
+
+const lagom_rule* lagom_rules_pick(const lagom_rule* rules, size_t count, int collective, uint64_t n_bytes,
+                                   uint64_t n_ranks, uint64_t n_nodes) {
+  for (size_t i = 0; i < count; i++) {
+    const lagom_rule* rule = &rules[i];
+    if (rule->collective == collective && rule->ranks == n_ranks && rule->nodes == n_nodes &&
+        rule->min_bytes <= n_bytes && n_bytes <= rule->max_bytes) {
+      return rule;
+    }
+  }
+  return NULL;
 }
 
 void lagom_rules_free(lagom_rule_set* set) {

@@ -19,8 +19,10 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #define LAGOM_RULES_VERSION 1
+#define LAGOM_MAX_CHANNELS 64 /* NCCL's MAXCHANNELS: no communicator has more, on any algorithm */
 
 typedef struct {
   int collective; /* lagom_nccl_func */
@@ -40,6 +42,14 @@ typedef struct {
 /* Reads a rules file. On success fills *out (free it with lagom_rules_free) and returns 0. On any
  * problem returns -1, leaves *out empty and writes one line saying where and what into reason. */
 int lagom_rules_read(const char* path, lagom_rule_set* out, char* reason, size_t reason_len);
+
+/* The same from a file already open (``name`` is what the reason calls it). */
+int lagom_rules_read_file(FILE* file, const char* name, lagom_rule_set* out, char* reason, size_t reason_len);
+
+/* The rule for a call: the first of ``rules`` for this collective, rank and node count whose sizes cover
+ * n_bytes, or NULL. getCollInfo and lagom_tuner_lookup both pick with it. */
+const lagom_rule* lagom_rules_pick(const lagom_rule* rules, size_t count, int collective, uint64_t n_bytes,
+                                   uint64_t n_ranks, uint64_t n_nodes);
 
 void lagom_rules_free(lagom_rule_set* set);
 

@@ -559,8 +559,18 @@ class TuningSession:
         """Every rank, at the same step: the tuner table and the Flash-Overlap routing for ``configs``."""
         plan = self._with_configs(configs)
         self.router.plan = plan
-        if self.live_table is not None:
-            self.live_table.put(emit.tuner_rules(plan))
+        self._put_table(emit.tuner_rules(plan))
+
+    def _put_table(self, rules: str) -> None:
+        """The live table on this rank; a refusal is this rank's failure, told at the next agreed step."""
+        from lagom.nccl_tuner.live import LiveTableError
+
+        if self.live_table is None:
+            return
+        try:
+            self.live_table.put(rules)
+        except (LiveTableError, OSError) as err:
+            self._failed(err)
 
     def _end_live(self, configs: dict[str, Any]) -> Plan:
         reference = self.live_reference
@@ -603,8 +613,7 @@ class TuningSession:
         self._next_agreement = None
         if agreed:
             self.router.plan = None
-            if self.live_table is not None:
-                self.live_table.put("")  # no rules: NCCL's own choices
+            self._put_table("")  # no rules: NCCL's own choices
         self.control.close()
         self.events.append(f"Lagom switched itself off: {why}")
         log.error("Lagom switched itself off on rank %d: %s. The job runs on with the framework's own settings.",
