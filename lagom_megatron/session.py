@@ -228,7 +228,7 @@ class Session(TuningSession):
         """The plan's communicator settings under every megatron pg_name they apply to."""
         if self.plan is None:
             return {}
-        return {pg: cfg for group, cfg in emit.communicator_configs(self.plan).items()
+        return {pg: cfg for group, cfg in super().communicator_configs().items()
                 for pg in megatron_pg_names(group, self.cp)}
 
     def _install(self) -> None:

@@ -27,22 +27,24 @@ from tests.test_long_lived import EXAMPLES, HW, _model, ds_config
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 pytestmark = pytest.mark.skipif(nccl_tuner.path() is None, reason="needs the tuner plugin built (a C compiler)")
 STEPS = 70
-PLANT_MS = 6.0  # the plant's cost of one collective at the worst channel count
-NOISE_MS = 0.3
+PLANT_MS = 80.0  # the plant's cost of one collective per channel doubling away from its best
+BEST_CHANNELS = 2  # the plant's optimum: the model (planning for an A100 pair) prefers 1 for these all-reduces
+NOISE_MS = 1.0
+
+
+def cost(channels: tuple) -> float:
+    """Channel doublings away from the plant's optimum, over the collectives the table has rules for."""
+    return sum(abs(math.log2(c) - math.log2(BEST_CHANNELS)) for c in channels if c)
 
 
 def plant_seconds(session: Any) -> tuple[float, tuple]:
-    """The plant's delay for the settings in force: per planned collective, PLANT_MS x log2(channels) / 5
-    (so one channel is cheapest, 32 dearest: a compute-bound job); NCCL's own choice (no rule) counts as
-    8 channels. Also what the table said, to compare ranks."""
+    """The plant's delay for the table in force (read through the plugin's own reader), and the channels it
+    gives each planned collective (0: no rule, NCCL decides; such calls cost the plant nothing)."""
     seen = []
-    total = 0.0
     for e in session.live_reference.entries if session.live_reference is not None else session.plan.entries:
         choice = session.live_table.lookup(e.collective, e.bytes, e.group_size, e.group_nodes)
-        channels = choice.channels if choice is not None and choice.channels > 0 else 8
-        seen.append(channels)
-        total += PLANT_MS * math.log2(channels) / 5 / 1e3
-    return total, tuple(seen)
+        seen.append(choice.channels if choice is not None else 0)
+    return PLANT_MS * cost(tuple(seen)) / 1e3, tuple(seen)
 
 
 def live_rank(rank: int, world: int, tmp: str) -> dict[str, Any]:
@@ -72,7 +74,8 @@ def live_rank(rank: int, world: int, tmp: str) -> dict[str, Any]:
     reference, _ = run(plain, STEPS, plant=False)
     plain.destroy()
     section = {"enabled": True, "hardware": f"{tmp}/hw.yaml", "cache_dir": f"{tmp}/cache", "mode": "online",
-               "tune_steps": STEPS - 5, "report": f"{tmp}/report-{rank}", "collective_timeout_s": 60}
+               "tune_steps": STEPS - 5, "report": f"{tmp}/report-{rank}", "collective_timeout_s": 60,
+               "monitor_interval": 1000}  # a CPU step is nothing like the A100 the model plans: no drift checks here
     model = _model()
     engine, *_ = lagom_deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                             config=ds_config(2, False, False, lagom=section))
@@ -93,11 +96,17 @@ def test_live_search_finds_the_plants_optimum_and_every_rank_switches_together(t
         assert out["off"] is None and not out["live_on"], f"rank {rank}: {out['off'] or 'still tuning at the end'}"
         assert out["seen"] == ranks[0]["seen"], f"rank {rank} ran other settings than rank 0 at some step"
     report = json.loads((tmp_path / "report-0.json").read_text())
-    trials = report["trials"]
-    assert trials and report["live"]["steps"] <= STEPS - 5
+    trials, live = report["trials"], report["live"]
+    assert trials and live["steps"] <= STEPS - 5 and live["evaluations"] >= len(trials)
     seen = ranks[0]["seen"]
-    start, end = sum(math.log2(c) for c in seen[0]), sum(math.log2(c) for c in seen[-1])
-    assert end <= start  # never ends slower than the baseline
-    best = min(sum(math.log2(c) for c in s) for s in seen)
-    assert end == best  # the cheapest setting any step ran is where it ends: its gain was beyond the noise
-    assert end < start, "the plant rewards fewer channels; the search found nothing"
+    keys = [e["key"] for e in report["plan"]["entries"]]
+    for t in trials:  # what each trial put in the table is what the plugin's reader gave in its steps
+        step = t["steps"][0]  # session steps count from 0, as the plant's list does
+        for key, config in t["changed"].items():
+            assert seen[step][keys.index(key)] in (config["channels"], 0), (t, seen[step])
+    reference, end = seen[5 + 1], seen[-1]  # in force when live tuning began (after 5 calibration steps), and at the end
+    if end != reference:  # it only moves to a setting measured faster than the reference, twice
+        assert any(t["decision"] == "kept" for t in trials)
+    gain = PLANT_MS / 1e3 / live["reference_step_s"]  # one channel doubling nearer the optimum, relative
+    if live["noise"] * 4 < gain:  # a quiet enough machine: the gain of each good move is clear of the noise
+        assert cost(end) == 0, f"noise {live['noise']:.1%}, one move's gain {gain:.1%}: ended at {end}"

@@ -232,7 +232,7 @@ class Runtime:
     """
 
     def __init__(self, plan: Plan | None, hw: Hardware | None, recorder: Recorder,
-                 capability: Capability | None = None) -> None:
+                 capability: Capability | None = None, explore_channels: int | None = None) -> None:
         self.plan, self.hw, self.recorder = plan, hw, recorder
         self.capability = capability  # what this process can apply (None: not known, no CUDA)
         self.group_options: dict[str, Any] = {}
@@ -241,6 +241,9 @@ class Runtime:
         self.tuner_env_set: dict[str, str] = {}  # NCCL_TUNER_PLUGIN and the plugin's rules file
         self.tuner_rules_file: Path | None = None
         self._comm_cfgs = communicator_configs(plan) if plan is not None else {}
+        if explore_channels is not None:  # online mode: room for every channel count the live search may try
+            for cfg in self._comm_cfgs.values():
+                cfg["max_ctas"] = max(int(cfg["max_ctas"]), explore_channels)
         self.tap: torch_tap.Subscription | None = None  # ``init``'s: the plain torch.distributed entry records through it
         self._closed = False
 
@@ -251,6 +254,10 @@ class Runtime:
             self.env_set[var] = value
             return True
         return False
+
+    def comm_configs(self) -> dict[str, dict[str, Any]]:
+        """Per plan group, the communicator settings this runtime gives it."""
+        return {group: dict(cfg) for group, cfg in self._comm_cfgs.items()}
 
     def options_for(self, group_name: str) -> Any:
         """NCCL options the plan gives a group (by plan name or megatron group_desc), else None."""
@@ -412,9 +419,12 @@ def _hardware_for(plan: Plan, hw: Hardware | str | None) -> Hardware:
 
 
 def open_runtime(plan: Plan | str | Path | None = None, *, strict_env: bool = True,
-                 hw: Hardware | str | None = None, capability: Capability | None = None) -> Runtime:
+                 hw: Hardware | str | None = None, capability: Capability | None = None,
+                 explore_channels: int | None = None) -> Runtime:
     """A runtime with ``plan`` in force (or one that only records, with ``plan=None``), beside any other open
-    one: each tuning session owns its own and closes it with itself. See ``init`` for the arguments."""
+    one: each tuning session owns its own and closes it with itself. See ``init`` for the arguments;
+    ``explore_channels``: communicators are made with at least this many CTAs, so the tuner plugin's live
+    table can give a call up to that many channels (a communicator cannot grow its channels later)."""
     if isinstance(plan, (str, Path)):
         plan = Plan.load(plan)
     hardware = None
@@ -424,7 +434,7 @@ def open_runtime(plan: Plan | str | Path | None = None, *, strict_env: bool = Tr
         plan.check_for(world if world is not None else plan.world_size, hw=hardware)
         capability = capability or runtime_capability(hardware)
         check_capability(plan, capability)
-    runtime = Runtime(plan, hardware, Recorder(), capability)
+    runtime = Runtime(plan, hardware, Recorder(), capability, explore_channels)
     if plan is not None:
         runtime._export_env(strict_env)
         runtime._install()

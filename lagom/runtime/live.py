@@ -336,6 +336,15 @@ class LiveSearch:
         return Decision(configs=dict(configs), done=True)
 
     @property
+    def noise(self) -> float:
+        """Relative standard deviation of one window's mean step, as measured under the reference."""
+        return self._noise
+
+    @property
+    def reference_step_s(self) -> float:
+        return self._ref0
+
+    @property
     def done(self) -> bool:
         return self._state == "done"
 

@@ -266,7 +266,7 @@ class TuningSession:
         start = self.within_capability(self.start_plan())
         self.plan_source = start.source
         self.runtime = open_runtime(start.plan, strict_env=self.options.strict_env, hw=self.hw,
-                                    capability=self.capability)
+                                    capability=self.capability, explore_channels=self._explore_channels())
         if self.options.mode == "online":
             self.live_table = self._open_live_table()
         if start.plan is not None:
@@ -278,6 +278,20 @@ class TuningSession:
             self.apply_at_startup(start.plan)
         self.event(f"{self.options.mode} mode: plan {self.plan_source}" + (
             f" ({start.plan.strategy}, {len(start.plan.entries)} keys)" if start.plan else ""))
+
+    def _explore_channels(self) -> int | None:
+        """Online mode with the tuner plugin: the most channels the live search may give a call (communicators
+        are made with room for it). Without the plugin, channels cannot change live: the plan's range stays."""
+        from lagom import nccl_tuner
+        from lagom.comm_config import channel_choices
+
+        if self.options.mode != "online" or nccl_tuner.path() is None or self.hw is None:
+            return None
+        return max(channel_choices(self.hw))
+
+    def communicator_configs(self) -> dict[str, dict[str, Any]]:
+        """Per plan group, the settings its communicator is made with (online: with room to explore)."""
+        return self.runtime.comm_configs() if self.runtime is not None else {}
 
     def _open_live_table(self) -> Any:
         """The tuner plugin's live table for this session (private to this user), or None where it cannot be had."""
@@ -495,6 +509,7 @@ class TuningSession:
         self.live_keys = sorted(e.key for e in plan.entries)
         self.live_on = True
         self._next_agreement = self.steps_seen + 1
+        self._put_live(plan.configs())  # the reference, on every rank: the noise steps measure what is in force
         budget = self.options.tune_steps - self.calibration_steps
         if rank() == 0 and self.tuner.calibration is not None:
             cal = self.tuner.calibration
@@ -505,12 +520,10 @@ class TuningSession:
                    f"{self.options.tune_seconds:g} s){self._live_reach()}")
 
     def _max_channels(self) -> dict[str, int]:
-        """Per group, the most channels its communicator was made with (NCCL cannot go above it live)."""
-        out = {}
-        for group, cfg in emit.communicator_configs(self.plan).items() if self.plan is not None else []:
-            if "max_ctas" in cfg:
-                out[group] = int(cfg["max_ctas"])
-        return out
+        """Per group whose NCCL communicator got options, the most channels it was made with (NCCL cannot go
+        above it live); groups on other backends have no such limit."""
+        return {group: int(cfg["max_ctas"]) for group, cfg in self.communicator_configs().items()
+                if group in self.runtime.applied_groups and "max_ctas" in cfg}
 
     def _live_reach(self) -> str:
         """What the live settings reach in this process, for the log and the report."""
@@ -579,6 +592,7 @@ class TuningSession:
         summary: dict[str, Any] = {}
         if self.live is not None:
             summary = {"why": getattr(self.live, "why", ""), "evaluations": self.live.evaluations,
+                       "noise": self.live.noise, "reference_step_s": self.live.reference_step_s,
                        "steps": self.live.steps_used, "confidence": self.live.confidence(),
                        "clamped": sorted(self.live.clamped),
                        "trials": [asdict(t) for t in self.live.trials]}
