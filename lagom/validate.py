@@ -481,6 +481,43 @@ def validate(points: list[FidelityPoint], overrides: list[str] | None = None,
     return results
 
 
+def measured_results(path: str | Path) -> list[Result]:
+    """The model against a job's own measurements: every trial of a live-tuning report (``trials`` in the JSON
+    report an online session writes), or of every such report in a folder. Per trial, its step and each
+    collective the trial measured, predicted by the calibrated model the search ranked with."""
+    root = Path(path)
+    files = sorted(root.glob("*.json")) if root.is_dir() else [root]
+    if not files or not all(f.is_file() for f in files):
+        raise ConfigError("--measured", f"{path} is neither a report file nor a folder of them")
+    results = []
+    for file in files:
+        try:
+            data = json.loads(file.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise ConfigError("--measured", f"cannot read {file}: {err}") from None
+        if not isinstance(data, dict) or "trials" not in data:
+            if root.is_dir():
+                continue  # other JSON beside the reports (plans)
+            raise ConfigError("--measured", f"{file} has no 'trials'", "pass the JSON report of an online run "
+                              "(its live tuning writes them)")
+        for t in data["trials"]:
+            where = f"{file.name} {t['id']} (steps {t['steps'][0]}-{t['steps'][-1]}, {t['decision']})"
+            moved = ", ".join(sorted(t["changed"])) or "the reference"
+            results.append(Result(f"{file.stem}:{t['id']}:step", "live-step", "check", t["measured"]["step_s"],
+                                  t["predicted"]["step_s"],
+                                  relative_error(t["measured"]["step_s"], t["predicted"]["step_s"]), "s",
+                                  f"step with {moved}", where))
+            predicted = t["predicted"]["collectives_s"]
+            for key, seconds in sorted(t["measured"]["collectives_s"].items()):
+                if key in predicted and seconds > 0:
+                    results.append(Result(f"{file.stem}:{t['id']}:{key}", "live-collective", "check", seconds,
+                                          predicted[key], relative_error(seconds, predicted[key]), "s",
+                                          f"{key} per call", where))
+    if not results:
+        raise ConfigError("--measured", f"no trials in {path}", "live tuning records them in online mode")
+    return results
+
+
 def report(results: list[Result]) -> dict[str, Any]:
     """The JSON object ``lagom validate --json`` prints."""
     return {"points": [r.row() for r in results], "summary": summarize(results)}
@@ -575,6 +612,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", metavar="DIR", help="write validate.md and validate.png into DIR")
     parser.add_argument("--suite", default=str(FIDELITY_DIR), metavar="DIR",
                         help="folder of fidelity files (default: configs/fidelity)")
+    parser.add_argument("--measured", metavar="PATH",
+                        help="instead of the published suite: a job's own measurements, the JSON report of an online "
+                             "run (its live-tuning trials) or a folder of them")
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -588,7 +628,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     out = output_folder(args.out, "--out") if args.out else None
-    results = validate(load_suite(args.suite), args.hardware)
+    results = measured_results(args.measured) if args.measured else validate(load_suite(args.suite), args.hardware)
     if out is not None:
         out.mkdir(exist_ok=True)
         (out / "validate.md").write_text(markdown(results))

@@ -25,7 +25,7 @@ from tests.distributed import run_ranks
 from tests.test_long_lived import EXAMPLES, HW, _model, ds_config
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-pytestmark = pytest.mark.skipif(nccl_tuner.path() is None, reason="needs the tuner plugin built (a C compiler)")
+needs_plugin = pytest.mark.skipif(nccl_tuner.path() is None, reason="needs the tuner plugin built (a C compiler)")
 STEPS = 70
 PLANT_MS = 80.0  # the plant's cost of one collective per channel doubling away from its best
 BEST_CHANNELS = 2  # the plant's optimum: the model (planning for an A100 pair) prefers 1 for these all-reduces
@@ -87,6 +87,7 @@ def live_rank(rank: int, world: int, tmp: str) -> dict[str, Any]:
     return out
 
 
+@needs_plugin
 @pytest.mark.parametrize("world", [2, 4])
 def test_live_search_finds_the_plants_optimum_and_every_rank_switches_together(tmp_path: Path, world: int) -> None:
     (tmp_path / "hw.yaml").write_text(HW.replace("gpus_per_node: 2", f"gpus_per_node: {world}"))
@@ -110,3 +111,26 @@ def test_live_search_finds_the_plants_optimum_and_every_rank_switches_together(t
     gain = PLANT_MS / 1e3 / live["reference_step_s"]  # one channel doubling nearer the optimum, relative
     if live["noise"] * 4 < gain:  # a quiet enough machine: the gain of each good move is clear of the noise
         assert cost(end) == 0, f"noise {live['noise']:.1%}, one move's gain {gain:.1%}: ended at {end}"
+    # the model against this job's own measurements
+    from lagom.validate import measured_results
+
+    assert len([r for r in measured_results(tmp_path / "report-0.json") if r.group == "live-step"]) == len(trials)
+
+
+def test_validate_measured_reads_a_reports_trials_and_refuses_other_files(tmp_path: Path, capsys) -> None:
+    from lagom.cli import main
+
+    trial = {"id": "t1", "steps": [9, 10], "changed": {"dp/all_reduce/1024": {"channels": 2}},
+             "predicted": {"step_s": 0.5, "collectives_s": {"dp/all_reduce/1024": 0.01}},
+             "measured": {"step_s": 0.4, "collectives_s": {"dp/all_reduce/1024": 0.02}, "reference_step_s": 0.45},
+             "decision": "kept", "confidence": 0.99, "note": ""}
+    (tmp_path / "report.json").write_text(json.dumps({"trials": [trial]}))
+    (tmp_path / "report-plan.json").write_text(json.dumps({"version": 1}))  # beside it in a folder: skipped
+    assert main(["validate", "--measured", str(tmp_path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [(p["group"], p["measured"], p["predicted"]) for p in out["points"]] == [
+        ("live-step", 0.4, 0.5), ("live-collective", 0.02, 0.01)]
+    assert out["summary"]["live-step"]["check"]["max"] == pytest.approx(0.25)
+    assert out["summary"]["live-collective"]["check"]["median"] == pytest.approx(0.5)
+    assert main(["validate", "--measured", str(tmp_path / "report-plan.json")]) == 2
+    assert "--measured: " in capsys.readouterr().err
