@@ -134,3 +134,68 @@ def test_validate_measured_reads_a_reports_trials_and_refuses_other_files(tmp_pa
     assert out["summary"]["live-collective"]["check"]["median"] == pytest.approx(0.5)
     assert main(["validate", "--measured", str(tmp_path / "report-plan.json")]) == 2
     assert "--measured: " in capsys.readouterr().err
+
+
+MEGATRON_STEPS = 40
+
+
+def megatron_live_rank(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """megatron-core GPTModel under its DDP, SGD by hand as in tests/test_megatron_ddp.py, with the plant."""
+    import argparse
+
+    import torch
+    from megatron.core import parallel_state
+
+    from lagom_megatron.arguments import options_from_args
+    from lagom_megatron.session import Session
+    from tests.test_megatron_ddp import LR, SEQ, VOCAB, build, cpu_attention, cpu_megatron, job_args
+
+    cpu_megatron()
+    cpu_attention()
+
+    def run(session: Any) -> tuple[list[torch.Tensor], list[tuple]]:
+        model, ddp = build(False)
+        data = torch.Generator().manual_seed(100 + rank)
+        positions = torch.arange(SEQ).expand(2, SEQ)
+        causal = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)
+        seen = []
+        for step in range(MEGATRON_STEPS):
+            if session is not None:
+                session.step_begin(step)
+            ddp.zero_grad_buffer()
+            ddp(torch.randint(0, VOCAB, (2, SEQ), generator=data), positions, causal).pow(2).mean().backward()
+            ddp.finish_grad_sync()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= LR * p.main_grad
+            if session is not None:
+                delay, table = plant_seconds(session)
+                seen.append(table)
+                time.sleep(delay)
+                session.step_end()
+        return [p.detach().clone() for p in model.parameters()], seen
+
+    parallel_state.initialize_model_parallel(1, 1)
+    reference, _ = run(None)
+    parallel_state.destroy_model_parallel()
+    args = argparse.Namespace(**{**vars(job_args(world, Path(tmp) / f"report-{rank}")), "use_distributed_optimizer": False,
+                                 "lagom_mode": "online", "lagom_tune_iters": MEGATRON_STEPS - 15,
+                                 "lagom_cache_dir": f"{tmp}/cache"})
+    session = Session.start_for(args, options_from_args(args))
+    parallel_state.initialize_model_parallel(1, 1)
+    params, seen = run(session)
+    out = {"equal": all(torch.equal(a, b) for a, b in zip(params, reference)), "seen": seen,
+           "trials": len(session.trials), "off": session.off, "live_on": session.live_on}
+    session.close()
+    parallel_state.destroy_model_parallel()
+    return out
+
+
+@needs_plugin
+def test_megatron_core_model_tunes_live_with_every_rank_in_step(tmp_path: Path) -> None:
+    ranks = run_ranks(megatron_live_rank, 2, str(tmp_path))
+    for rank, out in enumerate(ranks):
+        assert out["equal"], f"rank {rank}: parameters differ from the run without Lagom"
+        assert out["off"] is None and not out["live_on"] and out["trials"] > 0, out
+        assert out["seen"] == ranks[0]["seen"], f"rank {rank} ran other settings than rank 0 at some step"
+    assert len(set(ranks[0]["seen"])) > 1  # the table changed while the job ran
