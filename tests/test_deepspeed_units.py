@@ -48,7 +48,7 @@ def test_section_defaults_and_auto() -> None:
     assert parse_section({"train_batch_size": 8}) is None
     s = parse_section({"lagom": {"enabled": True, "hardware": "a100-8x-100g",
                                  "buckets": {"reduce_bucket_size": "auto", "allgather_bucket_size": 1000}}})
-    assert s is not None and s.mode == "offline" and s.tune_steps == 5 and s.flash_overlap.enabled
+    assert s is not None and s.mode == "offline" and s.tune_steps == 60 and s.tune_seconds == 300 and s.flash_overlap.enabled
     assert s.buckets == BucketPins(allgather_bucket_size=1000)  # "auto": DeepSpeed's convention for "decide for me"
 
 

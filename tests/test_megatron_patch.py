@@ -148,7 +148,7 @@ def test_patched_megatron_parses_the_flags_and_starts_lagom(copy: Path) -> None:
                             "lagom_strategy": "lagom", "my_flag": 7}
     (code1, msg1), (code2, msg2) = data["errors"]
     assert code1 == 2 and "argument --lagom-mode: invalid choice: 'fast'" in msg1
-    assert code2 == 2 and "argument --lagom-tune-iters: must be at least 1, got 0" in msg2
+    assert code2 == 2 and "argument --lagom-tune-steps/--lagom-tune-iters: must be at least 1, got 0" in msg2
     assert data["started"]["session"] and data["started"]["plan_keys"] > 0 and data["started"]["bucket"]
 
 

@@ -322,13 +322,18 @@ def test_init_again_closes_the_previous_runtime():
 def test_runtimes_open_side_by_side_share_the_environment_until_the_last_closes():
     """Two sessions (engines) alive at once: closing one leaves the other's NCCL variables and group hook."""
     first = runtime.apply.open_runtime(make_plan())
-    exported = dict(first.env_set)
-    assert exported and all(os.environ[k] == v for k, v in exported.items())
-    second = runtime.apply.open_runtime(make_plan())
-    assert second.env_set == exported and runtime.apply.open_runtimes() == [first, second]
-    first.close()
-    assert all(os.environ[k] == v for k, v in exported.items()) and dist.new_group.__wrapped__ is REAL_NEW_GROUP
-    second.close()
+    second = None
+    try:
+        exported = dict(first.env_set)
+        assert exported and all(os.environ[k] == v for k, v in exported.items())
+        second = runtime.apply.open_runtime(make_plan())
+        assert second.env_set == exported and runtime.apply.open_runtimes() == [first, second]
+        first.close()
+        assert all(os.environ[k] == v for k, v in exported.items()) and dist.new_group.__wrapped__ is REAL_NEW_GROUP
+    finally:
+        first.close()
+        if second is not None:
+            second.close()
     assert not any(k in os.environ for k in exported) and dist.new_group is REAL_NEW_GROUP
     assert runtime.apply.exported() == {} and runtime.apply.open_runtimes() == []
 

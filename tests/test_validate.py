@@ -161,7 +161,7 @@ def test_tiny_suite_predictions_errors_and_summary_by_hand(tiny):
 
 def test_json_shape_and_written_report(tiny, tmp_path, capsys):
     out = tmp_path / "out"
-    run(argparse.Namespace(hardware=[], json=True, out=str(out), suite=str(tiny)))
+    run(argparse.Namespace(hardware=[], json=True, out=str(out), suite=str(tiny), measured=None))
     data = json.loads(capsys.readouterr().out)
     assert set(data) == {"points", "summary"}
     assert [p["id"] for p in data["points"]] == ["lat-a", "lat-b", "bw-a", "bw-fit"]

@@ -286,9 +286,11 @@ class Runtime:
     def _export_env(self, strict: bool) -> None:
         if self.plan is None or self.hw is None:
             raise ValueError("Runtime._export_env needs a plan and its hardware")
+        # what another open runtime exported is Lagom's own, not a user's setting that contradicts the plan
+        environ = {k: v for k, v in os.environ.items() if k not in _exports or _exports[k].value != v}
         if strict:
-            check_env(self.plan, self.hw, os.environ)
-        for conflict in env_conflicts(self.plan, self.hw, os.environ):
+            check_env(self.plan, self.hw, environ)
+        for conflict in env_conflicts(self.plan, self.hw, environ):
             log.warning("%s; the environment wins (strict_env=False)", conflict)
         for var, value in nccl_env(self.plan, self.hw).items():
             if _export(self, var, value):
