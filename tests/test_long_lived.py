@@ -253,3 +253,81 @@ def test_one_rank_failing_inside_lagom_never_hangs_the_job(tmp_path: Path, case:
         assert [out["session"] for out in ranks] == [False, False]
     else:  # both switched off at the agreed step (2: the end of the 2 tuning steps)
         assert [out["off_at"] for out in ranks] == [2, 2]
+
+
+# -- two engines alive at once ---------------------------------------------------------------------
+def two_engines_at_once(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """Engines A and B alive together, each with its own section, trained in turn; then each destroyed."""
+    import deepspeed
+
+    import lagom_deepspeed
+
+    sys.path.insert(0, str(EXAMPLES))
+    from tiny_gpt import batch
+
+    def steps(engine: Any, first: int, count: int) -> list[float]:
+        out = []
+        for step in range(first, first + count):
+            loss = engine(*batch(step, rank, 2))
+            engine.backward(loss)
+            engine.step()
+            out.append(loss.item())
+        return out
+
+    configs = {"a": ds_config(1, False, False), "b": ds_config(2, True, False)}
+    plain = {}
+    for name, config in configs.items():
+        model = _model()
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        plain[name] = steps(engine, 0, 4)
+        engine.destroy()
+    gc.collect()
+    before = lagom_state()
+    sections = {"a": {"enabled": True, "hardware": f"{tmp}/hw.yaml", "cache_dir": f"{tmp}/cache-a"},
+                "b": {"enabled": True, "hardware": f"{tmp}/hw.yaml", "cache_dir": f"{tmp}/cache-b",
+                      "mode": "online", "tune_steps": 2}}
+    engines = {}
+    for name, config in configs.items():
+        model = _model()
+        engines[name], *_ = lagom_deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                       config={**config, "lagom": sections[name]})
+    losses: dict[str, list[float]] = {"a": [], "b": []}
+    for first in (0, 2):  # interleaved: each engine's calls go to its own session
+        for name, engine in engines.items():
+            losses[name] += steps(engine, first, 2)
+    out = {"same": {name: losses[name] == plain[name] for name in engines},
+           "steps": {name: len(engine.lagom.steps) for name, engine in engines.items()},
+           "modes": {name: engine.lagom.options.mode for name, engine in engines.items()}}
+    engines.pop("a").destroy()  # B goes on alone after A is gone
+    out["b_after_a"] = steps(engines["b"], 4, 1)[0] == steps_plain_b5(configs["b"], rank)
+    engines.pop("b").destroy()
+    gc.collect()
+    out["left"] = {k: v for k, v in lagom_state().items() if v != before[k]}
+    return out
+
+
+def steps_plain_b5(config: dict[str, Any], rank: int) -> float:
+    """Plain DeepSpeed's loss at step 4 for configuration b, five steps in."""
+    import deepspeed
+
+    sys.path.insert(0, str(EXAMPLES))
+    from tiny_gpt import batch
+
+    model = _model()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    loss = 0.0
+    for step in range(5):
+        out = engine(*batch(step, rank, 2))
+        engine.backward(out)
+        engine.step()
+        loss = out.item()
+    engine.destroy()
+    return loss
+
+
+def test_two_engines_alive_at_once_each_with_its_own_section(tmp_path: Path) -> None:
+    (tmp_path / "hw.yaml").write_text(HW)
+    for out in run_ranks(two_engines_at_once, 2, str(tmp_path)):
+        assert out["same"] == {"a": True, "b": True}, out
+        assert out["steps"] == {"a": 4, "b": 4} and out["modes"] == {"a": "offline", "b": "online"}
+        assert out["b_after_a"] and out["left"] == {}, out
