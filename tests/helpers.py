@@ -63,3 +63,16 @@ THREE_CHANNELS = SearchSpace(channels=(2, 8, 32), threads=(512,), chunks=(2 * 10
 
 def with_space(problem: Problem, space: SearchSpace) -> Problem:
     return replace(problem, space=space)
+
+
+def two_all_reduces_one_gemm() -> Problem:
+    """Seed 1173 of the 3-key loop (three random collectives on three communicators, channels 2/8/32): two
+    all-reduces on two communicators both hold up the last GEMM; NCCL's channels leave the step 4% off
+    exhaustive's optimum, which needs both to give SMs back together."""
+    segments = [(0.8637563278269482, 144.7763315152631, 300), (0.3782691776934125, 1.316564875405267, 840),
+                (0.17992317110980455, 60.71976640134377, 300)]
+    points = [{"collective": "all_reduce", "mb": 197.2823314275096, "after": None, "before": 2, "group": "g0"},
+              {"collective": "all_reduce", "mb": 257.3947151738264, "after": None, "before": 2, "group": "g1"},
+              {"collective": "all_gather", "mb": 236.3976682609433, "after": 0, "before": 2, "nodes": 2, "size": 16,
+               "group": "g2"}]
+    return synthetic_problem(segments, points, space=THREE_CHANNELS)

@@ -17,21 +17,9 @@ from lagom.search import run_strategy
 from lagom.search.base import Problem, nccl_configs
 from lagom.search.priority import max_checks_per_key
 from lagom.simulator import Configs, Simulator
-from tests.helpers import THREE_CHANNELS, synthetic_problem
+from tests.helpers import two_all_reduces_one_gemm
 
 NOISE = 0.01  # relative standard deviation of one step
-
-
-def two_reduces_one_gemm() -> Problem:
-    """Seed 1173 of the 3-key loop (tests/test_search_priority.py): NCCL's channels are 4% off the optimum,
-    which needs two all-reduces to give SMs back together."""
-    segments = [(0.8637563278269482, 144.7763315152631, 300), (0.3782691776934125, 1.316564875405267, 840),
-                (0.17992317110980455, 60.71976640134377, 300)]
-    points = [{"collective": "all_reduce", "mb": 197.2823314275096, "after": None, "before": 2, "group": "g0"},
-              {"collective": "all_reduce", "mb": 257.3947151738264, "after": None, "before": 2, "group": "g1"},
-              {"collective": "all_gather", "mb": 236.3976682609433, "after": 0, "before": 2, "nodes": 2, "size": 16,
-               "group": "g2"}]
-    return synthetic_problem(segments, points, space=THREE_CHANNELS)
 
 
 def drive(live: LiveSearch, truth: Callable[[Configs], float], seed: int, drift: float = 0.0) -> list[Configs]:
@@ -58,7 +46,7 @@ def simulated(problem: Problem) -> Callable[[Configs], float]:
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_finds_the_plants_optimum_within_the_noise_in_linear_steps(seed: int) -> None:
-    problem = two_reduces_one_gemm()
+    problem = two_all_reduces_one_gemm()
     truth = simulated(problem)
     reference = nccl_configs(problem)
     live = LiveSearch(problem, Simulator(problem.graph), reference, budget_steps=10_000, budget_s=1e9)
@@ -75,7 +63,7 @@ def test_finds_the_plants_optimum_within_the_noise_in_linear_steps(seed: int) ->
 
 def test_never_ends_slower_than_the_measured_baseline() -> None:
     """A plant on which every setting but the one in force is 5% slower, whatever the model predicts."""
-    problem = two_reduces_one_gemm()
+    problem = two_all_reduces_one_gemm()
     reference = nccl_configs(problem)
     base = simulated(problem)(reference)
     live = LiveSearch(problem, Simulator(problem.graph), reference, budget_steps=10_000, budget_s=1e9)
@@ -85,7 +73,7 @@ def test_never_ends_slower_than_the_measured_baseline() -> None:
 
 
 def test_a_step_over_twice_the_reference_is_switched_back_at_once() -> None:
-    problem = two_reduces_one_gemm()
+    problem = two_all_reduces_one_gemm()
     reference = nccl_configs(problem)
     base = simulated(problem)(reference)
     live = LiveSearch(problem, Simulator(problem.graph), reference, budget_steps=10_000, budget_s=1e9)
@@ -97,7 +85,7 @@ def test_a_step_over_twice_the_reference_is_switched_back_at_once() -> None:
 
 
 def test_the_step_budget_ends_the_search_with_what_it_measured() -> None:
-    problem = two_reduces_one_gemm()
+    problem = two_all_reduces_one_gemm()
     reference = nccl_configs(problem)
     live = LiveSearch(problem, Simulator(problem.graph), reference, budget_steps=12, budget_s=1e9)
     history = drive(live, simulated(problem), seed=5)

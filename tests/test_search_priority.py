@@ -19,7 +19,7 @@ from lagom.search.priority import (
     sharing_compute,
     windows,
 )
-from tests.helpers import SMALL_SPACE, THREE_CHANNELS, synthetic_problem
+from tests.helpers import SMALL_SPACE, THREE_CHANNELS, synthetic_problem, two_all_reduces_one_gemm
 
 US = 1e-6
 
@@ -78,13 +78,7 @@ def test_two_all_reduces_that_hold_up_the_same_compute_give_their_sms_back_toget
     two communicators both hold up the last GEMM. Each one alone giving channels back changes nothing
     while the other still takes its SMs, so the pass keeps NCCL's 8 for both; moved together, both go
     to 2 channels, exhaustive's optimum."""
-    segments = [(0.8637563278269482, 144.7763315152631, 300), (0.3782691776934125, 1.316564875405267, 840),
-                (0.17992317110980455, 60.71976640134377, 300)]
-    points = [{"collective": "all_reduce", "mb": 197.2823314275096, "after": None, "before": 2, "group": "g0"},
-              {"collective": "all_reduce", "mb": 257.3947151738264, "after": None, "before": 2, "group": "g1"},
-              {"collective": "all_gather", "mb": 236.3976682609433, "after": 0, "before": 2, "nodes": 2, "size": 16,
-               "group": "g2"}]
-    problem = synthetic_problem(segments, points, space=THREE_CHANNELS)
+    problem = two_all_reduces_one_gemm()
     lagom, best = run_strategy("lagom", problem), run_strategy("exhaustive", problem)
     assert lagom.result.step_s == pytest.approx(best.result.step_s, rel=1e-9)
     assert best.result.step_s < run_strategy("nccl", problem).result.step_s / 1.04
