@@ -100,3 +100,20 @@ def max_run(flags: list[bool]) -> int:
         run = run + 1 if flag else 0
         best = max(best, run)
     return best
+
+
+def test_stopping_ends_the_search_thread_mid_search() -> None:
+    """A session closed while it tunes live must not leave the search thread waiting for an answer."""
+    import threading
+
+    problem = two_all_reduces_one_gemm()
+    reference = nccl_configs(problem)
+    live = LiveSearch(problem, Simulator(problem.graph), reference, budget_steps=10_000, budget_s=1e9)
+    before = threading.active_count()
+    step = 0
+    while live._thread is None:  # noqa: SLF001 - through the noise steps to the first candidate
+        step += 1
+        live.after_step(step, 1.0, {})
+    assert threading.active_count() == before + 1
+    live.stop()
+    assert threading.active_count() == before and not live.done

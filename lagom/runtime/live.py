@@ -138,6 +138,10 @@ def measured_step(predicted: StepResult, step_s: float, keys: dict[str, float]) 
     return out
 
 
+class _Stopped(Exception):
+    """The search thread is told to end."""
+
+
 @dataclass
 class Decision:
     """What rank 0 tells every rank after a step: the settings for the next step (None: unchanged), and
@@ -169,7 +173,7 @@ class LiveSearch:
         self.steps_used = 0
         self._started = time.perf_counter()
         self._requests: queue.Queue[Configs | None] = queue.Queue(maxsize=1)
-        self._answers: queue.Queue[tuple[float, dict[str, float]]] = queue.Queue(maxsize=1)
+        self._answers: queue.Queue[tuple[float, dict[str, float]] | None] = queue.Queue(maxsize=1)  # None: stop
         self._cache: dict[tuple, tuple[float, dict[str, float]]] = {}
         self._floor = math.inf  # the smallest step reported to the search so far (its best)
         self._ref0 = 0.0  # the reference's mean over the noise steps: the scale every report is on
@@ -203,8 +207,10 @@ class LiveSearch:
                 answer = (self._floor, {})  # the budget is spent: no gain, nothing run
             else:
                 self._requests.put(live)
-                answer = self._answers.get()
-                self._cache[frozen] = answer
+                got = self._answers.get()
+                if got is None:
+                    raise _Stopped("the session ended while the live search ran")
+                answer = self._cache[frozen] = got
         return measured_step(predicted, *answer)
 
     def _search(self) -> None:
@@ -214,7 +220,10 @@ class LiveSearch:
         except BaseException as err:  # noqa: BLE001 - told to the step loop, which ends tuning on the reference
             self.error = err
         finally:
-            self._requests.put(None)
+            try:
+                self._requests.put_nowait(None)
+            except queue.Full:  # stopped with a request unread: the step loop is gone, nobody reads it
+                pass
 
     # -- the step loop's side ------------------------------------------------------------------------------
     def after_step(self, step: int, step_s: float, keys: dict[str, float]) -> Decision:
@@ -334,6 +343,16 @@ class LiveSearch:
             why += f" (the search stopped early: {type(self.error).__name__}: {self.error})"
         self.why = why
         return Decision(configs=dict(configs), done=True)
+
+    def stop(self) -> None:
+        """End the search thread (the session is closing or Lagom switched off); idempotent."""
+        if self._thread is None or not self._thread.is_alive():
+            return
+        try:
+            self._answers.put_nowait(None)
+        except queue.Full:
+            pass
+        self._thread.join(timeout=5)
 
     @property
     def noise(self) -> float:

@@ -621,6 +621,8 @@ class TuningSession:
         if self.off is not None:
             return
         self.off, self.off_at = why, self.steps_seen
+        if self.live is not None:
+            self.live.stop()
         self.tuning = self.live_on = False
         self.tuner = self.live = None
         self.monitor = None
@@ -696,6 +698,9 @@ class TuningSession:
     def close(self) -> None:
         """Remove what this session added to the process (idempotent); adapters extend it with their own."""
         _open_sessions.discard(self)
+        if self.live is not None:
+            self.live.stop()
+            self.live = None
         self.control.close()
         if self.live_table is not None:
             self.live_table.close()
