@@ -269,6 +269,7 @@ class OnlineTuner:
         self.next_start: list[str] = []
         self._steps: list[float] = []
         self._records: list[CallRecord] = []
+        self._built: tuple[str, Problem, Simulator] | None = None  # see _problem
 
     # -- cache
     def cached_plan(self) -> Plan | None:
@@ -371,12 +372,21 @@ class OnlineTuner:
         self._save(plan)
         return plan
 
+    def _problem(self) -> tuple[Problem, Simulator]:
+        """The planning problem of the job as it runs, and one Simulator of its graph for every calibration and
+        search of this tuner (re-tunes after drift reuse both while the modelled workload is the same)."""
+        fingerprint = self.model_workload.fingerprint()
+        if self._built is None or self._built[0] != fingerprint:
+            problem = problem_for(self.model_workload, self.hw, self.capability)
+            self._built = (fingerprint, problem, Simulator(problem.graph))
+        return self._built[1], self._built[2]
+
     def _search(self) -> dict[str, Any]:
         started = time.perf_counter()
-        problem = problem_for(self.model_workload, self.hw, self.capability)
+        problem, simulator = self._problem()
         in_force, running = self._running_configs(problem)
         step_s = sum(self._steps) / len(self._steps)
-        cal = calibrate(in_force, running, self._records, step_s, self.size_tolerance)
+        cal = calibrate(in_force, running, self._records, step_s, self.size_tolerance, simulator)
         self.calibration = cal
         self._log_calibration(cal)
         result = run_strategy(self.strategy, cal.problem, SimulatedEvaluator(cal.problem, cal.simulator))
