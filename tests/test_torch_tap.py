@@ -238,6 +238,13 @@ def test_megatron_mappings_once_and_transformer_engine_style_calls_by_the_tap(ra
     ("BROADCAST", [], [4], [16]),  # the buffer, on whichever side it comes
     ("SEND", [4], [], [16]),
     ("RECV", [], [4], [16]),
+    # torch 2.15's own names for the tensor and coalesced forms
+    ("ALLGATHER_BASE", [4], [8], [32]),
+    ("ALLGATHER_INTO_TENSOR_COALESCED", [2, 3], [4, 6], [16, 24]),
+    ("REDUCE_SCATTER_BASE", [4], [2], [16]),
+    ("REDUCE_SCATTER_TENSOR_COALESCED", [8, 4], [4, 2], [32, 16]),
+    ("ALLREDUCE_COALESCED", [3, 5], [], [12, 20]),
+    ("ALLTOALL_BASE", [4], [4], [16]),
 ])
 def test_call_sizes(kind: str, inputs: list[int], outputs: list[int], sizes: list[int]) -> None:
     as_tensors = [torch.zeros(n) for n in inputs], [torch.zeros(n) for n in outputs]

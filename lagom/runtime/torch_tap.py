@@ -3,7 +3,7 @@
 Transformer Engine's layers, parts of Megatron (embedding and layer-norm gradient all-reduces, the
 non-sequence-parallel backward all-reduce, MoE all-to-all) and user code call ``torch.distributed``
 directly, past the framework layers the adapters wrap. This tap sees them where every
-``torch.distributed`` function ends up: the ``ProcessGroup`` it runs on. torch (2.14) calls a
+``torch.distributed`` function ends up: the ``ProcessGroup`` it runs on. torch (2.14, 2.15) calls a
 group's pre-hook with the tensors of each operation before issuing it and its post-hook with the
 work handle right after, on the calling thread. So all_reduce, all_gather_into_tensor /
 _all_gather_base / all_gather_single, all_gather, reduce_scatter_tensor / _reduce_scatter_base /
@@ -90,11 +90,21 @@ class Kind:
     per_tensor: bool = False  # a coalesced operation: one record per counted tensor (when they pair up)
 
 
+# Keyed by torch's ``HookOpName`` names. torch 2.15 names the single-tensor and coalesced forms apart
+# (``_allgather_base``, ``allreduce_coalesced``...) where 2.14 reported them as the plain operation;
+# names this torch lacks are skipped when the tap is built.
 KINDS: dict[str, Kind] = {
     "ALLREDUCE": Kind("all_reduce", "input_tensors", per_tensor=True),
+    "ALLREDUCE_COALESCED": Kind("all_reduce", "input_tensors", per_tensor=True),
     "ALLGATHER": Kind("all_gather", "output_tensors", per_tensor=True),
+    "ALLGATHER_BASE": Kind("all_gather", "output_tensors"),
+    "ALLGATHER_COALESCED": Kind("all_gather", "output_tensors", per_tensor=True),
+    "ALLGATHER_INTO_TENSOR_COALESCED": Kind("all_gather", "output_tensors", per_tensor=True),
     "REDUCE_SCATTER": Kind("reduce_scatter", "input_tensors", per_tensor=True),
+    "REDUCE_SCATTER_BASE": Kind("reduce_scatter", "input_tensors"),
+    "REDUCE_SCATTER_TENSOR_COALESCED": Kind("reduce_scatter", "input_tensors", per_tensor=True),
     "ALLTOALL": Kind("all_to_all", "input_tensors"),
+    "ALLTOALL_BASE": Kind("all_to_all", "input_tensors"),
     "BROADCAST": Kind("broadcast", "input_tensors"),
     "REDUCE": Kind("reduce", "input_tensors"),
     "SEND": Kind("send_recv", "input_tensors"),
@@ -181,7 +191,7 @@ class TorchTap:
     def __init__(self) -> None:
         from torch._C._distributed_c10d import HookOpName
 
-        self._kinds = {getattr(HookOpName, op): kind for op, kind in KINDS.items()}  # keyed by torch's enum
+        self._kinds = {getattr(HookOpName, op): kind for op, kind in KINDS.items() if hasattr(HookOpName, op)}
         self.subscriptions: list[Subscription] = []
         self.active: list[Subscription] = []  # innermost last
         # id -> group carrying this tap's hooks; weak: a destroyed group goes, and its hooks with it
