@@ -16,6 +16,11 @@ from lagom.tune import Progress
 SHOW_AFTER_S = 1.0
 
 
+def describe(what: str, progress: Progress) -> str:
+    """The line: what is being planned, steps simulated so far, the best step of the strategy searching."""
+    return f"{what}: {progress.evaluations} steps simulated, {progress.strategy} best {progress.best_step_s * 1e3:.2f} ms"
+
+
 class PlanningProgress:
     """Pass as ``progress=`` to make_plan / compare_strategies inside ``with``."""
 
@@ -43,8 +48,7 @@ class PlanningProgress:
         bar.update(task, description=self.describe(progress))
 
     def describe(self, progress: Progress) -> str:
-        return (f"{self.what}: {progress.evaluations} steps simulated, {progress.strategy} best "
-                f"{progress.best_step_s * 1e3:.2f} ms")
+        return describe(self.what, progress)
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None) -> None:
         if self.shown is not None:

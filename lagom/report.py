@@ -64,5 +64,15 @@ def plan_markdown(plan: Plan) -> str:
     return "\n".join(lines) + "\n"
 
 
-def print_table(table: Table) -> None:
-    Console().print(table)
+NATURAL_MAX = 1000  # the widest a table grows to fit its cells on one line when not on a terminal
+
+
+def print_table(table: Table, console: Console | None = None) -> None:
+    """On a terminal, as wide as the terminal; elsewhere (a pipe, ``| tee log``, a CI log, where rich would
+    assume 80 columns and wrap a long "why" one word per line) at the table's natural width, so every
+    cell reads on one line."""
+    console = console or Console()
+    if not console.is_terminal:
+        natural = console.measure(table, options=console.options.update_width(NATURAL_MAX)).maximum
+        console = Console(file=console.file, width=max(console.width, natural), color_system=None)
+    console.print(table)

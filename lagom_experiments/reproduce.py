@@ -37,6 +37,8 @@ from lagom.hardware import load_hardware  # noqa: E402
 from lagom.outputs import output_folder  # noqa: E402
 from lagom.plot import timeline  # noqa: E402
 from lagom.points import Collective, ComputeSegment, Group, OverlapPoint, Phase, StepGraph  # noqa: E402
+from lagom.progress import describe  # noqa: E402
+from lagom.report import print_table  # noqa: E402
 from lagom.resources import PUBLISHED_FILE  # noqa: E402
 from lagom.search import (  # noqa: E402
     Problem,
@@ -45,7 +47,8 @@ from lagom.search import (  # noqa: E402
 )
 from lagom.search.exhaustive import MAX_EVALUATIONS  # noqa: E402
 from lagom.simulator import simulate  # noqa: E402
-from lagom.tune import Tuned, compare_strategies, problem_for  # noqa: E402
+from lagom.tune import Progress as PlanningStatus  # noqa: E402
+from lagom.tune import ProgressCallback, Tuned, compare_strategies, problem_for  # noqa: E402
 from lagom.workload import Workload, load_workload  # noqa: E402
 
 COMPARED = ("autoccl", "lagom")  # the strategies with published speedups
@@ -161,7 +164,7 @@ class Outcome:
         return self.step_s["nccl"] / step if step else None
 
 
-def simulate_run(run: Run, exhaustive_limit: int) -> Outcome:
+def simulate_run(run: Run, exhaustive_limit: int, progress: ProgressCallback | None = None) -> Outcome:
     """nccl, autoccl and lagom on one run; exhaustive too when it needs at most ``exhaustive_limit`` steps.
 
     The limit keeps `--quick` short: a joint brute force of a few hundred settings already takes minutes
@@ -169,7 +172,7 @@ def simulate_run(run: Run, exhaustive_limit: int) -> Outcome:
     """
     start = time.perf_counter()
     wl, hw = load_workload(run.workload), load_hardware(run.hardware)
-    found = {name: t for name, t in compare_strategies(wl, hw, exhaustive_limit).items() if t is not None}
+    found = {name: t for name, t in compare_strategies(wl, hw, exhaustive_limit, progress).items() if t is not None}
     step = {name: t.result.result.step_s for name, t in found.items()}
     evals = {name: t.result.evaluations for name, t in found.items()}
     configs = {name: {k: t.result.configs[k] for k in t.problem.keys} for name, t in found.items()}  # step order
@@ -202,7 +205,11 @@ def simulate_all(runs: list[Run], exhaustive_limit: int, jobs: int, console: Con
         if jobs <= 1:
             for r in runs:
                 progress.update(task, description=f"{r.workload} on {r.hardware}")
-                done[r] = simulate_run(r, exhaustive_limit)
+
+                def line(p: PlanningStatus, r: Run = r) -> None:  # the planning progress line, as tune's
+                    progress.update(task, description=describe(f"{r.workload} on {r.hardware}", p))
+
+                done[r] = simulate_run(r, exhaustive_limit, line)
                 progress.advance(task)
                 progress.console.print(f"  {r.workload} on {r.hardware}: {done[r].wall_s:.0f} s")
         else:
@@ -595,7 +602,7 @@ def run(args: argparse.Namespace) -> int:
     limit = 0 if args.quick else args.exhaustive_limit
     outcomes = simulate_all(runs, limit, args.jobs, console)
     rows = table_rows(outcomes, published)
-    console.print(rich_table(rows))
+    print_table(rich_table(rows), console)
     for r in rows:
         if r.why:
             console.print(f"[yellow]{r.workload} on {r.hardware}[/]: {r.why}")

@@ -48,7 +48,15 @@ def test_tune_writes_a_plan_and_the_framework_files(wl, tmp_path, capsys):
     assert json.loads((tmp_path / "plan.json").read_text())["strategy"] == "lagom"
     assert {p.name for p in out.iterdir()} == {"nccl_comm_cfgs.yaml", "nccl_tuner.csv", "nccl_tuner.lagom", "nccl.env",
                                                 "buckets.json", "te_ub_cfgs.yaml", "plan.md"}
-    assert "plan: tiny-gpt on a100-8x-100g" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "plan: tiny-gpt on a100-8x-100g" in printed
+    # stdout is not a terminal here (as under `| tee log`): the table prints at its natural width, so each
+    # "why" reads whole on its row rather than wrapped one word per line into 80 columns
+    notes = [e["note"] for e in json.loads((tmp_path / "plan.json").read_text())["entries"]]
+    rows = [line for line in printed.splitlines() if line.startswith("│")]
+    assert len(rows) == len(notes) and max(map(len, rows)) > 80  # 80 columns would have wrapped it
+    for note, line in zip(notes, rows):
+        assert line.rstrip(" │").endswith(note)
 
 
 def test_simulate_plots_a_timeline(wl, tmp_path):

@@ -133,6 +133,7 @@ def test_quick_reproduction_of_one_workload_writes_report_and_plots(tmp_path, ca
         assert f"({name}.png)" in report
     out = capsys.readouterr().out
     assert "olmoe-1b-7b-ep8" in out and "Lagom pub." in out
+    assert "olmoe-1b-7b-ep8 on a40-2x8-pcie: " in out and " steps simulated, " in out  # the planning progress line
 
 
 def test_only_rejects_a_workload_outside_the_run(tmp_path):
