@@ -314,8 +314,14 @@ class CostModel:
         g = self.hw.gpu
         return self._resident(g.sm_registers, g.sm_smem_kb, g.sm_threads)
 
-    def _slots_lost(self, threads: int) -> int:
-        """GEMM CTAs an SM can no longer hold once one comm CTA of ``threads`` threads sits on it."""
+    def _slots_lost(self, threads: int) -> float:
+        """GEMM CTAs an SM can no longer hold once one comm CTA of ``threads`` threads sits on it: the
+        measured figure where the profile has one (``lagom calibrate --contention``), else the footprints'."""
+        measured = self.hw.contention.gemm_slots_per_comm_cta
+        return self.footprint_slots_lost(threads) if measured is None else measured
+
+    def footprint_slots_lost(self, threads: int) -> int:
+        """GEMM CTAs one comm CTA leaves no room for, from both kernels' registers, shared memory and threads."""
         g, nccl = self.hw.gpu, self.hw.nccl
         beside = self._resident(g.sm_registers - threads * nccl.cta_registers, g.sm_smem_kb - nccl.cta_smem_kb,
                                 g.sm_threads - threads)

@@ -155,7 +155,9 @@ class Contention:
     l2_interference: float = 0.0  # extra memory-time slowdown when comm staging fills L2
     comm_slowdown_per_hbm_util: float = 0.0  # comm slows by 1 + this x compute HBM utilisation
     cta_wait_us: float = 0.0  # a normal-priority comm kernel waits this long for SMs held by compute
-    measured: dict[str, str] = field(default_factory=dict)
+    # GEMM CTA slots one comm CTA takes (residency); None: worked out from both kernels' footprints
+    gemm_slots_per_comm_cta: float | None = None
+    measured: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -303,6 +305,14 @@ def _form_factor(gpu_name: str) -> str | None:
     return "pcie" if "PCIE" in upper else "sxm" if "SXM" in upper else None
 
 
+def measured_without_gpu(hw: Hardware) -> bool:
+    """A profile `lagom calibrate` measured over gloo (CPU tensors): its figures are the CPU's, so it is never
+    offered for a GPU, whatever GPU its base names."""
+    cal = hw.calibration or {}
+    return any((m or {}).get("backend") == "gloo" or (m or {}).get("device_type") == "cpu"
+               for m in (cal.get("measured"), (cal.get("contention") or {}).get("measured"), hw.contention.measured))
+
+
 def closest_preset(gpu_name: str, *, nvlink: bool | None = None, gpus_per_node: int | None = None,
                    nodes: int | None = None) -> str | None:
     """The preset for a GPU seen at run time, or None where no preset has its model.
@@ -321,7 +331,7 @@ def closest_preset(gpu_name: str, *, nvlink: bool | None = None, gpus_per_node: 
     scored = []
     for name in preset_names():
         hw = load_hardware(name)
-        if gpu_family(hw.gpu.name) != family:
+        if gpu_family(hw.gpu.name) != family or measured_without_gpu(hw):
             continue
         preset_form = _form_factor(hw.gpu.name)
         scored.append((

@@ -33,6 +33,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from lagom.comm_config import CommConfig, SearchSpace, candidates
 from lagom.config_file import read_mapping
+from lagom.contention import ContentionSample, KernelShape, predict
 from lagom.cost_model import CostModel, RunningComm
 from lagom.errors import ConfigError
 from lagom.hardware import Hardware, gpu_family, load_hardware, with_cluster
@@ -45,7 +46,6 @@ from lagom.simulator import simulate
 from lagom.workload import load_workload
 
 ROLES = ("fit", "check")
-BF16 = 2  # bytes per element of the kernels a point describes by shape
 
 
 # ---------------------------------------------------------------------------------------------
@@ -305,13 +305,9 @@ def _comm_seconds(hw: Hardware, comm: Comm) -> float:
 
 
 def _segment(hw: Hardware, kernel: Kernel) -> ComputeSegment:
-    if kernel.gemm is not None:
-        m, n, k = kernel.gemm
-        tile_m, tile_n = hw.gpu.gemm_tile
-        ctas = math.ceil(m / tile_m) * math.ceil(n / tile_n)
-        return ComputeSegment("gemm", 2.0 * m * n * k, BF16 * (m * k + k * n + m * n), ctas)
-    elements = kernel.elements or 0
-    return ComputeSegment("elementwise", 0.0, 2.0 * BF16 * elements, max(1, elements // 1024))
+    shape = KernelShape(gemm=tuple(kernel.gemm) if kernel.gemm else None,  # type: ignore[arg-type]
+                        elements=None if kernel.gemm else kernel.elements or 0)
+    return shape.segment(hw)
 
 
 def _slowdown(hw: Hardware, comm: Comm, kernel: Kernel) -> float:
@@ -481,40 +477,80 @@ def validate(points: list[FidelityPoint], overrides: list[str] | None = None,
     return results
 
 
+PROFILE_SUFFIXES = (".yaml", ".yml")
+
+
 def measured_results(path: str | Path) -> list[Result]:
-    """The model against a job's own measurements: every trial of a live-tuning report (``trials`` in the JSON
-    report an online session writes), or of every such report in a folder. Per trial, its step and each
-    collective the trial measured, predicted by the calibrated model the search ranked with."""
+    """The model against this machine's own measurements: the trials of a live-tuning report (``trials`` in
+    the JSON report an online session writes), the contention samples of a ``lagom calibrate --contention``
+    profile, or every such file in a folder."""
     root = Path(path)
-    files = sorted(root.glob("*.json")) if root.is_dir() else [root]
+    files = sorted(f for f in root.iterdir() if f.suffix in (".json", *PROFILE_SUFFIXES)) if root.is_dir() else [root]
     if not files or not all(f.is_file() for f in files):
-        raise ConfigError("--measured", f"{path} is neither a report file nor a folder of them")
+        raise ConfigError("--measured", f"{path} is neither a report, a profile, nor a folder of them")
     results = []
     for file in files:
-        try:
-            data = json.loads(file.read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            raise ConfigError("--measured", f"cannot read {file}: {err}") from None
-        if not isinstance(data, dict) or "trials" not in data:
-            if root.is_dir():
-                continue  # other JSON beside the reports (plans)
-            raise ConfigError("--measured", f"{file} has no 'trials'", "pass the JSON report of an online run "
-                              "(its live tuning writes them)")
-        for t in data["trials"]:
-            where = f"{file.name} {t['id']} (steps {t['steps'][0]}-{t['steps'][-1]}, {t['decision']})"
-            moved = ", ".join(sorted(t["changed"])) or "the reference"
-            results.append(Result(f"{file.stem}:{t['id']}:step", "live-step", "check", t["measured"]["step_s"],
-                                  t["predicted"]["step_s"],
-                                  relative_error(t["measured"]["step_s"], t["predicted"]["step_s"]), "s",
-                                  f"step with {moved}", where))
-            predicted = t["predicted"]["collectives_s"]
-            for key, seconds in sorted(t["measured"]["collectives_s"].items()):
-                if key in predicted and seconds > 0:
-                    results.append(Result(f"{file.stem}:{t['id']}:{key}", "live-collective", "check", seconds,
-                                          predicted[key], relative_error(seconds, predicted[key]), "s",
-                                          f"{key} per call", where))
+        found = _profile_results(file, root.is_dir()) if file.suffix in PROFILE_SUFFIXES else \
+            _trial_results(file, root.is_dir())
+        results += found
     if not results:
-        raise ConfigError("--measured", f"no trials in {path}", "live tuning records them in online mode")
+        raise ConfigError("--measured", f"no trials or contention samples in {path}",
+                          "live tuning records trials in online mode; `lagom calibrate --contention` writes samples")
+    return results
+
+
+def _trial_results(file: Path, in_folder: bool) -> list[Result]:
+    """Per trial of a live-tuning report: its step and each collective it measured, predicted by the
+    calibrated model the search ranked with."""
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ConfigError("--measured", f"cannot read {file}: {err}") from None
+    if not isinstance(data, dict) or "trials" not in data:
+        if in_folder:
+            return []  # other JSON beside the reports (plans)
+        raise ConfigError("--measured", f"{file} has no 'trials'", "pass the JSON report of an online run "
+                          "(its live tuning writes them)")
+    results = []
+    for t in data["trials"]:
+        where = f"{file.name} {t['id']} (steps {t['steps'][0]}-{t['steps'][-1]}, {t['decision']})"
+        moved = ", ".join(sorted(t["changed"])) or "the reference"
+        results.append(Result(f"{file.stem}:{t['id']}:step", "live-step", "check", t["measured"]["step_s"],
+                              t["predicted"]["step_s"],
+                              relative_error(t["measured"]["step_s"], t["predicted"]["step_s"]), "s",
+                              f"step with {moved}", where))
+        predicted = t["predicted"]["collectives_s"]
+        for key, seconds in sorted(t["measured"]["collectives_s"].items()):
+            if key in predicted and seconds > 0:
+                results.append(Result(f"{file.stem}:{t['id']}:{key}", "live-collective", "check", seconds,
+                                      predicted[key], relative_error(seconds, predicted[key]), "s",
+                                      f"{key} per call", where))
+    return results
+
+
+def _profile_results(file: Path, in_folder: bool) -> list[Result]:
+    """Per contention sample of a calibrated profile: the kernel's and the collective's slowdown, predicted
+    by the profile itself (its fitted constants); samples the fit used are ``fit``, held-out ones ``check``."""
+    data = OmegaConf.to_container(read_mapping(file))
+    section = ((data.get("calibration") or {}).get("contention") if isinstance(data, dict) else None)
+    if not section:
+        if in_folder:
+            return []  # other profiles (links only) beside them
+        raise ConfigError("--measured", f"{file} has no calibration.contention samples",
+                          "profile with `lagom calibrate --contention`")
+    model = CostModel(load_hardware(str(file)))
+    fitted = set(section.get("fit", {}).get("fit_ids", []))
+    where = f"{file.name} ({section.get('measured', {}).get('device', '?')}, {section.get('measured', {}).get('date', '?')})"
+    results = []
+    for i, row in enumerate(section.get("samples", [])):
+        sample = ContentionSample.from_dict(row, f"{file.name}: calibration.contention.samples[{i}]")
+        kernel, comm = predict(model, sample)
+        role = "fit" if sample.id in fitted else "check"
+        for group, measured, predicted, what in (
+                ("contention-kernel", sample.kernel_ratio, kernel, f"{sample.kernel.label} beside {sample.collective}"),
+                ("contention-comm", sample.comm_ratio, comm, f"{sample.collective} beside {sample.kernel.label}")):
+            results.append(Result(f"{file.stem}:{sample.id}:{group.split('-')[1]}", group, role, measured, predicted,
+                                  relative_error(measured, predicted), "ratio", what, where))
     return results
 
 
