@@ -19,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from scipy.optimize import minimize
+
 from lagom.comm_config import CommConfig
 from lagom.cost_model import CostModel, RunningComm
 from lagom.errors import ConfigError
@@ -218,11 +220,21 @@ def _best_on(objective: Callable[[float], float], low: float, high: float, start
 
 
 def _descend(base: Hardware, samples: list[ContentionSample], start: dict[str, float]) -> tuple[dict[str, float], float]:
+    """Coordinate passes on a grid (the loss has steps: whole GEMM waves), then Powell's method on all of them
+    together, which follows the valleys where two constants trade off (HBM share against the L2 term)."""
     values = dict(start)
     for _ in range(SWEEPS):
         for c in CONSTANTS:
             values[c.key] = _best_on(lambda v, key=c.key: _loss(with_constants(base, {**values, key: v}), samples),
                                      c.low, c.high, values[c.key])
+
+    def loss(x: Any) -> float:
+        return _loss(with_constants(base, {**values, **{c.key: float(v) for c, v in zip(CONSTANTS, x)}}), samples)
+
+    polished = minimize(loss, [values[c.key] for c in CONSTANTS], method="Powell",
+                        bounds=[(c.low, c.high) for c in CONSTANTS], options={"xtol": 1e-4, "ftol": 1e-12})
+    if polished.fun < loss([values[c.key] for c in CONSTANTS]):
+        values.update({c.key: float(v) for c, v in zip(CONSTANTS, polished.x)})
     return values, _loss(with_constants(base, values), samples)
 
 

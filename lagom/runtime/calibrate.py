@@ -452,6 +452,8 @@ def bench_settings(args: argparse.Namespace, base: Hardware) -> BenchSettings:
 
 def _protocol(text: str) -> str:
     names = {p.lower(): p for p in ("Simple", "LL128", "LL")}
+    if text.lower() not in names:
+        raise ValueError(text)
     return names[text.lower()]
 
 
