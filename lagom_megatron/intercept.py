@@ -261,7 +261,7 @@ class Interceptor:
                 return original(*args, **kwargs)
             self.router.count(key)
             out = self._sync(tp_group, "all_gather", size,
-                             lambda: _backward_claimed(all_gather_matmul(a["input"], a["weight"], tp_group, config=cfg)))
+                             lambda: all_gather_matmul(a["input"], a["weight"], tp_group, config=cfg))
             return out if a.get("bias") is None else out + a["bias"]
         return linear
 
@@ -285,8 +285,7 @@ class Interceptor:
                 return original(layer, input_)
             interceptor.router.count(key)
             out = interceptor._sync(layer.tp_group, "reduce_scatter", size,
-                                    lambda: _backward_claimed(
-                                        matmul_reduce_scatter(input_, layer.weight, layer.tp_group, config=cfg)))
+                                    lambda: matmul_reduce_scatter(input_, layer.weight, layer.tp_group, config=cfg))
             if layer.skip_bias_add:
                 return out, layer.bias
             return (out + layer.bias if layer.bias is not None else out), None
@@ -311,20 +310,6 @@ class Interceptor:
                 return {k: _WaitSignals(w, countdown) for k, w in reqs.items()}
             return [_WaitSignals(w, countdown) for w in reqs]
         return ops
-
-
-def _backward_claimed(out: torch.Tensor) -> torch.Tensor:
-    """A decomposed linear's backward posts its own P2P transfers; like the forward's, they are pieces
-    of the decomposed point, not calls of their own, so the torch.distributed tap leaves them out.
-
-    The claim opens before the operator's backward node runs and closes after it, on the thread
-    that runs it (autograd's, on GPU).
-    """
-    node = out.grad_fn
-    if node is not None:
-        node.register_prehook(lambda grad_outputs: torch_tap.claimed.__enter__())
-        node.register_hook(lambda grad_inputs, grad_outputs: torch_tap.claimed.__exit__())
-    return out
 
 
 class _Countdown:

@@ -5,6 +5,10 @@ receives into) but for nothing enqueued later, or it would queue behind the GEMM
 under. So transfers go out on a dedicated stream that waits on the compute stream when posted, and
 compute waits on a CUDA event when it needs a landed piece. On CPU (gloo) compute is synchronous and
 the same schedule just waits on the async work handles.
+
+The transfers are pieces of one decomposed collective, which the adapter that decomposed it records
+as a whole, so they are posted inside ``torch_tap.claimed``: the torch.distributed tap leaves them
+out, in the forward and in the backward (on whichever thread autograd runs it).
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+
+from lagom.runtime.torch_tap import claimed
 
 
 @functools.cache
@@ -44,10 +50,12 @@ class Link:
         ops = [dist.P2POp(dist.isend, send, group=self.group, tag=tag, group_peer=dst),
                dist.P2POp(dist.irecv, recv, group=self.group, tag=tag, group_peer=src)]
         if self.stream is None:
-            return Posted(dist.batch_isend_irecv(ops), None, (send, recv))
+            with claimed:
+                return Posted(dist.batch_isend_irecv(ops), None, (send, recv))
         self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
         with torch.cuda.stream(self.stream):
-            works = dist.batch_isend_irecv(ops)
+            with claimed:
+                works = dist.batch_isend_irecv(ops)
             for work in works:
                 work.wait()  # NCCL: the transfer stream waits for the transfer; the host does not
             landed = torch.cuda.Event()
