@@ -191,3 +191,15 @@ def test_one_rank_without_a_gpu_is_refused(capsys: pytest.CaptureFixture[str], t
     assert main(["calibrate", "--base", BASE, "--out", str(tmp_path / "p.yaml"), "--contention", "--ranks", "1"]) == 2
     err = capsys.readouterr().err
     assert "--ranks" in err and "GPU" in err
+
+
+def test_a_workload_gives_its_layer_gemms_at_its_tp_and_its_activation_size() -> None:
+    """gpt2-tp8: 8 x 1024 tokens, hidden 3072, 32 heads, ffn 12288, tp 8 (hand-computed shapes)."""
+    settings = calibrate.bench_settings(args("--base", BASE, "--contention", "--workload", "gpt2-tp8"),
+                                        load_hardware(BASE))
+    assert [k.gemm for k in settings.kernels[:-1]] == [(8192, 1152, 3072), (8192, 3072, 384), (8192, 1536, 3072),
+                                                        (8192, 3072, 1536)]
+    assert settings.kernels[-1].elements == 128 << 20
+    assert set(settings.comm_bytes.values()) == {8192 * 3072 * 2}
+    channels = [c.channels for c in settings.configs()]
+    assert channels[:7] == [1, 2, 4, 8, 16, 32, 64]  # the channel sweep comes first: a short budget measures it
