@@ -20,6 +20,8 @@ import os
 import sys
 import threading
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -170,37 +172,36 @@ FAILURES = {  # case -> (mode, where rank 1 fails)
 }
 
 
-def _inject(rank: int, what: str | None) -> None:
+@contextmanager
+def _injected(rank: int, what: str | None) -> Iterator[None]:
     """Rank 1 raises inside Lagom: before issuing the collective ``what``, or in its online bookkeeping."""
     from lagom.runtime.control import Control
     from lagom.runtime.online import OnlineTuner
 
-    if rank != 1:
-        return
-    if what is None:
+    originals = (Control._run, OnlineTuner.add)  # noqa: SLF001
+    if rank == 1 and what is None:
         def add(self: Any, step_s: float, records: Any) -> None:
             raise RuntimeError("injected failure in the online tuner's bookkeeping")
 
         OnlineTuner.add = add  # type: ignore[method-assign]
-        return
-    original = Control._run  # noqa: SLF001
+    elif rank == 1:
+        def _run(self: Any, name: str, call: Any) -> Any:
+            if name.startswith(what):
+                raise RuntimeError(f"injected failure before {name}")
+            return originals[0](self, name, call)
 
-    def _run(self: Any, name: str, call: Any) -> Any:
-        if name.startswith(what):
-            raise RuntimeError(f"injected failure before {name}")
-        return original(self, name, call)
+        Control._run = _run  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Control._run, OnlineTuner.add = originals  # type: ignore[method-assign]
 
-    Control._run = _run  # type: ignore[method-assign]
 
-
-def one_rank_fails(rank: int, world: int, tmp: str, case: str) -> dict[str, Any]:
+def one_rank_fails(rank: int, tmp: str, case: str, plain: list[float]) -> dict[str, Any]:
     import logging
 
     import lagom_deepspeed
 
-    watchdog = threading.Timer(120, os._exit, args=(3,))  # a hang fails the test instead of stalling it
-    watchdog.daemon = True
-    watchdog.start()
     errors: list[str] = []
 
     class Errors(logging.Handler):
@@ -208,24 +209,24 @@ def one_rank_fails(rank: int, world: int, tmp: str, case: str) -> dict[str, Any]
             if record.levelno >= logging.ERROR and "switched itself off" in record.getMessage():
                 errors.append(record.getMessage())
 
-    logging.getLogger("lagom").addHandler(Errors())
-    plain = _train_fresh(rank, ds_config(1, False, False))
+    handler = Errors()
+    logging.getLogger("lagom").addHandler(handler)
     mode, what = FAILURES[case]
-    _inject(rank, what)
     section = {"enabled": True, "hardware": f"{tmp}/hw.yaml", "cache_dir": f"{tmp}/cache-{case}", "mode": mode,
                "tune_steps": 2, "monitor_interval": 2, "collective_timeout_s": TIMEOUT_S}
-    model = _model()
-    engine, *_ = lagom_deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                            config=ds_config(1, False, False, lagom=section))
-    sys.path.insert(0, str(EXAMPLES))
-    from tiny_gpt import train
+    with _injected(rank, what):
+        model = _model()
+        engine, *_ = lagom_deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                config=ds_config(1, False, False, lagom=section))
+        sys.path.insert(0, str(EXAMPLES))
+        from tiny_gpt import train
 
-    losses = train(engine, 6, rank)
+        losses = train(engine, 6, rank)
     session = getattr(engine, "lagom", None)
     out = {"same_losses": losses == plain, "errors": errors, "session": session is not None,
            "off_at": session.off_at if session is not None else None}
     engine.destroy()
-    watchdog.cancel()
+    logging.getLogger("lagom").removeHandler(handler)
     return out
 
 
@@ -242,10 +243,29 @@ def _train_fresh(rank: int, config: dict[str, Any]) -> list[float]:
     return losses
 
 
+def failures_then_two_engines(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """Every failure case in turn on one pair of ranks (each case's injection undone before the next),
+    then two engines alive at once: spawning and importing DeepSpeed once for all of them."""
+    watchdog = threading.Timer(300, os._exit, args=(3,))  # a hang fails the test instead of stalling it
+    watchdog.daemon = True
+    watchdog.start()
+    plain = _train_fresh(rank, ds_config(1, False, False))
+    out: dict[str, Any] = {case: one_rank_fails(rank, tmp, case, plain) for case in FAILURES}
+    out["two_engines"] = two_engines_at_once(rank, tmp)
+    watchdog.cancel()
+    return out
+
+
+@pytest.fixture(scope="module")
+def after_failures(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("failures")
+    (tmp / "hw.yaml").write_text(HW)
+    return run_ranks(failures_then_two_engines, 2, str(tmp))
+
+
 @pytest.mark.parametrize("case", list(FAILURES))
-def test_one_rank_failing_inside_lagom_never_hangs_the_job(tmp_path: Path, case: str) -> None:
-    (tmp_path / "hw.yaml").write_text(HW)
-    ranks = run_ranks(one_rank_fails, 2, str(tmp_path), case)
+def test_one_rank_failing_inside_lagom_never_hangs_the_job(after_failures: list, case: str) -> None:
+    ranks = [out[case] for out in after_failures]
     for rank, out in enumerate(ranks):
         assert out["same_losses"], f"rank {rank}: training did not go on as plain DeepSpeed"
         assert len(out["errors"]) == 1, f"rank {rank}: {out['errors']}"
@@ -256,7 +276,7 @@ def test_one_rank_failing_inside_lagom_never_hangs_the_job(tmp_path: Path, case:
 
 
 # -- two engines alive at once ---------------------------------------------------------------------
-def two_engines_at_once(rank: int, world: int, tmp: str) -> dict[str, Any]:
+def two_engines_at_once(rank: int, tmp: str) -> dict[str, Any]:
     """Engines A and B alive together, each with its own section, trained in turn; then each destroyed."""
     import deepspeed
 
@@ -325,9 +345,8 @@ def steps_plain_b5(config: dict[str, Any], rank: int) -> float:
     return loss
 
 
-def test_two_engines_alive_at_once_each_with_its_own_section(tmp_path: Path) -> None:
-    (tmp_path / "hw.yaml").write_text(HW)
-    for out in run_ranks(two_engines_at_once, 2, str(tmp_path)):
+def test_two_engines_alive_at_once_each_with_its_own_section(after_failures: list) -> None:
+    for out in (rank_out["two_engines"] for rank_out in after_failures):
         assert out["same"] == {"a": True, "b": True}, out
         assert out["steps"] == {"a": 4, "b": 4} and out["modes"] == {"a": "offline", "b": "online"}
         assert out["b_after_a"] and out["left"] == {}, out
