@@ -87,11 +87,35 @@ def live_rank(rank: int, world: int, tmp: str) -> dict[str, Any]:
     return out
 
 
+def _hardware(tmp: Path, world: int) -> Path:
+    (tmp / "hw.yaml").write_text(HW.replace("gpus_per_node: 2", f"gpus_per_node: {world}"))
+    return tmp
+
+
+def deepspeed_then_megatron(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """The 2-rank DeepSpeed and megatron-core runs on one spawned pair (each in its own folder)."""
+    return {"deepspeed": live_rank(rank, world, f"{tmp}/deepspeed"), "megatron": megatron_live_rank(rank, world,
+                                                                                                    f"{tmp}/megatron")}
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    tmp = tmp_path_factory.mktemp("pair")
+    for folder in ("deepspeed", "megatron"):
+        (tmp / folder).mkdir()
+    _hardware(tmp / "deepspeed", 2)
+    return tmp, run_ranks(deepspeed_then_megatron, 2, str(tmp))
+
+
 @needs_plugin
 @pytest.mark.parametrize("world", [2, 4])
-def test_live_search_finds_the_plants_optimum_and_every_rank_switches_together(tmp_path: Path, world: int) -> None:
-    (tmp_path / "hw.yaml").write_text(HW.replace("gpus_per_node: 2", f"gpus_per_node: {world}"))
-    ranks = run_ranks(live_rank, world, str(tmp_path))
+def test_live_search_finds_the_plants_optimum_and_every_rank_switches_together(
+        request: pytest.FixtureRequest, tmp_path: Path, world: int) -> None:
+    if world == 2:
+        folder, both = request.getfixturevalue("pair")
+        tmp_path, ranks = folder / "deepspeed", [out["deepspeed"] for out in both]
+    else:
+        ranks = run_ranks(live_rank, world, str(_hardware(tmp_path, world)))
     for rank, out in enumerate(ranks):
         assert out["same_losses"], f"rank {rank}: losses differ from plain DeepSpeed's"
         assert out["off"] is None and not out["live_on"], f"rank {rank}: {out['off'] or 'still tuning at the end'}"
@@ -109,6 +133,10 @@ def test_live_search_finds_the_plants_optimum_and_every_rank_switches_together(t
     if end != reference:  # it only moves to a setting measured faster than the reference, twice
         assert any(t["decision"] == "kept" for t in trials)
     gain = PLANT_MS / 1e3 / live["reference_step_s"]  # one channel doubling nearer the optimum, relative
+    print(f"plant, {world} ranks: channels {reference} -> {end} (optimum {BEST_CHANNELS}: cost {cost(reference):g} -> "
+          f"{cost(end):g}), {len(trials)} trials, {live['evaluations']} evaluations in {live['steps']} live steps of "
+          f"{len(keys)} keys, noise {live['noise']:.1%}, one move's gain {gain:.1%}, reference step "
+          f"{live['reference_step_s'] * 1e3:.0f} ms, decisions {[t['decision'] for t in trials]}")
     if live["noise"] * 4 < gain:  # a quiet enough machine: the gain of each good move is clear of the noise
         assert cost(end) == 0, f"noise {live['noise']:.1%}, one move's gain {gain:.1%}: ended at {end}"
     # the model against this job's own measurements
@@ -192,8 +220,8 @@ def megatron_live_rank(rank: int, world: int, tmp: str) -> dict[str, Any]:
 
 
 @needs_plugin
-def test_megatron_core_model_tunes_live_with_every_rank_in_step(tmp_path: Path) -> None:
-    ranks = run_ranks(megatron_live_rank, 2, str(tmp_path))
+def test_megatron_core_model_tunes_live_with_every_rank_in_step(pair: tuple[Path, list[dict[str, Any]]]) -> None:
+    ranks = [out["megatron"] for out in pair[1]]
     for rank, out in enumerate(ranks):
         assert out["equal"], f"rank {rank}: parameters differ from the run without Lagom"
         assert out["off"] is None and not out["live_on"] and out["trials"] > 0, out
