@@ -118,12 +118,19 @@ def call_sizes(kind: Kind, inputs: list[torch.Tensor], outputs: list[torch.Tenso
     All-gather and reduce-scatter in list form have one side per rank (one call); coalesced, they
     have one input per output (one call each). A coalesced all-reduce has inputs only.
     """
-    counted = inputs if kind.counted == "input_tensors" else outputs
-    if not counted:  # broadcast and reduce carry the buffer on whichever side the backend fills
-        counted = outputs if counted is inputs else inputs
-    if len(counted) == 1:  # the usual case, kept cheap: this runs on every recorded call
+    return _sizes(kind, lambda side: inputs if side == "input_tensors" else outputs)
+
+
+def _sizes(kind: Kind, side: Callable[[str], list[torch.Tensor]]) -> list[int]:
+    """``call_sizes`` reading each side only when needed: every side read from a hook's arguments
+    builds a Python list of tensors, and this runs on every recorded call."""
+    counted = side(kind.counted)
+    if len(counted) == 1:  # the usual case
         return [counted[0].numel() * counted[0].element_size()]
-    if kind.per_tensor and (not outputs or len(inputs) == len(outputs)):
+    other = side("output_tensors" if kind.counted == "input_tensors" else "input_tensors")
+    if not counted:  # broadcast and reduce carry the buffer on whichever side the backend fills
+        counted, other = other, counted
+    if kind.per_tensor and (not other or len(counted) == len(other)):
         return [nbytes(t) for t in counted]
     return [sum(nbytes(t) for t in counted)]
 
@@ -133,23 +140,29 @@ def available() -> bool:
     return hasattr(dist.ProcessGroup, "register_pre_hook") and hasattr(distributed_c10d, "_register_pg_in_world")
 
 
+_UNNAMED = object()  # not looked up yet (None is a looked-up group of one rank)
+
+
 class Subscription:
     """One session on the process's tap: its recorder and how it names groups."""
 
     def __init__(self, tap: TorchTap, names: GroupNamer, recorder: Any) -> None:
         self.tap, self.recorder = tap, recorder
         self._names = names
-        # group -> name or None; weak, so a group the job destroys is not kept alive by Lagom
-        self._cache: weakref.WeakKeyDictionary[Any, str | None] = weakref.WeakKeyDictionary()
+        # id(group) -> name or None. Keyed by id so no group is kept alive by Lagom and a lookup costs
+        # no weak reference; the tap forgets an id when a new group is hooked under it (ids are reused).
+        self._cache: dict[int, str | None] = {}
         self.closed = False
 
     def name(self, group: Any) -> str | None:
         """The group's plan name; None for a group of one rank (nothing to record)."""
-        try:
-            return self._cache[group]
-        except KeyError:
-            name = self._cache[group] = None if group.size() == 1 else self._names(group)
-            return name
+        name = self._cache.get(id(group), _UNNAMED)
+        if name is _UNNAMED:
+            name = self._cache[id(group)] = None if group.size() == 1 else self._names(group)
+        return name  # type: ignore[return-value]
+
+    def forget(self, group_id: int) -> None:
+        self._cache.pop(group_id, None)
 
     @contextmanager
     def active(self) -> Iterator[None]:
@@ -168,21 +181,15 @@ class Subscription:
             self.tap.remove(self)
 
 
+# What a pre-hook saw, for the post-hook of the same operation: op id, group, collective, sizes,
+# receivers (a plain tuple: built on every recorded call).
+_Issued = tuple[int, Any, str, list[int], tuple[Subscription, ...]]
+
+
 class _Pending(threading.local):
     """This thread's operation between its pre-hook and its post-hook."""
 
     call: _Issued | None = None
-
-
-@dataclass(slots=True)
-class _Issued:
-    """What a pre-hook saw, for the post-hook of the same operation."""
-
-    op_id: int
-    group: Any
-    collective: str
-    sizes: list[int]
-    receivers: tuple[Subscription, ...]
 
 
 class TorchTap:
@@ -217,12 +224,6 @@ class TorchTap:
             if _tap is self:
                 _tap = None
 
-    def receivers(self) -> tuple[Subscription, ...]:
-        """Who records a call made now: the active session, else every session; each only inside a step
-        (and once it has a recorder)."""
-        candidates = self.active[-1:] if self.active else self.subscriptions
-        return tuple([s for s in candidates if s.recorder is not None and s.recorder.in_step])
-
     # -- hooks ------------------------------------------------------------------------------------
     def _install(self) -> None:
         for group in list(distributed_c10d._world.pg_map):
@@ -256,6 +257,8 @@ class TorchTap:
     def _hook(self, group: Any) -> None:
         if id(group) in self._hooked or not isinstance(group, dist.ProcessGroup):
             return  # a non-member's placeholder, or a group already hooked
+        for subscription in self.subscriptions:  # a new group may reuse a destroyed one's id
+            subscription.forget(id(group))
         group.register_pre_hook(HOOK_ID, self._pre_hook(group))
         group.register_post_hook(HOOK_ID, self._post_hook(group))
         self._hooked[id(group)] = group
@@ -266,17 +269,22 @@ class TorchTap:
     # The hooks hold their group weakly: torch keeps them inside the group, so a strong reference
     # would be a cycle through C++ that Python's collector cannot see, and the group would never go.
     def _pre_hook(self, group: Any) -> Callable[[Any], None]:
-        issued, subscriptions, kinds, group_ref = self._issued, self.subscriptions, self._kinds, weakref.ref(group)
+        issued, subscriptions, active, kinds = self._issued, self.subscriptions, self.active, self._kinds
+        group_ref = weakref.ref(group)
 
         def pre_hook(args: Any) -> None:
             if claimed.depth or not subscriptions:
                 return
             try:
                 kind = kinds.get(args.name)  # barriers, gather and scatter are not recorded
-                receivers = self.receivers() if kind is not None else ()
-                if kind is not None and receivers:
-                    sizes = call_sizes(kind, args.input_tensors, args.output_tensors)
-                    issued.call = _Issued(args.op_id, group_ref(), kind.collective, sizes, receivers)
+                if kind is None:
+                    return
+                # who records it: the active session, else every session; each only inside a step
+                candidates = active[-1:] if active else subscriptions
+                receivers = tuple([s for s in candidates if s.recorder is not None and s.recorder.in_step])
+                if receivers:
+                    sizes = _sizes(kind, lambda side: getattr(args, side))
+                    issued.call = (args.op_id, group_ref(), kind.collective, sizes, receivers)
             except Exception as err:  # noqa: BLE001 - recording must never fail the job's call
                 self._fail(err)
 
@@ -290,18 +298,18 @@ class TorchTap:
             if call is None:
                 return
             issued.call = None
-            group = call.group
-            if call.op_id != args.op_id or group is None or group is not group_ref():
+            op_id, group, collective, sizes, receivers = call
+            if op_id != args.op_id or group is None or group is not group_ref():
                 return
             try:
                 work = args.work
                 if work is None:  # inside NCCL's own coalescing the operation has no work to time: not a call yet
                     return
-                for sub in call.receivers:
+                for sub in receivers:
                     name = sub.name(group)
                     if name is not None:
-                        for size in call.sizes:  # a work without a future ends with the step (exact=False)
-                            sub.recorder.track(name, call.collective, size, work)
+                        for size in sizes:  # a work without a future ends with the step (exact=False)
+                            sub.recorder.track(name, collective, size, work)
             except Exception as err:  # noqa: BLE001 - recording must never fail the job's call
                 self._fail(err)
 
