@@ -35,6 +35,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from lagom.comm_config import CommConfig
+from lagom.runtime.online import Observation
 from lagom.search.base import Problem, SearchResult
 from lagom.search.priority import search
 from lagom.simulator import Configs, Simulator, StepResult
@@ -166,6 +167,7 @@ class LiveSearch:
         self.budget_steps, self.budget_s, self.window, self.noise_steps, self.z = budget_steps, budget_s, window, noise_steps, z
         self.evaluations = 0
         self.trials: list[Trial] = []
+        self.observations: list[Observation] = []  # every window measured: what ``online.refit`` fits to
         self.clamped: set[str] = set()
         self.result: SearchResult | None = None
         self.error: BaseException | None = None
@@ -313,6 +315,8 @@ class LiveSearch:
                 note: str) -> None:
         predicted = self.simulator.run(configs, self.problem.model)
         per_key = predicted.per_key()
+        self.observations += [Observation(dict(configs), window.mean, window.key_means()),
+                              Observation(dict(self.reference), reference.mean, reference.key_means())]
         self.trials.append(Trial(
             f"t{len(self.trials) + 1}", window.steps, changed(configs, self.reference),
             {"step_s": predicted.step_s,

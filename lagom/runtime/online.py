@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+import statistics
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields, replace
@@ -206,6 +207,138 @@ def calibrate(problem: Problem, configs: Configs, records: list[CallRecord], ste
             break
     return Calibration(cal, step_s, simulator.run(configs, model).step_s, measured, simulator, sorted(unmatched),
                        sorted(set(problem.keys) - set(measured)), bounded)
+
+
+@dataclass(frozen=True)
+class Observation:
+    """Steps measured under one setting while tuning live: the settings, the mean step, each key's mean call."""
+
+    configs: Configs
+    step_s: float
+    keys: dict[str, float]
+
+
+REFIT_SLOTS = (0.0, 0.5, 1.0, 1.5, 2.0)  # GEMM CTA slots per comm CTA tried by the refit
+REFIT_ROUNDS = 2
+REFIT_TOLERANCE = 1e-2  # the compute scale's bisection stops within 1%
+REFIT_SETTINGS = 16  # at most this many distinct settings (the latest) are refitted to: it runs between two steps
+
+
+@dataclass
+class Refit:
+    """The calibration refitted to every setting tried live (``refit``), and how well each fits the steps."""
+
+    calibration: Calibration
+    observations: int
+    step_error_before: float  # median |simulated - measured| / measured over the observations
+    step_error_after: float
+    slots_per_comm_cta: float | None  # fitted where the observations ran more than one channel count of a key
+
+    def summary(self) -> dict[str, Any]:
+        model = self.calibration.model
+        return {"observations": self.observations, "step_error_before": self.step_error_before,
+                "step_error_after": self.step_error_after, "compute_scale": model.compute_scale,
+                "gemm_slots_per_comm_cta": self.slots_per_comm_cta, "comm_scale": dict(model.comm_scale)}
+
+
+def _step_errors(cal: Calibration, model: CalibratedModel, observations: list[Observation]) -> list[float]:
+    """log(simulated / measured) of each observation's step."""
+    return [math.log(cal.simulator.run(o.configs, model).step_s / o.step_s) for o in observations]
+
+
+def _refit_compute(cal: Calibration, model: CalibratedModel, observations: list[Observation]) -> float:
+    """The compute scale at which the simulated steps are as often long as short (mean log error zero); the
+    simulated step grows with it, so a bisection in log space finds it. Returns the mean squared log error."""
+    lo, hi = SCALE_LIMITS
+
+    def mean_error(scale: float) -> float:
+        model.compute_scale = scale
+        return statistics.fmean(_step_errors(cal, model, observations))
+
+    low, high = max(lo, model.compute_scale / 4), min(hi, model.compute_scale * 4)
+    if mean_error(low) > 0 or mean_error(high) < 0:  # outside what scaling compute reaches: keep the nearer edge
+        model.compute_scale = low if mean_error(low) > 0 else high
+    else:
+        while high / low > 1 + REFIT_TOLERANCE:
+            mid = math.sqrt(low * high)
+            low, high = (mid, high) if mean_error(mid) < 0 else (low, mid)
+        model.compute_scale = math.sqrt(low * high)
+    return statistics.fmean(e * e for e in _step_errors(cal, model, observations))
+
+
+def _refit_comm(cal: Calibration, model: CalibratedModel, observations: list[Observation]) -> None:
+    """Each key's comm scale: the geometric mean of measured over simulated per call, over every observation
+    that timed it."""
+    lo, hi = SCALE_LIMITS
+    logs: dict[str, list[float]] = {}
+    for o in observations:
+        per_key = cal.simulator.run(o.configs, model).per_key()
+        for key, seconds in o.keys.items():
+            row = per_key.get(key)
+            if row and row["count"] and row["time"] > 0 and seconds > 0:
+                logs.setdefault(key, []).append(math.log(seconds / (row["time"] / row["count"])))
+    scales = dict(model.comm_scale)
+    for key, values in logs.items():
+        scales[key] = min(hi, max(lo, scales.get(key, 1.0) * math.exp(statistics.fmean(values))))
+    model.set_comm_scale(scales)
+
+
+def _with_slots(cal: Calibration, slots: float | None) -> CalibratedModel:
+    """The calibration's model on hardware whose residency is ``slots`` (None: the profile's), scales kept."""
+    old = cal.model
+    hw = old.hw if slots is None else replace(old.hw, contention=replace(old.hw.contention, gemm_slots_per_comm_cta=slots))
+    model = CalibratedModel(hw)
+    model.set_comm_scale(old.comm_scale)
+    model.compute_scale = old.compute_scale
+    return model
+
+
+def _merged(observations: list[Observation]) -> list[Observation]:
+    """One observation per distinct setting (the reference is measured between every two candidates): the mean
+    of its steps and of each key's calls, in the order the settings were first seen."""
+    groups: dict[tuple, list[Observation]] = {}
+    for o in observations:
+        groups.setdefault(tuple(sorted(o.configs.items())), []).append(o)
+    out = []
+    for same in groups.values():
+        keys: dict[str, list[float]] = {}
+        for o in same:
+            for k, v in o.keys.items():
+                keys.setdefault(k, []).append(v)
+        out.append(Observation(same[0].configs, statistics.fmean(o.step_s for o in same),
+                               {k: statistics.fmean(v) for k, v in keys.items()}))
+    return out
+
+
+def refit(cal: Calibration, observations: list[Observation]) -> Refit:
+    """Fit the calibration's scales to every setting tried, not only the one in force at the start: comm per
+    key and compute overall, and, where the observations ran some key at more than one channel count, the
+    contention slope (GEMM CTA slots one comm CTA takes) too. ``cal`` is left as it was."""
+    observations = _merged([o for o in observations if o.step_s > 0])[-REFIT_SETTINGS:]
+    before = [abs(math.expm1(e)) for e in _step_errors(cal, cal.model, observations)] if observations else []
+    if not observations:
+        return Refit(cal, 0, 0.0, 0.0, None)
+    channel_counts: dict[str, set[int]] = {}
+    for o in observations:
+        for key, c in o.configs.items():
+            channel_counts.setdefault(key, set()).add(c.channels)
+    varied = any(len(v) > 1 for v in channel_counts.values())
+    best: tuple[float, float | None, CalibratedModel] | None = None
+    for slots in (REFIT_SLOTS if varied else (None,)):
+        model = _with_slots(cal, slots)
+        loss = 0.0
+        for _ in range(REFIT_ROUNDS):
+            _refit_comm(cal, model, observations)
+            loss = _refit_compute(cal, model, observations)
+        if best is None or loss < best[0]:
+            best = (loss, slots, model)
+    assert best is not None
+    _, slots, model = best
+    problem = Problem(cal.problem.graph, model.hw, cal.problem.open_space, cal.problem.capability, cal.problem.process)
+    problem.model = model  # type: ignore[misc]  # the search and its evaluator both read problem.model
+    refitted = replace(cal, problem=problem, calibrated_step_s=cal.simulator.run(observations[0].configs, model).step_s)
+    after = [abs(math.expm1(e)) for e in _step_errors(cal, model, observations)]
+    return Refit(refitted, len(observations), statistics.median(before), statistics.median(after), slots)
 
 
 def describe_changes(old: Configs, new: Configs) -> tuple[list[str], list[str]]:

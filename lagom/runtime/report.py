@@ -149,6 +149,13 @@ def markdown(report: dict[str, Any]) -> str:
                          f"{t['predicted']['step_s'] * 1e3:.2f} / {t['measured']['step_s'] * 1e3:.2f} / "
                          f"{t['measured']['reference_step_s'] * 1e3:.2f} | {t['decision']}: {t['note']} | "
                          f"{t['confidence']:.2f} |")
+        refit = live.get("refit") or {}
+        if "step_error_after" in refit:
+            slots = refit.get("gemm_slots_per_comm_cta")
+            lines += ["", f"The model refitted to the {refit['observations']} measured windows: median step error "
+                      f"{refit['step_error_before']:.1%} before, {refit['step_error_after']:.1%} after (compute "
+                      f"x{refit['compute_scale']:.3g}" + ("" if slots is None else f", {slots:g} GEMM CTA slots per "
+                                                          "comm CTA, fitted where channel counts differed") + ")."]
     if report["unplanned_calls"]:
         lines += ["", "## Calls with no plan entry", *[f"- `{k}`: {n}" for k, n in sorted(report["unplanned_calls"].items())]]
     return "\n".join(lines) + "\n"

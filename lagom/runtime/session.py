@@ -53,6 +53,7 @@ from lagom.runtime.control import DEFAULT_TIMEOUT_S, Control
 from lagom.runtime.live import DEFAULT_BUDGET_S, LiveSearch, Trial, describe_live
 from lagom.runtime.monitor import Monitor
 from lagom.runtime.online import OnlineTuner, describe_changes
+from lagom.runtime.online import refit as online_refit
 from lagom.tune import make_plan, running_workload
 from lagom.workload import Workload
 
@@ -595,7 +596,7 @@ class TuningSession:
                        "noise": self.live.noise, "reference_step_s": self.live.reference_step_s,
                        "steps": self.live.steps_used, "confidence": self.live.confidence(),
                        "clamped": sorted(self.live.clamped),
-                       "trials": [asdict(t) for t in self.live.trials]}
+                       "trials": [asdict(t) for t in self.live.trials], "refit": self._refit()}
         summary = self.control.broadcast(summary, "the live tuning summary")
         self.trials = [Trial(**t) for t in summary.pop("trials", [])]
         final.measured = {"steps": summary.get("steps", 0), "confidence": summary.get("confidence", 1.0),
@@ -609,6 +610,22 @@ class TuningSession:
             self.tuner.plan = final
             self.tuner._save(final)  # noqa: SLF001 - the cache holds the measured plan
         return final
+
+    def _refit(self) -> dict[str, Any]:
+        """Rank 0: the model refitted to every setting tried live, for the report (``refit`` in its ``live``);
+        a failure is reported, never raised, since every rank waits for this summary."""
+        cal = self.tuner.calibration if self.tuner is not None else None
+        if self.live is None or cal is None or not self.live.observations:
+            return {}
+        try:
+            refit = online_refit(cal, self.live.observations)
+        except Exception as err:  # noqa: BLE001 - the summary must reach every rank
+            log.warning("lagom: refitting the model to the live trials failed: %s", err)
+            return {"error": f"{type(err).__name__}: {err}"}
+        self.event(f"model refitted to {refit.observations} measured windows: step error {refit.step_error_before:.1%}"
+                   f" -> {refit.step_error_after:.1%}" + ("" if refit.slots_per_comm_cta is None else
+                                                          f", GEMM slots per comm CTA {refit.slots_per_comm_cta:g}"))
+        return refit.summary()
 
     def switch_off(self, why: str, agreed: bool) -> None:
         """Stop every decision Lagom makes in this job, on this rank. Said once, at ERROR, and kept for the report.
