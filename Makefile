@@ -14,11 +14,11 @@ demo: venv
 test: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -n 2 --dist loadfile tests
+	$(PY) -m pytest -n 2 --dist loadfile -m "not slow" tests
 
-# CI's slower tier: the long-lived-process test at full length (50 engines in one pair of ranks)
+# CI's slower tier: the tests marked slow, the long-lived-process test at full length (50 engines in one pair of ranks)
 test-slow: venv
-	LAGOM_LONG_LIVED_ENGINES=50 $(PY) -m pytest tests/test_long_lived.py -k "engine or outlives or threads"
+	LAGOM_LONG_LIVED_ENGINES=50 $(PY) -m pytest -n 2 --dist loadfile -m slow tests
 
 smoke: venv
 	PYTHON=$(PY) bash scripts/wheel_smoke.sh

@@ -108,7 +108,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str,
 
 
 @needs_plugin
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_live_search_finds_the_plants_optimum_and_every_rank_switches_together(
         request: pytest.FixtureRequest, tmp_path: Path, world: int) -> None:
     if world == 2:

@@ -142,6 +142,7 @@ def long_lived(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]
     return run_ranks(engines_in_a_row, 2, str(tmp))
 
 
+@pytest.mark.slow  # engines in a row: CI's slower tier runs it at full length (make test-slow)
 def test_every_engine_trains_as_plain_deepspeed(long_lived: list) -> None:
     for rank_out in long_lived:
         rows = rank_out["rows"]
@@ -150,6 +151,7 @@ def test_every_engine_trains_as_plain_deepspeed(long_lived: list) -> None:
         assert all(r["had_session"] == r["lagom"] for r in rows)
 
 
+@pytest.mark.slow  # engines in a row: CI's slower tier runs it at full length (make test-slow)
 def test_nothing_of_lagom_outlives_its_engine(long_lived: list) -> None:
     for rank_out in long_lived:
         for i, row in enumerate(rank_out["rows"]):
@@ -157,6 +159,7 @@ def test_nothing_of_lagom_outlives_its_engine(long_lived: list) -> None:
             assert row["left"] == {}, f"after engine {i}: {row['left']}"
 
 
+@pytest.mark.slow  # engines in a row: CI's slower tier runs it at full length (make test-slow)
 def test_threads_and_files_come_back(long_lived: list) -> None:
     for rank_out in long_lived:
         assert [(r["threads"], r["files"]) for r in rank_out["rows"]] == [(0, 0)] * ENGINES
