@@ -68,7 +68,7 @@ def _without_joint_revisit(problem: Problem, monkeypatch: pytest.MonkeyPatch) ->
     with monkeypatch.context() as patch:
         patch.setattr(priority, "revisits", lambda *args: [])
         patch.setattr(priority, "pairs", lambda *args: [])
-        patch.setattr(priority, "sharing_compute", lambda *args: [])
+        patch.setattr(priority, "shared_segments", lambda *args: {})
         return run_strategy("lagom", problem).result.step_s
 
 
@@ -125,7 +125,7 @@ def test_three_collectives_beside_one_gemm_give_their_sms_back_as_a_group(monkey
     assert lagom.result.step_s == pytest.approx(best.result.step_s, rel=1e-9)
     assert [cfg.channels for cfg in lagom.configs.values()] == [2, 2, 2]
     with monkeypatch.context() as patch:
-        patch.setattr(priority, "sharing_compute", lambda problem: [])
+        patch.setattr(priority, "shared_segments", lambda *args: {})
         assert run_strategy("lagom", problem).result.step_s > best.result.step_s * 1.08
 
 

@@ -11,7 +11,9 @@ up the same compute segment (or phase end): one tuned before such another one ch
 few checked again; and each is moved together with the next such one (the pairings of both one's best
 few), since two of them may only pay off together. Last, the keys that run beside one compute segment
 move as a group (``sharing_compute``), since the GEMM there gets a wave back only when all of them give
-SMs back. Each key is revisited at most once and is the first of at most one pair, and there are at
+SMs back: the cost model costs each group's moves jointly (the compute beside them slowed by all of them
+at once, plus their comm it cannot hide), groups are taken by the gain it foresees, and only moves it
+says gain are checked, the best GROUP_CHECKS. Each key is revisited at most once and is the first of at most one pair, and there are at
 most as many groups as keys, so a search takes at most 1 + ``max_checks_per_key`` evaluations per
 key: linear in the number of keys.
 """
@@ -34,6 +36,8 @@ _SIGNATURE = attrgetter("flops", "bytes", "ctas")
 WINDOW_CHECKS = 2  # extra checks for a comm-bound collective, from the window ranking
 REVISIT_CHECKS = 2  # checks for a key revisited after a key blocking the same compute changed
 JOINT_WIDTH = 2  # candidates per key in a joint move of two keys (JOINT_WIDTH ** 2 evaluations per pair)
+GROUP_CHECKS = 2  # moves of a set of keys sharing compute checked, the best the cost model foresees
+GAIN_FLOOR = 1e-9  # a move the cost model says saves less than this share of the set's cost is not checked
 MAX_CHECKS_PER_KEY = CHECKED_PER_KEY + WINDOW_CHECKS + REVISIT_CHECKS + JOINT_WIDTH**2
 
 
@@ -87,13 +91,25 @@ def _span(point: OverlapPoint, pos: dict[str, int], count: int) -> tuple[int, in
     return pos[point.after] + 1 if point.after else 0, pos[point.before] if point.before else count
 
 
-def windows(graph: StepGraph) -> dict[str, list[Window]]:
+class KeyOf(dict):
+    """(group, collective, bytes) -> tuning key: ``OverlapPoint.key`` formatted once per distinct collective,
+    not once per point (a cluster step has hundreds of thousands). One search builds one and shares it."""
+
+    def __call__(self, p: OverlapPoint) -> str:
+        what = (p.group.name, p.collective, p.bytes)
+        key = self.get(what)
+        if key is None:
+            key = self[what] = p.key
+        return key
+
+
+def windows(graph: StepGraph, key_of: KeyOf | None = None) -> dict[str, list[Window]]:
     """Per key, the distinct windows its instances hide under, each weighted by how often it occurs.
 
     Identical layers give identical windows, so a 48-layer model has a handful per key, not hundreds.
     """
+    key_of = KeyOf() if key_of is None else key_of
     out: dict[str, dict[tuple, Window]] = {}
-    keys: dict[tuple, str] = {}
     ids: dict[tuple, int] = {}  # equal segments, equal ids
     for phase in graph.phases:
         pos: dict[str, int] = {}
@@ -109,10 +125,7 @@ def windows(graph: StepGraph) -> dict[str, list[Window]]:
                 lo, hi = _span(p, pos, len(segs))
                 f_lo = pos[p.fuse_with] if p.fuse_with and can_decompose(p) else 0
                 f_hi = f_lo + 1 if p.fuse_with and can_decompose(p) else 0
-            what = (p.group.name, p.collective, p.bytes)
-            key = keys.get(what)
-            if key is None:
-                key = keys[what] = p.key
+            key = key_of(p)
             sig = (p.collective, p.group, p.bytes, tuple(kind[lo:hi]), tuple(kind[f_lo:f_hi]))
             known = out.setdefault(key, {})
             if sig in known:
@@ -127,6 +140,7 @@ class Estimate:
     comm: float  # X: seconds of communication per step
     compute: float  # Y: seconds the compute beside it is slowed by per step
     added: float  # seconds the windows take beyond their compute alone: exposed comm plus slowdown
+    beyond: float = 0.0  # seconds of comm beyond the compute that hides it: exposed comm alone
 
 
 def _inflation(comm_s: float, window: _WindowCost, running: tuple[RunningComm, ...], model: CostModel) -> float:
@@ -163,29 +177,37 @@ def estimate(cfg: CommConfig, wins: list[Window], model: CostModel) -> Estimate:
     The compute beside it loses the SMs of the CTAs NCCL launches, as in the simulator: fewer than the
     channels for a small message, none for copy engines (CTA policy ZERO).
     """
-    X = Y = added = 0.0
+    X = Y = added = beyond = 0.0
     for w in wins:
-        p = w.point
         decomposed = cfg.decomposition == "p2p" and bool(w.fused)
         cost = w.costs(decomposed, model)
-        util, hide = cost.util, cost.hide
-        wait = model.launch_wait(cfg) if cost.alone else 0.0
-        if decomposed:
-            n = p.group.size * cfg.num_chunks
-            step = model.p2p_step_time(p.group, p.bytes / n, cfg, util)
-            step = _waited(step, model.p2p_step_time(p.group, p.bytes / n, cfg), wait)
-            x, first = step * (n - cfg.num_chunks), step
-            ctas = model.launch_shape(Collective.SEND_RECV, model.p2p_group(p.group), int(p.bytes / n), cfg)[0]
-        else:
-            x = model.comm_time(p.collective, p.group, p.bytes, cfg, util)
-            x, first = _waited(x, model.comm_time(p.collective, p.group, p.bytes, cfg), wait), 0.0
-            ctas = model.launch_shape(p.collective, p.group, int(p.bytes), cfg)[0]
-        rate = model.comm_hbm_rate(p.collective, p.group, p.bytes, x) if x > 0 else 0.0
-        slow = _inflation(x, cost, (RunningComm(cfg, rate, ctas),), model)
+        x, first, running = _instance(cfg, w.point, decomposed, cost.util, bool(cost.alone), model)
+        slow = _inflation(x, cost, (running,), model)
         X += x * w.repeat
         Y += slow * w.repeat
-        added += (first + max(x - hide, slow)) * w.repeat
-    return Estimate(X, Y, added)
+        added += (first + max(x - cost.hide, slow)) * w.repeat
+        beyond += (first + max(x - cost.hide, 0.0)) * w.repeat
+    return Estimate(X, Y, added, beyond)
+
+
+def _instance(cfg: CommConfig, p: OverlapPoint, decomposed: bool, util: float, beside_compute: bool,
+              model: CostModel) -> tuple[float, float, RunningComm]:
+    """One instance of a collective beside compute of HBM share ``util``: its seconds (a decomposition's
+    steps after the first), its first P2P step's seconds (0 undecomposed), and what it takes from the
+    compute beside it (HBM rate, CTAs)."""
+    wait = model.launch_wait(cfg) if beside_compute else 0.0
+    if decomposed:
+        n = p.group.size * cfg.num_chunks
+        step = model.p2p_step_time(p.group, p.bytes / n, cfg, util)
+        step = _waited(step, model.p2p_step_time(p.group, p.bytes / n, cfg), wait)
+        x, first = step * (n - cfg.num_chunks), step
+        ctas = model.launch_shape(Collective.SEND_RECV, model.p2p_group(p.group), int(p.bytes / n), cfg)[0]
+    else:
+        x = model.comm_time(p.collective, p.group, p.bytes, cfg, util)
+        x, first = _waited(x, model.comm_time(p.collective, p.group, p.bytes, cfg), wait), 0.0
+        ctas = model.launch_shape(p.collective, p.group, int(p.bytes), cfg)[0]
+    rate = model.comm_hbm_rate(p.collective, p.group, p.bytes, x) if x > 0 else 0.0
+    return x, first, RunningComm(cfg, rate, ctas)
 
 
 def priority(cur: Estimate, new: Estimate) -> float:
@@ -247,7 +269,8 @@ def search(problem: Problem, evaluator: Evaluator, start: SearchResult | None = 
         kept = {k: cfg for k, cfg in start.configs.items() if k in configs and (only is None or k not in only)}
         configs.update(kept)
         notes.update({k: start.notes[k] for k in kept if k in start.notes})
-    tuning = _Tuning(problem, evaluator, configs, notes, evaluator.evaluate(configs), windows(problem.graph))
+    key_of = KeyOf()
+    tuning = _Tuning(problem, evaluator, configs, notes, evaluator.evaluate(configs), windows(problem.graph, key_of))
     per_key = tuning.best.per_key()
     plans = []
     for key in problem.keys if only is None else [k for k in problem.keys if k in only]:
@@ -262,15 +285,18 @@ def search(problem: Problem, evaluator: Evaluator, start: SearchResult | None = 
             changed.add(key)
         else:
             notes[key] = "kept NCCL's choice: no candidate improved the step"
-    blocking = blocked_together(problem)
+    blocking = blocked_together(problem, key_of)
     for key in revisits(blocking, order, changed):
         cur, checks, comm_bound = tuning.checks(key, tuning.best.per_key())
         tuning.apply(key, cur, checks[:REVISIT_CHECKS], comm_bound, "revisited after a collective blocking the "
                      "same compute changed: ")
     for first, second in pairs(blocking, order):
         tuning.joint(first, second)
-    for keys in sharing_compute(problem)[:len(problem.keys)]:
-        tuning.together(keys)
+    # groups by the gain the cost model gives their best move, none where it foresees none
+    shared = shared_segments(problem, key_of)
+    gains = {keys: tuning.group_gain(keys, shared[keys][1]) for keys in shared}
+    for keys in sorted((keys for keys in shared if gains[keys] > 0), key=gains.__getitem__, reverse=True)[:len(problem.keys)]:
+        tuning.together(keys, shared[keys][1])
     return SearchResult("lagom", configs, tuning.best, evaluator.evaluations, notes)
 
 
@@ -285,9 +311,16 @@ class _Tuning:
     best: StepResult
     wins: dict[str, list[Window]]
 
+    _estimates: dict[tuple[str, CommConfig], Estimate] = field(default_factory=dict)
+
+    def estimate(self, key: str, cfg: CommConfig) -> Estimate:
+        if (key, cfg) not in self._estimates:
+            self._estimates[(key, cfg)] = estimate(cfg, self.wins[key], self.problem.model)
+        return self._estimates[(key, cfg)]
+
     def checks(self, key: str, per_key: dict[str, dict[str, float]]) -> tuple[Estimate, list[tuple[Estimate, CommConfig]], bool]:
         """The key's estimate under its config now, its candidates best first, and whether it is comm-bound."""
-        cur = estimate(self.configs[key], self.wins[key], self.problem.model)
+        cur = self.estimate(key, self.configs[key])
         exposed = per_key[key]["exposed"]
         return cur, _checks(key, cur, self.best.exposed_comm_s if exposed > 0 else 0.0, self.problem, self.wins[key]), exposed > 0
 
@@ -333,15 +366,15 @@ class _Tuning:
             self.configs[key] = cfg
             self.notes[key] = f"moved together with {other} (both hold up the same compute): {cfg.describe()}"
 
-    def together(self, keys: frozenset[str]) -> None:
-        """Move every key that runs beside one compute segment at once: each to its best-ranked candidate,
-        then all to each channel count below the most any of them has. The GEMM there loses the SMs of
-        all of them together, so a wave it gets back may need every one to give some back, which no move
-        of one key (or two) shows. A set whose collectives are all exposed is left alone: they hold the
-        step up, and fewer channels only slow them."""
+    def group_moves(self, keys: frozenset[str], segments: Shared) -> list[tuple[float, Configs]]:
+        """The moves of a set of keys that run beside the same compute, each with the seconds the cost
+        model says it saves (``group_cost``), best first; only those it says save some. A move takes every key
+        to its best-ranked candidate, or all of them to one channel count below the most any has. None
+        for a set whose collectives are all exposed: they hold the step up, and fewer channels only slow
+        them."""
         per_key, cap = self.best.per_key(), self.problem.cap
         if all(per_key[key]["exposed"] > 0 for key in keys):
-            return
+            return []
         ranked = {key: self.checks(key, per_key)[1] for key in keys}
         moves = [{key: checks[0][1] for key, checks in ranked.items() if checks}]
         most = max(self.configs[key].channels for key in keys)
@@ -349,10 +382,35 @@ class _Tuning:
             if channels < most:
                 moves.append({key: with_communicator_value("channels", channels, self.problem.keys[key][0],
                                                            self.configs[key], cap) for key in keys})
+        now = self.group_cost(keys, {}, segments)
+        scored = [(now - self.group_cost(keys, move, segments), n, move) for n, move in enumerate(moves)
+                  if any(self.configs[key] != cfg for key, cfg in move.items())]
+        return [(gain, move) for gain, _, move in sorted(scored, key=lambda g: (-g[0], g[1])) if gain > GAIN_FLOOR * now]
+
+    def group_gain(self, keys: frozenset[str], segments: Shared) -> float:
+        """The most seconds the cost model says a move of the set saves (0: none)."""
+        moves = self.group_moves(keys, segments)
+        return moves[0][0] if moves else 0.0
+
+    def group_cost(self, keys: frozenset[str], move: Configs, segments: Shared) -> float:
+        """Seconds the set's collectives cost the step under ``move`` (the rest as now), by the cost model:
+        the compute they all run beside, slowed by all of them at once (a GEMM gets a wave back only when
+        every one gives SMs back), plus each one's comm beyond the compute that hides it."""
+        model = self.problem.model
+        configs = {key: move.get(key, self.configs[key]) for key in keys}
+        util = max((model.hbm_util(seg) for seg, _, _ in segments), default=0.0)
+        running = {key: _instance(cfg, self.problem.keys[key][0], False, util, True, model)[2]
+                   for key, cfg in configs.items()}
+        beside = sum(n * model.compute_time(seg, tuple(running[key] for key in sorted(within)))
+                     for seg, within, n in segments)
+        return beside + sum(self.estimate(key, cfg).beyond for key, cfg in configs.items())
+
+    def together(self, keys: frozenset[str], segments: Shared) -> None:
+        """Move every key that runs beside one compute segment at once, to the best GROUP_CHECKS moves the
+        cost model says gain (``group_moves``). The GEMM there loses the SMs of all of them together, so a
+        wave it gets back may need every one to give some back, which no move of one key (or two) shows."""
         chosen = None
-        for move in moves:
-            if all(self.configs[key] == cfg for key, cfg in move.items()):
-                continue
+        for _, move in self.group_moves(keys, segments)[:GROUP_CHECKS]:
             result = self.evaluator.evaluate({**self.configs, **move})
             if result.step_s < self.best.step_s:
                 self.best, chosen = result, move
@@ -366,8 +424,9 @@ class _Tuning:
 
 
 def group_moves(problem: Problem) -> int:
-    """The most evaluations one ``_Tuning.together`` makes: the best-ranked move and one per channel count."""
-    return 1 + len(channel_choices(problem.hw, problem.space))
+    """The most evaluations one ``_Tuning.together`` makes: GROUP_CHECKS of the best-ranked move and one per
+    channel count."""
+    return min(GROUP_CHECKS, 1 + len(channel_choices(problem.hw, problem.space)))
 
 
 def max_checks_per_key(problem: Problem) -> int:
@@ -376,12 +435,24 @@ def max_checks_per_key(problem: Problem) -> int:
     return MAX_CHECKS_PER_KEY + group_moves(problem)
 
 
-def sharing_compute(problem: Problem) -> list[frozenset[str]]:
+def sharing_compute(problem: Problem, key_of: KeyOf | None = None) -> list[frozenset[str]]:
     """The sets of two or more keys whose collectives may run beside one compute segment (released before
     it, needed after it) on one device, the most compute seconds covered first. Only the largest: a set
     within another is the same competition for that GEMM's SMs with fewer of its competitors moved."""
-    key_of: dict[tuple, str] = {}
+    shared = shared_segments(problem, key_of)
+    return sorted(shared, key=lambda keys: shared[keys][0], reverse=True)
+
+
+Shared = list[tuple[ComputeSegment, frozenset[str], int]]  # a segment, the keys beside it, occurrences per step
+
+
+def shared_segments(problem: Problem, key_of: KeyOf | None = None) -> dict[frozenset[str], tuple[float, Shared]]:
+    """The largest sets of ``sharing_compute``, each with the compute seconds it covers and every segment
+    that two or more of its keys run beside (distinct segments, with those keys and the occurrences per
+    step): a move of the set frees SMs on all of them."""
+    key_of = KeyOf() if key_of is None else key_of
     covered: dict[frozenset[str], float] = defaultdict(float)
+    beside_segments: dict[frozenset[str], dict[tuple, list]] = defaultdict(dict)  # signature -> [segment, count]
     for phase in problem.graph.phases:
         for device, segs in phase.segments.items():
             pos = {seg.name: n for n, seg in enumerate(segs)}
@@ -390,8 +461,7 @@ def sharing_compute(problem: Problem) -> list[frozenset[str]]:
             for p in phase.points:
                 if p.device != device or p.peer_device is not None:
                     continue
-                what = (p.group.name, p.collective, p.bytes)
-                key = key_of.get(what) or key_of.setdefault(what, p.key)
+                key = key_of(p)
                 lo, hi = _span(p, pos, len(segs))
                 opened[lo].append(key)
                 closed[hi].append(key)
@@ -404,22 +474,24 @@ def sharing_compute(problem: Problem) -> list[frozenset[str]]:
                 beside = frozenset(key for key, count in running.items() if count > 0)
                 if len(beside) > 1:
                     covered[beside] += problem.model.compute_solo(seg) * phase.repeat
-    largest = [keys for keys in covered if not any(keys < other for other in covered)]
-    return sorted(largest, key=covered.__getitem__, reverse=True)
+                    counted = beside_segments[beside].setdefault(_SIGNATURE(seg), [seg, 0])
+                    counted[1] += phase.repeat
+    return {keys: (seconds, [(seg, within, n) for within, found in beside_segments.items() if within <= keys
+                             for seg, n in found.values()])
+            for keys, seconds in covered.items() if not any(keys < other for other in covered)}
 
 
 Blocking = tuple[list[set[str]], dict[str, str]]  # key sets blocking one segment each; each key's communicator
 
 
-def blocked_together(problem: Problem) -> Blocking:
+def blocked_together(problem: Problem, key_of: KeyOf | None = None) -> Blocking:
     """The sets of keys whose collectives block one compute segment (or one phase's end) of one device, and
     each key's communicator."""
-    key_of: dict[tuple, str] = {}  # (group, collective, bytes) -> key, as OverlapPoint.key but built once
+    key_of = KeyOf() if key_of is None else key_of
     blocked: dict[tuple, set[str]] = defaultdict(set)
     for n, phase in enumerate(problem.graph.phases):
         for p in phase.points:
-            what = (p.group.name, p.collective, p.bytes)
-            key = key_of.get(what) or key_of.setdefault(what, p.key)
+            key = key_of(p)
             blocked[(n, p.device if p.peer_device is None else p.peer_device, p.before)].add(key)
     sets = [keys for keys in blocked.values() if len(keys) > 1]
     return sets, {key: points[0].group.name for key, points in problem.keys.items()}
