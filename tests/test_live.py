@@ -70,6 +70,12 @@ def test_never_ends_slower_than_the_measured_baseline() -> None:
     drive(live, lambda configs: base if configs == reference else base * 1.05, seed=3)
     assert live.final == reference
     assert all(t.decision == "rejected" for t in live.trials)
+    # what tuning cost: 5% of a step for every candidate step, against as many steps at the reference
+    candidate_steps = sum(len(t.steps) for t in live.trials)
+    assert live.cost_s() == pytest.approx(0.05 * base * candidate_steps, rel=0.5)
+    assert live.steps_s == pytest.approx(live.steps_used * base + 0.05 * base * candidate_steps, rel=0.02)
+    # every trial's window and the reference window judged with it are kept for the refit
+    assert len(live.observations) == 2 * len(live.trials)
 
 
 def test_a_step_over_twice_the_reference_is_switched_back_at_once() -> None:

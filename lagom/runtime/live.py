@@ -173,6 +173,7 @@ class LiveSearch:
         self.error: BaseException | None = None
         self.final: Configs = dict(reference)
         self.steps_used = 0
+        self.steps_s = 0.0  # the live steps' measured time, all of them
         self._started = time.perf_counter()
         self._requests: queue.Queue[Configs | None] = queue.Queue(maxsize=1)
         self._answers: queue.Queue[tuple[float, dict[str, float]] | None] = queue.Queue(maxsize=1)  # None: stop
@@ -231,6 +232,7 @@ class LiveSearch:
     def after_step(self, step: int, step_s: float, keys: dict[str, float]) -> Decision:
         """One measured step (the slowest rank's); the settings for the next one."""
         self.steps_used += 1
+        self.steps_s += step_s
         self.spent = self.spent or self.steps_used >= self.budget_steps or \
             time.perf_counter() - self._started >= self.budget_s
         self._window.add(step, step_s, keys)
@@ -366,6 +368,10 @@ class LiveSearch:
     @property
     def reference_step_s(self) -> float:
         return self._ref0
+
+    def cost_s(self) -> float:
+        """What the live steps took beyond as many steps at the reference's mean (negative: they gained)."""
+        return self.steps_s - self.steps_used * self._ref0
 
     @property
     def done(self) -> bool:

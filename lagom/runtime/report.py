@@ -138,8 +138,11 @@ def markdown(report: dict[str, Any]) -> str:
                          f"{pt['why']} |")
     if report["trials"]:
         live = report["live"]
+        cost = (f" The {live.get('steps', 0)} live steps took {live['steps_s']:.3g} s, {live['cost_s']:+.3g} s against "
+                f"as many steps at the reference ({live.get('reference_step_s', 0) * 1e3:.2f} ms each)."
+                if "cost_s" in live else "")
         lines += ["", f"## Settings tried on live steps ({live.get('steps', 0)} steps, {live.get('evaluations', 0)} "
-                  f"evaluations; {live.get('why', '')})", "",
+                  f"evaluations; {live.get('why', '')})", *([cost.strip()] if cost else []), "",
                   "| trial | steps | changed | step ms predicted / measured / reference | decision | confidence |",
                   "|---|---|---|---:|---|---:|"]
         for t in report["trials"]:

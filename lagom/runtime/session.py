@@ -594,6 +594,7 @@ class TuningSession:
         if self.live is not None:
             summary = {"why": getattr(self.live, "why", ""), "evaluations": self.live.evaluations,
                        "noise": self.live.noise, "reference_step_s": self.live.reference_step_s,
+                       "steps_s": self.live.steps_s, "cost_s": self.live.cost_s(),
                        "steps": self.live.steps_used, "confidence": self.live.confidence(),
                        "clamped": sorted(self.live.clamped),
                        "trials": [asdict(t) for t in self.live.trials], "refit": self._refit()}
