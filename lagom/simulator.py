@@ -47,8 +47,13 @@ from lagom.points import Collective, ComputeSegment, StepGraph
 EPS = 1e-12
 DONE = 1e-9  # a task whose remaining fraction falls to this is finished
 REPEAT_TOLERANCE = 1e-9  # remaining fractions this close count as the same state
-UNITS_KEPT = 4  # states remembered for this many periods back (a state may repeat every few periods)
+CYCLE_MOST = 3  # the longest cycle of periods extrapolated geometrically (a state alternating between two)
+UNITS_KEPT = 3 * CYCLE_MOST + 1  # states remembered for this many periods back (three cycles and one)
 RANK_ONE = 1e-7  # how closely successive differences must be one geometric series to extrapolate its limit
+DRIFT_MOST = 1.5  # the fastest growth per cycle of a drifting state that is extrapolated
+DRIFT_NEAR_ONE = 1e-6  # a ratio this close to 1 is a linear drift the geometric sums cannot take exactly
+DRIFT_TRIES = 4  # landing probes of a drift's jump, each half as far as the last
+ROUNDING = 1e-11  # rounding noise allowed in those differences, per unit of the sum they come from
 CHECKPOINT_EVERY = 400  # tasks started between checkpoints
 TRAILS_KEPT = 3  # earlier runs whose checkpoints a Simulator keeps
 LOWERINGS_KEPT = 8  # decomposition choices whose task shapes a Simulator keeps
@@ -122,20 +127,23 @@ class StepResult:
 class _Jump:
     """Periods skipped in one go, and where what they held would have been.
 
-    After the last simulated period the period lengths converge to ``period`` geometrically (ratio
-    ``ratio``, first excess ``excess``; both 0 when the state repeated exactly)."""
+    The state repeats (or converges) over a cycle of ``units`` periods. After the last simulated cycle
+    the cycle lengths converge to ``units * period`` geometrically (ratio ``ratio``, first excess
+    ``excess``; both 0 when the state repeated exactly)."""
 
     queues: dict[int, tuple[int, int, bool]]  # band queue -> (head, positions skipped, head was running)
     periods: int
     period: float
     excess: float
     ratio: float
+    units: int = 1
 
     def shift(self, n: int) -> float:
-        """Seconds from a task to its image n periods on."""
+        """Seconds from a task to its image n periods on (n a whole number of cycles)."""
         if not self.excess:
             return n * self.period
-        return n * self.period + self.excess * self.ratio * (1 - self.ratio ** n) / (1 - self.ratio)
+        cycles = n // self.units
+        return n * self.period + self.excess * self.ratio * (1 - self.ratio ** cycles) / (1 - self.ratio)
 
 
 @dataclass
@@ -349,6 +357,7 @@ class _Plan:
     ratio: float
     fixed: list[float]  # remaining fractions at the fixed point
     remaining: list[float]  # remaining fractions now
+    most: int | None = None  # the most periods it may skip (None: to the band's end)
 
 
 class _PhaseRun:
@@ -622,7 +631,7 @@ class _PhaseRun:
                     plan = self._steady(seen, compute_on, comms_on, longest)
                     self.history = [h for h in self.history if h.unit > seen.unit - UNITS_KEPT] + [seen]
                     if plan is not None:
-                        periods = seen.room // plan.units - 1
+                        periods = min(seen.room // plan.units - 1, plan.most or END)
                         if periods >= 1:
                             now, exposed_total = self._jump(plan, periods, now, totals, exposed_total, compute_on, comms_on)
                             woken.update(range(nq))
@@ -764,9 +773,16 @@ class _PhaseRun:
                 return _Plan(now.unit - old.unit, now.now - old.now, _minus(now.totals, old.totals),
                              now.exposed - old.exposed, 0.0, {}, 0.0, 0.0, now.remaining, now.remaining)
         by_unit = {h.unit: h for h in alike}
-        if any(now.unit - n not in by_unit for n in (1, 2, 3)):
-            return None
-        states = [now, *(by_unit[now.unit - n] for n in (1, 2, 3))]  # newest first
+        for units in range(1, CYCLE_MOST + 1):
+            if all(now.unit - n * units in by_unit for n in (1, 2, 3)):
+                plan = self._converging(now, [now, *(by_unit[now.unit - n * units] for n in (1, 2, 3))], units,
+                                        compute_on, comms_on, longest)
+                if plan is not None:
+                    return plan
+        return None
+
+    def _converging(self, now: _Seen, states: list[_Seen], units: int, compute_on, comms_on, longest: float) -> _Plan | None:
+        """A jump where the states a cycle of ``units`` periods apart (newest first) converge geometrically."""
         diffs = [[a - b for a, b in zip(x.remaining, y.remaining)] for x, y in zip(states, states[1:])]
         periods = [x.now - y.now for x, y in zip(states, states[1:])]
         exposed = [x.exposed - y.exposed for x, y in zip(states, states[1:])]
@@ -775,31 +791,73 @@ class _PhaseRun:
         if biggest is None or not diffs[1][biggest]:
             return None
         ratio = diffs[0][biggest] / diffs[1][biggest]
-        if not -0.999 < ratio < 0.999:
+        if not (-0.999 < ratio < 0.999 or DRIFT_NEAR_ONE < abs(ratio - 1) and 0.999 <= ratio <= DRIFT_MOST):
             return None
+        # each series with the size of the sum it is taken from: its rounding noise grows with that sum (a
+        # clock of seconds, sums over thousands of events), and noise is no second mode
         series = [diffs[0], [periods[0] - periods[1]], [exposed[0] - exposed[1]]]
         earlier = [diffs[1], [periods[1] - periods[2]], [exposed[1] - exposed[2]]]
+        sizes = [1.0, now.now, now.exposed]
         for key in increments[0]:
             rows = [inc.get(key, [0.0] * 4) for inc in increments]
             series.append([a - b for a, b in zip(rows[0], rows[1])])
             earlier.append([a - b for a, b in zip(rows[1], rows[2])])
-        for later, sooner in zip(series, earlier):
+            sizes.append(max(map(abs, now.totals[key])))
+        for later, sooner, size in zip(series, earlier, sizes):
             scale = max(map(abs, later + sooner), default=0.0)
-            if any(abs(a - ratio * b) > RANK_ONE * scale + 1e-15 for a, b in zip(later, sooner)):
+            if any(abs(a - ratio * b) > RANK_ONE * scale + ROUNDING * max(1.0, size) for a, b in zip(later, sooner)):
                 return None
         fixed = [x + d * ratio / (1 - ratio) for x, d in zip(now.remaining, diffs[0])]
+        if ratio >= 0.999:
+            return self._drifting(now, units, ratio, fixed, periods, exposed, increments, compute_on, comms_on, longest)
         if min(fixed, default=1.0) <= DONE:
             return None
-        probe = self._probe(now, fixed, compute_on, comms_on, longest)
+        probe = self._probe(now, fixed, units, compute_on, comms_on, longest)
         if probe is None or probe.key != now.key or not _close(probe.remaining, fixed):
             return None
         period = probe.now - now.now
         steady = _minus(probe.totals, now.totals)
-        return _Plan(1, period, steady, probe.exposed - now.exposed, periods[0] - period, _minus(increments[0], steady),
+        return _Plan(units, period, steady, probe.exposed - now.exposed, periods[0] - period, _minus(increments[0], steady),
                      exposed[0] - (probe.exposed - now.exposed), ratio, fixed, now.remaining)
 
-    def _probe(self, now: _Seen, fixed: list[float], compute_on, comms_on, longest: float) -> _Seen | None:
-        """Simulate one period from this boundary with the running heads at ``fixed``: the next boundary."""
+    def _drifting(self, now: _Seen, units: int, ratio: float, fixed: list[float], periods: list[float],
+                  exposed: list[float], increments: list[dict[str, list[float]]], compute_on, comms_on,
+                  longest: float) -> _Plan | None:
+        """A jump where the state drifts away from the last cycles' (a backlog that grows each cycle: ratio
+        above 1), or converges too slowly to wait for: each cycle's change is the last one's times
+        ``ratio``, so the state, the cycle length and the sums follow a geometric series from here. It
+        holds while the cycles run the same events in the same order, so the jump lands short of where a
+        running task's remaining work would leave (0, 1], and a probe cycle from the landing state must
+        give the state and cycle length the series gives; else half as far, a few times."""
+        g = ratio / (1 - ratio)
+        period = periods[0] + (periods[0] - periods[1]) * g
+        steady = {key: [a + (a - b) * g for a, b in zip(row, increments[1].get(key, [0.0] * 4))]
+                  for key, row in increments[0].items()}
+        steady_exposed = exposed[0] + (exposed[0] - exposed[1]) * g
+        plan = _Plan(units, period, steady, steady_exposed, periods[0] - period, _minus(increments[0], steady),
+                     exposed[0] - steady_exposed, ratio, fixed, now.remaining)
+        top = max(1.0, *now.remaining)
+
+        def state(cycles: int) -> list[float]:
+            return [f + ratio ** cycles * (r - f) for f, r in zip(fixed, now.remaining)]
+
+        cycles = now.room // units - 1
+        while cycles >= 2 and not all(DONE < x <= top for x in state(cycles)):
+            cycles //= 2
+        for _ in range(DRIFT_TRIES):
+            if cycles < 2:
+                return None
+            probe = self._probe(now, state(cycles), units, compute_on, comms_on, longest)
+            length = period + plan.excess * ratio ** (cycles + 1)
+            if probe is not None and probe.key == now.key and _close(probe.remaining, state(cycles + 1)) \
+                    and abs(probe.now - now.now - length) <= REPEAT_TOLERANCE * length:
+                plan.most = cycles
+                return plan
+            cycles //= 2
+        return None
+
+    def _probe(self, now: _Seen, fixed: list[float], units: int, compute_on, comms_on, longest: float) -> _Seen | None:
+        """Simulate ``units`` periods from this boundary with the running heads at ``fixed``: the boundary then."""
         running = sorted({t.seq: t for t in [*compute_on.values(), *(c for ts in comms_on.values() for c in ts)]
                           if t is not None}.values(), key=lambda t: t.seq)
         heads_running = [self.tasks[q][self.heads[q]] for q, (_, on) in enumerate(now.key) if on]
@@ -810,7 +868,7 @@ class _PhaseRun:
                          set(), set(), now.totals, now.exposed, len(self.records), longest, dict(self.first_start),
                          list(self.jumps), self.simulated, max((t.seq for t in running), default=0))
         probe = _PhaseRun(self.lw, self.configs, self.model, self.default, False)
-        probe.probe_unit = now.unit + 1
+        probe.probe_unit = now.unit + units
         try:
             seen = probe.simulate(0.0, 0.0, resume=(cp, self.records, []))
         except LagomError:  # the extrapolated state is not one the step can be in: no jump, simulate on
@@ -855,7 +913,7 @@ class _PhaseRun:
                 compute_on[d] = moved[id(t)]
         for d, running in comms_on.items():
             comms_on[d] = [moved.get(id(c), c) for c in running]
-        self.jumps.append(_Jump(skipped, periods * plan.units, plan.period / plan.units, plan.excess, ratio))
+        self.jumps.append(_Jump(skipped, periods * plan.units, plan.period / plan.units, plan.excess, ratio, plan.units))
         return later, exposed_total
 
     # -- per-point timings, on demand
@@ -879,10 +937,10 @@ class _PhaseRun:
                     start, end, solo, exposed = record(q, pos + step)
                     delta = jump.shift(jump.periods)
                     return start - delta, end - delta, solo, exposed
-                per = step // jump.periods
+                per = step // jump.periods * jump.units  # positions per cycle: images are whole cycles back
                 back = -(-(pos - head + 1) // per)
                 start, end, solo, exposed = record(q, pos - back * per)
-                return start + jump.shift(back), end + jump.shift(back), solo, exposed
+                return start + jump.shift(back * jump.units), end + jump.shift(back * jump.units), solo, exposed
             raise LagomError(f"no timing for task {pos} of stream {lw.stream_name(q)} in phase {ix.phase.name}")
 
         split = sorted((ix.rank[ix.points[j].device], ix.fuse[j], j) for j in range(len(ix.points)) if lw.decomposed(j))
