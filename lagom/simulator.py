@@ -18,8 +18,10 @@ running, with the same remaining work (to 1e-9). From then on every period repea
 simulator jumps over all but the last period of the band: the clock, exposed comm and per-key sums
 advance by the measured period's, and running tasks hand their progress to their images. It then
 simulates the cool-down. A pipeline converges to its steady state geometrically, so the jump is exact to
-about the tolerance (tests compare it with the full simulation); if the state never repeats, the phase
-is simulated in full.
+about the tolerance (tests compare it with the full simulation). A state that changes by the same factor
+every cycle (of up to three periods) is extrapolated along that series: to its limit where it converges,
+and where it drifts away (a backlog growing each cycle) as far as a probe cycle from the landing state
+confirms it. If the state does none of these, the phase is simulated in full.
 
 Incremental runs. A ``Simulator`` keeps checkpoints of its last runs. A run whose configs differ from
 an earlier one's only in keys whose first collective started late in it (gradient buckets, parameter
