@@ -3,6 +3,7 @@
     python benchmarks/planning_scale.py                       # targets, then the whole grid (long)
     python benchmarks/planning_scale.py --targets             # only the issue's target jobs
     python benchmarks/planning_scale.py --grid --micro-batches 4 16 64 --layers 24 --world 8 64 --no-tune
+    python benchmarks/planning_scale.py --quality 700          # search quality: lagom against exhaustive
 
 Grid: a GPT-3-13B-shaped model (hidden 5120, 40 heads, ffn 20480, seq 2048) with 24, 80 or 128 layers,
 micro-batch 1 and 4 ... 1024 micro-batches per step, on H100 nodes of 8 (h100-sxm-8x-400g with as many
@@ -136,6 +137,47 @@ def row(label: str, m: int, res: dict | None, timeout: float) -> str:
             f"{_fmt(res['warm'], timeout):>8} {tune:>8} {res.get('evaluations', '-'):>6} {res['rss_mb']:>7.0f}")
 
 
+def quality_problem(seed: int):
+    """One problem of the 3-key loop: three collectives on three communicators, the first two released
+    together and needed by the same segment (the shape of tests/test_search.py's
+    three_keys_beside_shared_compute), channels 2, 8 or 32: small enough for exhaustive search."""
+    import random
+
+    from tests.helpers import THREE_CHANNELS, synthetic_problem
+
+    rng = random.Random(seed)
+    n = rng.randint(2, 4)
+    segs = [(rng.uniform(0.05, 1.0), rng.uniform(1.0, 200.0), rng.choice([84, 300, 840, 4000])) for _ in range(n)]
+    shared_after = rng.choice([None, 0])
+    shared_before = rng.choice([None, *range(1 if shared_after == 0 else 0, n)])
+    third_after = rng.choice([None, *range(n - 1)])
+    lo = 0 if third_after is None else third_after + 1
+    wins = [(shared_after, shared_before)] * 2 + [(third_after, rng.choice([None, *range(lo, n)]))]
+    points = []
+    for j, (after, before) in enumerate(wins):
+        nodes = rng.choice([1, 2])
+        points.append({"collective": rng.choice(["all_gather", "reduce_scatter", "all_reduce"]),
+                       "mb": rng.uniform(20.0, 300.0), "after": after, "before": before, "nodes": nodes,
+                       "size": 8 * nodes, "group": f"g{j}"})
+    return synthetic_problem(segs, points, space=THREE_CHANNELS)
+
+
+def quality(count: int) -> None:
+    """Lagom against exhaustive search on ``count`` seeded problems of the 3-key loop."""
+    from lagom.search import run_strategy
+
+    ratios, evaluations, worse = [], [], 0
+    for seed in range(count):
+        problem = quality_problem(seed)
+        found = {name: run_strategy(name, problem) for name in ("nccl", "lagom", "exhaustive")}
+        ratios.append(found["lagom"].result.step_s / found["exhaustive"].result.step_s)
+        evaluations.append(found["lagom"].evaluations)
+        worse += found["lagom"].result.step_s > found["nccl"].result.step_s
+    print(f"{count} problems: lagom at most {max(ratios):.4f} of exhaustive, {sum(r > 1.02 for r in ratios)} over 2%, "
+          f"{sum(r > 1.01 for r in ratios)} over 1%, {worse} worse than nccl, "
+          f"{sum(evaluations) / count:.1f} evaluations on average")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cell", help=argparse.SUPPRESS)
@@ -145,10 +187,15 @@ def main() -> None:
     parser.add_argument("--layers", type=int, nargs="+", default=list(LAYERS))
     parser.add_argument("--world", type=int, nargs="+", default=list(WORLDS), choices=list(WORLDS))
     parser.add_argument("--no-tune", action="store_true", help="time the step only, not `lagom tune`")
+    parser.add_argument("--quality", type=int, metavar="N",
+                        help="only the search-quality loop: lagom against exhaustive on N seeded 3-key problems (700)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per cell (default 600)")
     args = parser.parse_args()
     if args.cell:
         print(json.dumps(run_cell(json.loads(args.cell))))
+        return
+    if args.quality:
+        quality(args.quality)
         return
     both = not args.targets and not args.grid
     tune = not args.no_tune
