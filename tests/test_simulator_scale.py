@@ -47,6 +47,7 @@ def test_the_shipped_1024_gpu_job_and_its_cluster_load():
     assert hw.cluster.nodes == 128 and hw.gpu == load_hardware("h100-sxm-8x-400g").gpu  # inherits the node preset
 
 
+@pytest.mark.slow  # about 20 s: CI's slower tier (make test-slow)
 def test_compare_completes_on_a_1024_gpu_job(tmp_path):
     """`lagom compare` on 1,024 GPUs (8 layers, 16 micro-batches instead of 80 and 256), with progress: the
     comparison the command runs, then the JSON it prints (the command's own wiring is tests/test_cli.py's)."""
