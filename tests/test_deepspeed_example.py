@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from lagom.hardware import load_hardware
 from lagom_deepspeed.config import parse_section
 from tests.distributed import free_port
@@ -16,6 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "deepspeed"
 
 
+@pytest.mark.slow  # the example under its launcher, end to end: CI's slower tier
 def test_tiny_gpt_trains_with_deepspeed_launcher(tmp_path: Path) -> None:
     cfg = json.loads((EXAMPLE / "ds_config_cpu.json").read_text())
     cfg["lagom"] |= {"plan": str(tmp_path / "plan.json"), "report": str(tmp_path / "report")}

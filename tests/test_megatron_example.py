@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 MEGATRON_ARGS = [
@@ -29,6 +31,7 @@ def run_example(cwd: Path, iters: int) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=400)
 
 
+@pytest.mark.slow  # the example under its launcher, end to end: CI's slower tier
 def test_cpu_example_tunes_online_then_reuses_the_cached_plan(tmp_path: Path) -> None:
     first = run_example(tmp_path, iters=6)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-4000:]

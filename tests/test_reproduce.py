@@ -144,6 +144,7 @@ def test_only_rejects_a_workload_outside_the_run(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # both frameworks on real ranks (half a minute): CI's slower tier
 def test_real_runs_find_the_points_of_each_framework_and_keep_the_losses(tmp_path):
     """T5 (the architecture with the most kinds of points) through DeepSpeed ZeRO-3 and megatron-core TP."""
     from lagom_experiments.real import real_markdown, run_real
