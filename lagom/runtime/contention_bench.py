@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from lagom import nccl_tuner
-from lagom.capability import Capability
+from lagom.capability import Capability, Scope
 from lagom.comm_config import CommConfig
 from lagom.contention import ContentionSample, KernelShape
 from lagom.emit import TUNER_COLL, TUNER_RULES_HEADER
@@ -182,7 +182,7 @@ class Collectives:
         self.nccl = "nccl" in str(dist.get_backend()).lower()
         self.source = "nccl" if self.nccl else "gloo"
         self.table: Any = None
-        self.chunk_applies = capability is None or capability.scope("chunk").value == "per_size"
+        self.chunk_applies = capability is None or capability.scope("chunk") == Scope.PER_SIZE
         self.groups: dict[int, Any] = {}
         self.buffers: dict[Collective, tuple[torch.Tensor, torch.Tensor]] = {}
         self.skipped: list[str] = []
