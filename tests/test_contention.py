@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from lagom import contention
+from lagom import contention, nccl_tuner
 from lagom.cli import main
 from lagom.comm_config import CommConfig
 from lagom.contention import ContentionSample, KernelShape, fit, is_held_out, predict, with_constants
@@ -24,6 +24,7 @@ from lagom.hardware import closest_preset, load_hardware, preset_names
 from lagom.points import Collective
 from lagom.resources import HARDWARE_PATH_ENV
 from lagom.runtime import calibrate
+from lagom.runtime.contention_bench import rule_table
 from lagom.validate import measured_results, summarize
 
 BASE = "a100-8x-100g"
@@ -203,3 +204,18 @@ def test_a_workload_gives_its_layer_gemms_at_its_tp_and_its_activation_size() ->
     assert set(settings.comm_bytes.values()) == {8192 * 3072 * 2}
     channels = [c.channels for c in settings.configs()]
     assert channels[:7] == [1, 2, 4, 8, 16, 32, 64]  # the channel sweep comes first: a short budget measures it
+
+
+@pytest.mark.skipif(nccl_tuner.path() is None, reason=nccl_tuner.UNAVAILABLE)
+def test_a_samples_setting_reaches_the_tuner_plugins_table(tmp_path: Path) -> None:
+    """What a sample runs with is what the plugin gives NCCL for that call (buffers rounded to whole elements)."""
+    from lagom.nccl_tuner.live import LiveTable, RuleChoice
+
+    table = LiveTable.create(2, tmp_path)
+    try:
+        cfg = CommConfig(channels=4, protocol="LL128", chunk_bytes=131072)
+        table.put(rule_table(2, Collective.REDUCE_SCATTER, 262144, 1, cfg))
+        assert table.lookup("reduce_scatter", 262144 - 8, 2, 1) == RuleChoice("ring", "ll128", 4, 131072)
+        assert table.lookup("all_gather", 262144, 2, 1) is None  # other collectives stay NCCL's
+    finally:
+        table.close()

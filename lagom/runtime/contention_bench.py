@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from lagom import nccl_tuner
+from lagom.calls import SIZE_TOLERANCE
 from lagom.capability import Capability, Scope
 from lagom.comm_config import CommConfig
 from lagom.contention import ContentionSample, KernelShape
@@ -43,7 +44,8 @@ log = logging.getLogger("lagom.calibrate")
 COLLECTIVES = (Collective.ALL_GATHER, Collective.REDUCE_SCATTER, Collective.ALL_REDUCE)
 WARMUP = 2
 COVER = 1.5  # the background side runs at least this many times the foreground's time
-HEAD_START_S = 20e-6  # the background starts this long before the timed foreground
+HEAD_START_S = 20e-6  # the background starts this long before the timed foreground (CPU threads)
+HEAD_START_CYCLES = 40_000  # the same on a GPU: about 20 us of a spinning kernel at 2 GHz
 
 
 @dataclass(frozen=True)
@@ -110,13 +112,12 @@ class CudaLanes(Lanes):
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.fg, self.bg = torch.cuda.Stream(device), torch.cuda.Stream(device)
-        self.head_start_cycles = int(HEAD_START_S * torch.cuda.get_device_properties(device).clock_rate * 1e3)
 
     def _timed(self, fn: Callable[[], None], head_start: bool) -> float:
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.fg):
             if head_start:
-                torch.cuda._sleep(self.head_start_cycles)
+                torch.cuda._sleep(HEAD_START_CYCLES)
             begin.record()
             fn()
             end.record()
@@ -167,8 +168,10 @@ class Kernel:
 
 
 def rule_table(world: int, coll: Collective, nbytes: int, nodes: int, cfg: CommConfig) -> str:
-    """A live table of one rule: this collective and size on all ``world`` ranks (over ``nodes``), at ``cfg``."""
-    return (f"{TUNER_RULES_HEADER}\nworld {world}\n{TUNER_COLL[str(coll)]} {nbytes} {nbytes} {world} {nodes} "
+    """A live table of one rule: this collective about this size (the buffer is rounded to whole elements per
+    rank, so the rule spans the size tolerance plans use) on all ``world`` ranks over ``nodes``, at ``cfg``."""
+    low, high = math.floor(nbytes * (1 - SIZE_TOLERANCE)), math.ceil(nbytes * (1 + SIZE_TOLERANCE))
+    return (f"{TUNER_RULES_HEADER}\nworld {world}\n{TUNER_COLL[str(coll)]} {low} {high} {world} {nodes} "
             f"{cfg.algorithm} {str(cfg.protocol).lower()} {cfg.channels} {cfg.chunk_bytes}\n")
 
 
