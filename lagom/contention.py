@@ -19,8 +19,6 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from scipy.optimize import minimize
-
 from lagom.comm_config import CommConfig
 from lagom.cost_model import CostModel, RunningComm
 from lagom.errors import ConfigError
@@ -227,6 +225,8 @@ def _descend(base: Hardware, samples: list[ContentionSample], start: dict[str, f
         for c in CONSTANTS:
             values[c.key] = _best_on(lambda v, key=c.key: _loss(with_constants(base, {**values, key: v}), samples),
                                      c.low, c.high, values[c.key])
+
+    from scipy.optimize import minimize  # only a fit needs it: `lagom validate` reads samples without it
 
     def loss(x: Any) -> float:
         return _loss(with_constants(base, {**values, **{c.key: float(v) for c, v in zip(CONSTANTS, x)}}), samples)
