@@ -182,14 +182,13 @@ def _recorder_events() -> str:
 
 
 def _options_read_back() -> str:
+    import torch
     import torch.distributed as dist
 
     from lagom.runtime.apply import nccl_options
 
     cfg = {"max_ctas": 4, "min_ctas": 2, "is_high_priority_stream": True}
     group = dist.new_group([0], pg_options=nccl_options(cfg))
-    import torch
-
     backend = group._get_backend(torch.device("cuda"))
     options = backend.options
     got = {"max_ctas": options.config.max_ctas, "min_ctas": options.config.min_ctas,

@@ -221,10 +221,9 @@ def measure(sizes: list[int], iters: int, device: torch.device, budget_s: float 
             nbytes, call = _ops(coll, size, device)
             rows.append([nbytes, _best_time(call, iters, device)])
         if rows:
-            slowest = torch.tensor([s for _, s in rows], dtype=torch.float64, device=device)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            slowest = contention_bench.agree_max([s for _, s in rows], device)
             if len(rows) >= 2:
-                samples[coll.value] = [[b, _sig(s)] for (b, _), s in zip(rows, slowest.tolist())]
+                samples[coll.value] = [[b, _sig(s)] for (b, _), s in zip(rows, slowest)]
         if len(rows) < len(sizes):
             log.warning("calibration stopped after %.1f s (budget): %s measured", budget_s, ", ".join(samples) or "nothing")
             break
@@ -446,7 +445,7 @@ def bench_settings(args: argparse.Namespace, base: Hardware) -> BenchSettings:
     default = CommConfig(channels=base.nccl.default_channels, threads=base.nccl.default_threads,
                          chunk_bytes=base.nccl.default_chunk_bytes)
     return BenchSettings(kernels=shapes, comm_bytes=dict.fromkeys(contention_bench.COLLECTIVES, comm_bytes),
-                         channels=channels, chunks=chunks, protocols=protocols, threads=base.nccl.default_threads,
+                         channels=channels, chunks=chunks, protocols=protocols,
                          default=default, repeats=args.repeats, budget_s=float(args.budget_s))
 
 

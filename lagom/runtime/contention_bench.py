@@ -57,14 +57,13 @@ class BenchSettings:
     channels: tuple[int, ...]
     chunks: tuple[int, ...]
     protocols: tuple[str, ...]
-    threads: int
-    default: CommConfig  # NCCL's default setting on the base profile
+    default: CommConfig  # NCCL's default setting on the base profile (its threads run every setting)
     repeats: int
     budget_s: float
 
     def configs(self) -> list[CommConfig]:
         """Channel sweep at the default chunk and protocol, then other chunks, then other protocols."""
-        base = replace(self.default, threads=self.threads)
+        base = self.default
         out = [replace(base, channels=c) for c in self.channels]
         out += [replace(base, chunk_bytes=c) for c in self.chunks if c != base.chunk_bytes]
         out += [replace(base, protocol=p) for p in self.protocols if p != str(base.protocol)]
@@ -140,12 +139,17 @@ class CudaLanes(Lanes):
 # Kernels and collectives
 
 
+def dtype_on(device: torch.device) -> torch.dtype:
+    """bf16 as training runs on a GPU; fp32 on CPU, where bf16 matmuls are emulated and not what a job runs."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 class Kernel:
     """A compute kernel by shape on this device, with inputs redrawn on ``refresh``."""
 
     def __init__(self, shape: KernelShape, device: torch.device) -> None:
         self.shape = shape
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        dtype = dtype_on(device)
         if shape.gemm is not None:
             m, n, k = shape.gemm
             self.a, self.b = torch.empty(m, k, device=device, dtype=dtype), torch.empty(k, n, device=device, dtype=dtype)
@@ -234,7 +238,7 @@ class Collectives:
             self.table.put(rule_table(self.world, coll, nbytes, self.nodes, cfg))
         group = self._group(cfg)
         if coll not in self.buffers:
-            dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+            dtype = dtype_on(self.device)
             elements = max(self.world, nbytes // (torch.finfo(dtype).bits // 8) // self.world * self.world)
             full = torch.empty(elements, device=self.device, dtype=dtype)
             self.buffers[coll] = (full, torch.empty(elements // self.world, device=self.device, dtype=dtype))
@@ -297,7 +301,7 @@ class EmulatedCollectives:
 # The sweep
 
 
-def _agree_max(values: list[float], device: torch.device) -> list[float]:
+def agree_max(values: list[float], device: torch.device) -> list[float]:
     """The slowest rank's figures (every rank calls this at the same point of the schedule)."""
     if not dist.is_initialized():
         return values
@@ -328,13 +332,13 @@ def _sample(settings: BenchSettings, lanes: Lanes, comms: Collectives | Emulated
         fn()
     kernel_alone = _median(lambda: lanes.alone(kernel), refresh, settings.repeats)
     comm_alone = _median(lambda: lanes.alone(call), refresh, settings.repeats)
-    kernel_alone, comm_alone = _agree_max([kernel_alone, comm_alone], device)
+    kernel_alone, comm_alone = agree_max([kernel_alone, comm_alone], device)
     # the background covers the whole foreground; counts from agreed times, so every rank issues as many collectives
     comm_calls = math.ceil(COVER * kernel_alone / comm_alone) + 1
     kernel_calls = math.ceil(COVER * comm_alone / kernel_alone) + 1
     kernel_beside = _median(lambda: lanes.beside(kernel, call, comm_calls), refresh, settings.repeats)
     comm_beside = _median(lambda: lanes.beside(call, kernel, kernel_calls), refresh, settings.repeats)
-    kernel_beside, comm_beside = _agree_max([kernel_beside, comm_beside], device)
+    kernel_beside, comm_beside = agree_max([kernel_beside, comm_beside], device)
     nbytes = settings.comm_bytes[coll]
     sample_id = f"{kernel.shape.label}/{coll}-{nbytes}/ch{cfg.channels}-ck{cfg.chunk_bytes}-{str(cfg.protocol).lower()}"
     return ContentionSample(sample_id, kernel.shape, coll, nbytes, comms.world, comms.nodes, cfg, comms.source,

@@ -256,8 +256,9 @@ def _refit_compute(cal: Calibration, model: CalibratedModel, observations: list[
         return statistics.fmean(_step_errors(cal, model, observations))
 
     low, high = max(lo, model.compute_scale / 4), min(hi, model.compute_scale * 4)
-    if mean_error(low) > 0 or mean_error(high) < 0:  # outside what scaling compute reaches: keep the nearer edge
-        model.compute_scale = low if mean_error(low) > 0 else high
+    at_low, at_high = mean_error(low), mean_error(high)
+    if at_low > 0 or at_high < 0:  # outside what scaling compute reaches: keep the nearer edge
+        model.compute_scale = low if at_low > 0 else high
     else:
         while high / low > 1 + REFIT_TOLERANCE:
             mid = math.sqrt(low * high)
