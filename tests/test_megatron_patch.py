@@ -184,6 +184,7 @@ WITHOUT_LAGOM = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a second megatron start-up (about 11 s): CI's slower tier
 def test_patched_megatron_runs_where_lagom_does_not_import(copy: Path) -> None:
     patch_megatron(copy)
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "PYTHONWARNINGS": "ignore"}
