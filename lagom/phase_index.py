@@ -13,16 +13,13 @@ skip whole periods once it sees its state repeat (see ``lagom.simulator``).
 
 from __future__ import annotations
 
-import gc
 from bisect import bisect_left
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from operator import attrgetter
 
 from lagom.comm_config import can_decompose
 from lagom.errors import LagomError
-from lagom.points import Phase
+from lagom.points import Phase, collector_paused
 
 SLOT = 1 << 32  # compute and P2P positions: segment index * SLOT + piece (pieces of one segment < SLOT)
 NONE = -1
@@ -55,26 +52,11 @@ class Band:
     slots: list[tuple[int, list[tuple[int, int]]]]  # per stream: (points per period, [lo, hi) slot spans)
 
 
-@contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Building an index allocates hundreds of thousands of small containers that all stay alive; the
-    cyclic garbage collector would rescan the growing heap again and again (nearly half the time on a
-    1,024-GPU job) for nothing to free. Paused only while building, and only if it was on."""
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
-
-
 class PhaseIndex:
     """Positions, dependencies and the periodic band of one phase (independent of configs and model)."""
 
     def __init__(self, phase: Phase) -> None:
-        with _collector_paused():
+        with collector_paused():
             self._build(phase)
 
     def _build(self, phase: Phase) -> None:
@@ -160,7 +142,7 @@ class PhaseIndex:
     @property
     def band(self) -> Band | None:
         if self._band is False:
-            with _collector_paused():
+            with collector_paused():
                 self._band = _find_band(self)
         return self._band  # type: ignore[return-value]
 

@@ -9,11 +9,13 @@ Whatever runs between the two is the compute the collective can hide under.
 
 from __future__ import annotations
 
+import gc
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from enum import StrEnum
+from functools import partial
 
 from lagom.calls import TuningKey
 from lagom.hardware import Hardware
@@ -38,7 +40,7 @@ class Group:
     nodes: int
 
 
-@dataclass
+@dataclass(slots=True)
 class ComputeSegment:
     """A group of kernels between two communication events on one device's compute stream."""
 
@@ -49,7 +51,7 @@ class ComputeSegment:
     device: int = 0
 
 
-@dataclass
+@dataclass(slots=True)
 class OverlapPoint:
     """One collective call of the step.
 
@@ -140,6 +142,29 @@ class _Pending:
     wait: int  # how many more segments until the one that waits for it
 
 
+@dataclass
+class _Block:
+    """One micro-batch's forward or backward on one stage: the names of its first and last segments."""
+
+    first: str
+    last: str
+
+
+@dataclass
+class _Template:
+    """A block as recorded once per stage and kind, to stamp for every other micro-batch: its segments and
+    collectives (names under ``prefix``), each collective's after, before and fused segment by where a
+    stamp finds them, collectives still waiting at its end (index, segments to go), and the layers whose
+    gradients it completes (offsets of their last segments)."""
+
+    prefix: str
+    segments: list[ComputeSegment]
+    points: list[OverlapPoint]
+    refs: list[tuple[int, int, int]]  # per collective: its after, before and fused segment, as ``stamp`` finds them
+    pending: list[tuple[int, int]]
+    ready: dict[int | str, int]
+
+
 class _DeviceStream:
     """Appends segments in compute order and wires collectives to the segments around them."""
 
@@ -186,6 +211,51 @@ class _DeviceStream:
         if wait is not None:
             self._pending.append(_Pending(point, wait))
         return point
+
+    def record(self, build: Callable[[], _Block], ready: dict[int | str, str]) -> tuple[_Block, _Template | None]:
+        """Run ``build`` (one block appended to this stream) and keep it as a template for ``stamp``; None
+        where it refers to a segment before the one that precedes it (a stamp could not place that)."""
+        a, pa = len(self.segments), len(self.points)
+        before_ready = dict(ready)
+        block = build()
+        # where a stamp finds each name: [the segment before the block, the block's segments, "next", None]
+        index: dict[str | None, int] = {seg.name: n - a + 1 for n, seg in enumerate(self.segments[max(0, a - 1):], max(0, a - 1))}
+        index.update({"next": -2, None: -1})
+        first = {None: 0} if a == 0 else {}  # released before any segment: after "the one before the block"
+        pending = {id(pend.point): pend.wait for pend in self._pending}
+        refs = [(first.get(pt.after, index.get(pt.after)), index.get(pt.before), index.get(pt.fuse_with))
+                for pt in self.points[pa:]]
+        marks = {key: index.get(name, 0) - 1 for key, name in ready.items() if before_ready.get(key) != name}
+        if any(after is None or after < 0 or before is None or fuse is None for after, before, fuse in refs) \
+                or any(offset < 0 for offset in marks.values()):
+            return block, None
+        left = [(n, pending[id(pt)]) for n, pt in enumerate(self.points[pa:]) if id(pt) in pending]
+        return block, _Template(self.prefix, self.segments[a:], self.points[pa:], refs, left, marks)  # type: ignore[arg-type]
+
+    def stamp(self, t: _Template, ready: dict[int | str, str]) -> _Block:
+        """Append a copy of a recorded block under this stream's prefix: the same segments and collectives,
+        every reference moved to the copy (collectives still waiting from earlier blocks are wired as
+        ``seg`` wires them)."""
+        a, cut, prefix, device, phase = len(self.segments), len(t.prefix), self.prefix, self.device, self.phase
+        segs = [ComputeSegment(prefix + s.name[cut:], s.flops, s.bytes, s.ctas, device) for s in t.segments]
+        names = [self.segments[-1].name if a else None] + [s.name for s in segs] + ["next", None]
+        self.segments.extend(segs)
+        still = []
+        for pend in self._pending:
+            if pend.wait < len(names) - 2:
+                pend.point.before = names[pend.wait]
+                if pend.point.fuse_with == "next":
+                    pend.point.fuse_with = pend.point.before
+            else:
+                pend.wait -= len(segs)
+                still.append(pend)
+        new = [OverlapPoint(prefix + pt.name[cut:], pt.collective, pt.group, pt.bytes, names[after], names[before],
+                            device, None, names[fuse], phase)
+               for pt, (after, before, fuse) in zip(t.points, t.refs)]
+        self.points.extend(new)
+        self._pending = still + [_Pending(new[n], wait) for n, wait in t.pending]
+        ready.update((key, segs[offset].name) for key, offset in t.ready.items())
+        return _Block(segs[0].name, segs[-1].name)
 
 
 class _StepBuilder:
@@ -429,14 +499,6 @@ def _stage_layers(wl: Workload, stage: int) -> list[tuple[int, str]]:
     return [(i, kinds[i]) for i in range(stage * per, (stage + 1) * per)]
 
 
-@dataclass
-class _Block:
-    """One micro-batch's forward or backward on one stage: the names of its first and last segments."""
-
-    first: str
-    last: str
-
-
 def _dp_group(b: _StepBuilder) -> Group:
     """The group dense gradients are reduced over (and the distributed optimizer shards over)."""
     return b.groups["dp_cp" if b.wl.parallel.cp > 1 else "dp"]
@@ -585,8 +647,34 @@ def _optimizer(b: _StepBuilder, s: _DeviceStream, stage: int, stage_params: floa
         s.comm("param.ag0", Collective.ALL_GATHER, dp, stage_params * b.b, wait=None)
 
 
-def points_for(wl: Workload, hw: Hardware) -> StepGraph:
-    """Derive the compute segments and every overlap point of one training step."""
+def points_for(wl: Workload, hw: Hardware, *, stamped: bool = True) -> StepGraph:
+    """Derive the compute segments and every overlap point of one training step.
+
+    A pipeline stage's forwards (and backwards) are the same block for every micro-batch: ``stamped``
+    builds each kind once per stage and copies it for the other micro-batches, so the cost of the model's
+    arithmetic does not grow with them. ``stamped=False`` builds every block from the arithmetic (the
+    same graph, slower: what the stamped one is tested against)."""
+    with collector_paused():
+        return _points_for(wl, hw, stamped)
+
+
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Building a step graph or its index allocates hundreds of thousands of small objects that all stay
+    alive; the cyclic garbage collector would rescan the growing heap again and again (a third of the
+    time of a 128-micro-batch graph, nearly half of a 1,024-GPU job's index) for nothing to free.
+    Paused only while building, and only if it was on."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def _points_for(wl: Workload, hw: Hardware, stamped: bool) -> StepGraph:
     b = _StepBuilder(wl, hw)
     p = wl.parallel
     sharded_params = p.fsdp or p.zero_stage == 3
@@ -643,15 +731,16 @@ def points_for(wl: Workload, hw: Hardware) -> StepGraph:
             one_micro("micro", per_micro_grads, m - 1)
         one_micro("last", True, 1)
     else:
-        phases.append(_pipeline_phase(b, wl, micro, stage_params))
+        phases.append(_pipeline_phase(b, wl, micro, stage_params, stamped))
     for phase in phases:
         names = [pt.name for pt in phase.points]
         assert len(names) == len(set(names)), f"duplicate point names in phase {phase.name}"
     return StepGraph(wl.name, hw.name, p.pp, phases, b.groups)
 
 
-def _pipeline_phase(b: _StepBuilder, wl: Workload, micro, stage_params) -> Phase:
-    """The 1F1B schedule of every stage, with activation and gradient send/recv between neighbours."""
+def _pipeline_phase(b: _StepBuilder, wl: Workload, micro, stage_params, stamped: bool) -> Phase:
+    """The 1F1B schedule of every stage, with activation and gradient send/recv between neighbours; with
+    ``stamped``, each kind of block is built once per stage and stamped for the other micro-batches."""
     p, m = wl.parallel, wl.microbatches
     pp = b.groups["pp"]
     act_bytes = b.tokens * wl.model.hidden * b.b / (b.groups["tp"].size if p.sequence_parallel else 1)
@@ -670,10 +759,18 @@ def _pipeline_phase(b: _StepBuilder, wl: Workload, micro, stage_params) -> Phase
             order.append(("B", b_next))
             b_next += 1
         ready: dict[int | str, str] = {}
+        templates: dict[tuple[bool, bool], _Template | None] = {}
         for kind, i in order:
             s.prefix = f"s{st}.mb{i}."
-            last_b = kind == "B" and i == m - 1
-            block = micro(s, st, kind == "B", last_b or p.fsdp or p.zero_stage >= 2, ready)
+            backward = kind == "B"
+            grads = (backward and i == m - 1) or p.fsdp or p.zero_stage >= 2
+            template = templates.get((backward, grads))
+            if template is not None:
+                block = s.stamp(template, ready)
+            elif stamped and (backward, grads) not in templates:
+                block, templates[(backward, grads)] = s.record(partial(micro, s, st, backward, grads, ready), ready)
+            else:
+                block = micro(s, st, backward, grads, ready)
             (fwd if kind == "F" else bwd)[(st, i)] = block
         s.prefix = f"s{st}."
         if not (p.fsdp or p.zero_stage == 3):  # sharded parameters reduce-scatter per layer instead

@@ -138,3 +138,35 @@ def test_megatron_bucket_layout_rules_by_hand():
     assert sizes(megatron_buckets(shared, 100, 4, True)) == [256, 128, 128]  # 30 @256 closes at 320 -> 384
     assert sizes(megatron_buckets(shared, None, 4, True)) == [256, 128]
     assert sizes(megatron_buckets(shared, 100, 4, False)) == [120, 130]  # only the optimizer's layout splits it
+
+
+PIPELINES = [  # (hardware, overrides): pipelines whose blocks differ in kind (t5, moe, cp, fsdp, zero-2 style grads)
+    ("a100-8x-100g", {"model": {"layers": 4}, "parallel": {"tp": 2, "dp": 1, "pp": 4}}),
+    ("a100-8x-100g", {"model": {"architecture": "t5", "layers": 2, "decoder_layers": 2},
+                      "parallel": {"tp": 2, "dp": 1, "pp": 4}}),
+    ("a40-2x8-nvlink", {"model": {"architecture": "moe", "layers": 4, "experts": 4, "top_k": 2, "moe_ffn": 512,
+                                  "shared_experts": 1},
+                        "parallel": {"tp": 1, "dp": 4, "ep": 2, "pp": 2, "sequence_parallel": False}}),
+    ("h100-sxm-8x-400g", {"model": {"layers": 4}, "parallel": {"tp": 2, "cp": 2, "dp": 1, "pp": 2}}),
+    ("a100-8x-100g", {"model": {"layers": 4}, "parallel": {"tp": 1, "dp": 4, "pp": 2, "fsdp": True,
+                                                            "sequence_parallel": False}}),
+]
+
+
+def test_stamped_pipeline_graph_is_the_graph_built_block_by_block(tmp_path):
+    """Stamping each stage's forward and backward for every micro-batch gives the graph the model's
+    arithmetic gives block by block: every segment, collective and wiring equal, with odd micro-batch
+    counts, fewer micro-batches than stages (all warm-up and cool-down) and many."""
+    from lagom.cost_model import CostModel
+    from lagom.simulator import simulate
+
+    for hardware, overrides in PIPELINES:
+        pp, dp = overrides["parallel"]["pp"], overrides["parallel"]["dp"]
+        for m in (1, 3, pp + 1, 2 * pp + 3):
+            wl, hw = load(tmp_path, hardware, training={"micro_batch": 1, "global_batch": m * dp}, **overrides)
+            stamped, built = points_for(wl, hw), points_for(wl, hw, stamped=False)
+            assert stamped == built, (overrides, m)
+            assert len(stamped.points) == len({p.name for p in stamped.points})
+            if m == 2 * pp + 3 and overrides is PIPELINES[0][1]:
+                model = CostModel(hw)
+                assert simulate(stamped, {}, model).step_s == simulate(built, {}, model).step_s
