@@ -221,7 +221,7 @@ class _DeviceStream:
         # where a stamp finds each name: [the segment before the block, the block's segments, "next", None]
         index: dict[str | None, int] = {seg.name: n - a + 1 for n, seg in enumerate(self.segments[max(0, a - 1):], max(0, a - 1))}
         index.update({"next": -2, None: -1})
-        first = {None: 0} if a == 0 else {}  # released before any segment: after "the one before the block"
+        first: dict[str | None, int] = {None: 0} if a == 0 else {}  # released before any segment: after "the one before the block"
         pending = {id(pend.point): pend.wait for pend in self._pending}
         refs = [(first.get(pt.after, index.get(pt.after)), index.get(pt.before), index.get(pt.fuse_with))
                 for pt in self.points[pa:]]
