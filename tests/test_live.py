@@ -123,3 +123,22 @@ def test_stopping_ends_the_search_thread_mid_search() -> None:
     assert threading.active_count() == before + 1
     live.stop()
     assert threading.active_count() == before and not live.done
+
+
+def test_a_drift_re_tune_moves_only_the_keys_that_drifted() -> None:
+    """``only``: the keys the monitor put a drift down to are searched; every other key keeps what is in force."""
+    problem = two_all_reduces_one_gemm()
+    truth = simulated(problem)
+    reference = nccl_configs(problem)
+    moved, *others = sorted(problem.keys)
+    live = LiveSearch(problem, Simulator(problem.graph), reference, budget_steps=10_000, budget_s=1e9,
+                      only={moved}, first_trial=7)
+    history = drive(live, truth, seed=0)
+    assert live.trials and live.trials[0].id == "t7"  # numbered on from the job's earlier round
+    assert all(set(t.changed) <= {moved} for t in live.trials)
+    assert all(configs[k] == reference[k] for configs in history for k in others)
+    assert all(live.final[k] == reference[k] for k in others)
+    assert live.evaluations <= 1 + max_checks_per_key(problem)  # one key's worth of checks
+    everything = LiveSearch(problem, Simulator(problem.graph), reference, budget_steps=10_000, budget_s=1e9)
+    drive(everything, truth, seed=0)
+    assert any(set(t.changed) - {moved} for t in everything.trials), "the full search does try the other keys"

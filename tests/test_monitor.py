@@ -88,3 +88,44 @@ def test_bad_settings_name_the_key(kwargs, key):
     args = {"expected_step_s": 1.0, "bound_s": 0.5, **kwargs}
     with pytest.raises(ConfigError, match=re.escape(key)):
         Monitor(**args)
+
+
+def timed(durations: dict[str, float]) -> list[CallRecord]:
+    """One call per key, each taking its given seconds."""
+    out = []
+    for seq, (key, seconds) in enumerate(durations.items()):
+        group, coll, size = key.rsplit("/", 2)
+        out.append(CallRecord(group, coll, int(size), seq, 0, 0.0, seconds))
+    return out
+
+
+def test_a_drift_is_put_down_to_the_keys_whose_calls_got_slower():
+    plan_keys = ["dp/all_reduce/1000000", "tp/all_gather/65536", "pp/send_recv/4096"]
+    mon = Monitor(expected_step_s=1.0, bound_s=0.9, threshold=0.1, warmup=3, window=4, keys=plan_keys)
+    steady = {"dp/all_reduce/1024000": 0.02, "tp/all_gather/65536": 0.01, "pp/send_recv/4096": 0.005}
+    for _ in range(5):
+        assert mon.observe(1.0, timed(steady)) is None
+    # the data-parallel all-reduce is 3x slower per call (a congested link), the others as before
+    slow = dict(steady, **{"dp/all_reduce/1024000": 0.06})
+    reasons = [mon.observe(1.3, timed(slow)) for _ in range(6)]
+    fired = [r for r in reasons if r]
+    assert len(fired) == 1 and fired[0].endswith("slower per call: dp/all_reduce/1000000")
+    assert mon.drifted == frozenset({"dp/all_reduce/1000000"})
+
+
+def test_a_drift_no_key_accounts_for_asks_for_a_whole_re_tune():
+    mon = Monitor(expected_step_s=1.0, bound_s=0.9, threshold=0.1, warmup=2, window=2, keys=["dp/all_reduce/8"])
+    for _ in range(3):
+        mon.observe(1.0, timed({"dp/all_reduce/8": 0.01}))
+    reasons = [mon.observe(1.5, timed({"dp/all_reduce/8": 0.0105})) for _ in range(3)]  # compute slowed, not the call
+    assert any(reasons) and mon.drifted is None
+    assert not any("slower per call" in r for r in reasons if r)
+
+
+def test_without_plan_keys_a_slower_key_is_named_as_the_job_issues_it():
+    mon = Monitor(expected_step_s=1.0, bound_s=0.9, threshold=0.1, warmup=2, window=2)
+    for _ in range(3):
+        mon.observe(1.0, timed({"dp/all_reduce/4096": 0.01, "tp/all_gather/64": 0.01}))
+    for _ in range(3):
+        mon.observe(1.4, timed({"dp/all_reduce/4096": 0.01, "tp/all_gather/64": 0.05}))
+    assert mon.drifted == frozenset({"tp/all_gather/64"})

@@ -158,8 +158,10 @@ class LiveSearch:
     def __init__(self, problem: Problem, simulator: Simulator, reference: Configs, *,
                  max_channels: dict[str, int] | None = None, budget_steps: int = 100,
                  budget_s: float = DEFAULT_BUDGET_S, window: int = WINDOW, noise_steps: int = NOISE_STEPS,
-                 z: float = Z) -> None:
+                 z: float = Z, only: set[str] | None = None, first_trial: int = 1) -> None:
         self.problem, self.simulator = problem, simulator
+        self.only = only  # the keys searched (those that drifted); None: every key
+        self.first_trial = first_trial  # trial ids go on from an earlier round's in the same job
         self.reference = dict(reference)
         self.max_channels = max_channels or {}
         # the chunk is live only where the plugin sets it per size; else it is NCCL_BUFFSIZE, per process
@@ -219,7 +221,7 @@ class LiveSearch:
     def _search(self) -> None:
         try:
             start = SearchResult("live", dict(self.reference), self.evaluate(self.reference), 0)
-            self.result = search(self.problem, self, start)
+            self.result = search(self.problem, self, start, only=self.only)
         except BaseException as err:  # noqa: BLE001 - told to the step loop, which ends tuning on the reference
             self.error = err
         finally:
@@ -320,7 +322,7 @@ class LiveSearch:
         self.observations += [Observation(dict(configs), window.mean, window.key_means()),
                               Observation(dict(self.reference), reference.mean, reference.key_means())]
         self.trials.append(Trial(
-            f"t{len(self.trials) + 1}", window.steps, changed(configs, self.reference),
+            f"t{self.first_trial + len(self.trials)}", window.steps, changed(configs, self.reference),
             {"step_s": predicted.step_s,
              "collectives_s": {k: r["time"] / r["count"] for k, r in per_key.items() if r["count"]}},
             {"step_s": window.mean, "collectives_s": window.key_means(), "reference_step_s": reference.mean},

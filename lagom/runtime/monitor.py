@@ -4,6 +4,11 @@ Two signs: the overlap efficiency (the physical bound of a step over its measure
 clearly below what it was when the plan went into force, or the job issues collectives the plan
 never saw (another batch size, sequence length or bucket layout). Each is reported once; after a
 drift the baseline is measured afresh, so a re-tune is asked for once per change, not every step.
+
+A fall in efficiency is put down to the keys whose collectives got slower per call, against their own
+time over the baseline's steps, by more than the threshold (``drifted``): online mode re-tunes those
+keys on live steps and leaves the rest as they are. A drift no key accounts for, or new sizes the plan
+never saw, asks for a whole re-tune (``drifted`` None).
 """
 
 from __future__ import annotations
@@ -52,6 +57,9 @@ class Monitor:
         self._reference: set[str] = set(keys or ())
         self._index: KeyIndex | None = KeyIndex(self._reference, size_tolerance) if keys is not None else None
         self._seen: set[str] = set()  # keys already judged (matched or reported)
+        self.drifted: frozenset[str] | None = None  # after a drift: the keys it is put down to (None: no key)
+        self._key_base: dict[str, list[float]] = {}  # key -> [sum of per-call seconds, steps] over the baseline
+        self._key_recent: dict[str, deque[float]] = {}  # key -> its per-call seconds over the recent steps
 
     @property
     def efficiency(self) -> float | None:
@@ -73,15 +81,22 @@ class Monitor:
         if not step_s > 0:
             raise ConfigError("Monitor.observe step_s", f"must be positive, got {step_s}")
         reasons = []
+        new = None
         if records is not None:
+            records = list(records)
             new = self._new_keys(records)
             if new:
                 reasons.append(new)
+            self._per_key(records)
+        slower = self._slower_keys()
         drift = self._efficiency(self.bound_s / step_s, step_s)
         if drift:
             reasons.append(drift)
         if not reasons:
             return None
+        self.drifted = frozenset(slower) if drift and not new and slower else None
+        if self.drifted:
+            reasons.append(f"slower per call: {self._shown(sorted(self.drifted))}")
         reason = "; ".join(reasons)
         log.warning("%s", reason)
         return reason
@@ -108,7 +123,42 @@ class Monitor:
         self.baseline, self._warm_sum, self._warm_step_sum, self._warm_n = None, 0.0, 0.0, 0
         self._recent.clear()
         self._recent_sum = 0.0
+        self._key_base.clear()
+        self._key_recent.clear()
         return reason
+
+    def _per_key(self, records: list[CallRecord]) -> None:
+        """Each key's mean seconds per call this step: into its baseline while that is measured, else into
+        its recent steps. Keys are the plan's, or while the reference is still learned, the step's own."""
+        calls: dict[str, list[float]] = {}
+        for r in records:
+            key = r.key if self._index is None else self._index.match(r.key)
+            if key is not None:
+                row = calls.setdefault(key, [0.0, 0.0])
+                row[0] += 1
+                row[1] += r.duration_s
+        for key, (n, total) in calls.items():
+            if self.baseline is None:
+                base = self._key_base.setdefault(key, [0.0, 0.0])
+                base[0] += total / n
+                base[1] += 1
+            elif key in self._key_base:
+                self._key_recent.setdefault(key, deque(maxlen=self.window)).append(total / n)
+
+    def _slower_keys(self) -> list[str]:
+        """Keys whose recent calls are slower than over the baseline by more than the threshold."""
+        out = []
+        for key, recent in self._key_recent.items():
+            total, steps = self._key_base[key]
+            if len(recent) >= min(self.warmup, self.window) and \
+                    sum(recent) / len(recent) > total / steps * (1 + self.threshold):
+                out.append(key)
+        return out
+
+    @staticmethod
+    def _shown(keys: list[str]) -> str:
+        more = len(keys) - MAX_KEYS_SHOWN
+        return ", ".join(keys[:MAX_KEYS_SHOWN]) + (f" and {more} more" if more > 0 else "")
 
     def _set_baseline(self) -> None:
         self.baseline = self._warm_sum / self._warm_n
@@ -131,5 +181,4 @@ class Monitor:
         new = sorted(k for k in unseen if self._index.match(k) is None)
         if not new:
             return None
-        shown = ", ".join(new[:MAX_KEYS_SHOWN]) + (f" and {len(new) - MAX_KEYS_SHOWN} more" if len(new) > MAX_KEYS_SHOWN else "")
-        return f"new collective sizes seen: {shown} ({'not in the plan' if self._from_plan else 'not seen during warm-up'})"
+        return f"new collective sizes seen: {self._shown(new)} ({'not in the plan' if self._from_plan else 'not seen during warm-up'})"

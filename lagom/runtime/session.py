@@ -253,6 +253,7 @@ class TuningSession:
         self.iteration = 0
         self._t0 = 0.0
         self._drift: str | None = None
+        self._drift_keys: set[str] | None = set()  # plan keys the drifts since the last agreement are put down to; None: all
 
     # -- start-up ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -469,7 +470,9 @@ class TuningSession:
         an agreement every rank took part in; when the agreement itself fails, they stay as they are.
         """
         try:
-            values = self.control.max([float(self.failure is not None), float(self._drift is not None),
+            order = self._drift_order()
+            values = self.control.max([float(self.failure is not None), self._drift_level(),
+                                       *(float(self._drift_keys is None or k in self._drift_keys) for k in order),
                                        *self._live_values()], f"the agreement of step {self.iteration}")
         except Exception as err:  # noqa: BLE001 - a peer missing: nothing more can be agreed
             self.switch_off(str(err), agreed=False)
@@ -479,8 +482,9 @@ class TuningSession:
                             "another rank (its log says what)", agreed=True)
             return None
         try:
+            flags, live = values[2:2 + len(order)], values[2 + len(order):]
             if self.live_on:
-                return self._live_step(values[2:])
+                return self._live_step(live)
             if self.tuning and self.tuner is not None:
                 plan = self.tuner.decide(self.control)
                 self.tuning = False
@@ -490,20 +494,37 @@ class TuningSession:
                     self._start_live()
                 return plan
             self._next_agreement = self.steps_seen + self.options.drift_check_steps
-            if values[1] > 0 and self.tuner is not None:
+            drifted = {k for k, flag in zip(order, flags) if flag > 0}
+            why = self._drift or "drift seen on another rank"
+            if values[1] == 1 and drifted and self.options.tune_steps > self.calibration_steps:
+                self.event(f"step {self.iteration}: {why}; re-tuning {', '.join(sorted(drifted))} on live steps")
+                self._start_live(only=drifted)
+            elif values[1] > 0 and self.tuner is not None:
                 self.tuner.reset()
                 self._measuring(self.plan)  # type: ignore[arg-type]
                 self.baseline = None
-                self.event(f"step {self.iteration}: {self._drift or 'drift seen on another rank'}; re-tuning from "
-                           f"the next {self.calibration_steps} steps")
-            self._drift = None
+                self.event(f"step {self.iteration}: {why}; re-tuning from the next {self.calibration_steps} steps")
+            self._drift, self._drift_keys = None, set()
         except Exception as err:  # noqa: BLE001 - rank 0's error reaches every rank; a local one must not fail the job
             self.switch_off(f"{type(err).__name__}: {err}", agreed=False)
         return None
 
+    def _drift_order(self) -> list[str]:
+        """The plan keys whose drift flags the agreement carries (none while tuning: no drift is watched)."""
+        if self.plan is None or self.live_on or self.tuning:
+            return []
+        return sorted(e.key for e in self.plan.entries)
+
+    def _drift_level(self) -> float:
+        """0: no drift on this rank; 1: drifts put down to plan keys (re-tune those live); 2: re-tune all."""
+        if self._drift is None:
+            return 0.0
+        return 2.0 if self._drift_keys is None or not self._drift_keys else 1.0
+
     # -- live tuning ------------------------------------------------------------------------------
-    def _start_live(self) -> None:
-        """Try settings on the next steps, every step an agreed one; rank 0 runs the search (``lagom.runtime.live``)."""
+    def _start_live(self, only: set[str] | None = None) -> None:
+        """Try settings on the next steps, every step an agreed one; rank 0 runs the search (``lagom.runtime.live``)
+        over every key, or over ``only`` (keys that drifted) with the others kept as they are."""
         plan = self.plan
         assert plan is not None and self.tuner is not None
         self.live_reference = plan
@@ -516,7 +537,8 @@ class TuningSession:
             cal = self.tuner.calibration
             reference = {k: cfg for k, cfg in plan.configs().items() if k in cal.problem.keys}
             self.live = LiveSearch(cal.problem, cal.simulator, reference, max_channels=self._max_channels(),
-                                   budget_steps=budget, budget_s=self.options.tune_seconds)
+                                   budget_steps=budget, budget_s=self.options.tune_seconds, only=only,
+                                   first_trial=len(self.trials) + 1)
         self.event(f"step {self.iteration}: trying settings on live steps (at most {budget} steps or "
                    f"{self.options.tune_seconds:g} s){self._live_reach()}")
 
@@ -593,15 +615,17 @@ class TuningSession:
         summary: dict[str, Any] = {}
         if self.live is not None:
             summary = {"why": getattr(self.live, "why", ""), "evaluations": self.live.evaluations,
+                       "keys": sorted(self.live.only) if self.live.only is not None else "all",
                        "noise": self.live.noise, "reference_step_s": self.live.reference_step_s,
                        "steps_s": self.live.steps_s, "cost_s": self.live.cost_s(),
                        "steps": self.live.steps_used, "confidence": self.live.confidence(),
                        "clamped": sorted(self.live.clamped),
                        "trials": [asdict(t) for t in self.live.trials], "refit": self._refit()}
         summary = self.control.broadcast(summary, "the live tuning summary")
-        self.trials = [Trial(**t) for t in summary.pop("trials", [])]
+        trials = [Trial(**t) for t in summary.pop("trials", [])]
+        self.trials += trials  # a drift's re-tune adds its own to the first round's
         final.measured = {"steps": summary.get("steps", 0), "confidence": summary.get("confidence", 1.0),
-                          "trials": len(self.trials)}
+                          "trials": len(trials)}
         self.live_summary = summary
         self.live_on, self.live = False, None
         now = describe_live(final.configs(), reference.configs())
@@ -691,7 +715,16 @@ class TuningSession:
                 self.event(f"step {self.iteration}: {reason}; the offline plan may be stale (re-run `lagom tune`, "
                            "or use online mode)", level=logging.WARNING)
             return
-        self._drift = reason or self._drift  # every rank hears of it at the next agreed step
+        if reason is None:
+            return
+        self._drift = reason  # every rank hears of it at the next agreed step
+        drifted = self.monitor.drifted
+        plan_keys = KeyIndex(self._drift_order())
+        matched = None if drifted is None else {plan_keys.match(k) for k in drifted}
+        if matched is None or None in matched or self._drift_keys is None:
+            self._drift_keys = None  # a drift no plan key accounts for: re-tune everything
+        else:
+            self._drift_keys |= matched  # type: ignore[arg-type]
 
     def event(self, text: str, level: int = logging.INFO) -> None:
         """Something the user should know: logged once (rank 0) and kept for the report."""

@@ -286,14 +286,14 @@ def search(problem: Problem, evaluator: Evaluator, start: SearchResult | None = 
         else:
             notes[key] = "kept NCCL's choice: no candidate improved the step"
     blocking = blocked_together(problem, key_of)
-    for key in revisits(blocking, order, changed):
+    for key in revisits(blocking, order, changed):  # revisits and pairs are among the keys of the pass
         cur, checks, comm_bound = tuning.checks(key, tuning.best.per_key())
         tuning.apply(key, cur, checks[:REVISIT_CHECKS], comm_bound, "revisited after a collective blocking the "
                      "same compute changed: ")
     for first, second in pairs(blocking, order):
         tuning.joint(first, second)
     # groups by the gain the cost model gives their best move, none where it foresees none
-    shared = shared_segments(problem, key_of)
+    shared = {keys: v for keys, v in shared_segments(problem, key_of).items() if only is None or keys <= only}
     gains = {keys: tuning.group_gain(keys, shared[keys][1]) for keys in shared}
     for keys in sorted((keys for keys in shared if gains[keys] > 0), key=gains.__getitem__, reverse=True)[:len(problem.keys)]:
         tuning.together(keys, shared[keys][1])
