@@ -199,8 +199,33 @@ class Lowering:
     def shape(self, q: int, pos: int) -> Shape:
         shape = self.shapes[q].get(pos)
         if shape is None:
-            shape = self.shapes[q][pos] = self._shape(q, pos)
+            shape = self.shapes[q][pos] = self._image(q, pos) or self._shape(q, pos)
         return shape
+
+    def _image(self, q: int, pos: int) -> Shape | None:
+        """The shape one period on of the task a period back, where the band maps that one onto this one
+        (an identical task whose dependencies are their images) and its shape is known: a copy with every
+        position moved by its queue's period, instead of working it out again. None: work it out. The band
+        does not map what a segment releases beyond the images (a gradient bucket released by the last
+        micro-batch's layers), so a segment releasing more than its image a period back is worked out."""
+        queues = self.queues
+        queue = queues[q]
+        base = self.shapes[q].get(pos - queue.shift) if queue.shift else None
+        if base is None:
+            return None
+        span = queue.span(pos - queue.shift)
+        if span is None or not span[0] <= base.next < span[1] or not all(queues[dq].span(at) for dq, at in base.deps):
+            return None
+        if queue.kind == COMPUTE and len(self.ix.releases.get((queue.device, pos // SLOT), ())) \
+                != len(self.ix.releases.get((queue.device, (pos - queue.shift) // SLOT), ())):
+            return None  # it also releases a collective without an image (a gradient bucket): wakes differ
+        point = base.point
+        if queue.kind == STREAM:
+            point = self.ix.streams[queue.stream].points[pos]
+        elif queue.kind == P2P:
+            point = self.fused(queue.device, pos // SLOT)
+        return Shape(base.comm, base.device, base.devices, tuple([(dq, at + queues[dq].shift) for dq, at in base.deps]),
+                     base.cost, point, base.coll, base.nbytes, base.first, base.last, base.next + queue.shift, base.wakes)
 
     def _shape(self, q: int, pos: int) -> Shape:
         queue, ix = self.queues[q], self.ix

@@ -71,6 +71,29 @@ def test_skipping_periods_does_not_change_the_step(case):
     assert_same_step(fast, full)
 
 
+@pytest.mark.parametrize("case", sorted(CASES)[:3])
+def test_band_tasks_are_shaped_as_their_images_a_period_back(case):
+    """Inside the band a task's shape is copied from the one a period back with every position moved on
+    a period: it equals the shape worked out from the step graph, for every task of the phase."""
+    from lagom.lowering import END, Lowering, split_of
+
+    name, micro, how = CASES[case]
+    problem = job(name, micro)
+    configs = nccl_configs(problem) if how is None else split(problem, how[0], how[1], **how[2])
+    ix = Simulator(problem.graph).index(0)
+    banded, plain = Lowering(ix, split_of(configs), True), Lowering(ix, split_of(configs), False)
+    copied = worked_out = 0
+    for q, first in enumerate(banded.firsts):
+        pos = first
+        while pos < END:
+            image, shape = banded._image(q, pos), plain._shape(q, pos)
+            assert image is None or image == shape, (q, pos)
+            copied, worked_out = copied + (image is not None), worked_out + (image is None)
+            banded.shapes[q][pos] = shape
+            pos = shape.next
+    assert copied > 3 * worked_out
+
+
 def test_skipped_periods_still_have_their_collectives_timed():
     """Per-point timings of a skipped steady state: skipped collectives are placed whole periods (plus the
     geometric transient) after the simulated ones, as the full simulation places them. The pipeline's
