@@ -214,8 +214,14 @@ class Lowering:
         if base is None:
             return None
         span = queue.span(pos - queue.shift)
-        if span is None or not span[0] <= base.next < span[1] or not all(queues[dq].span(at) for dq, at in base.deps):
+        if span is None or not span[0] <= base.next < span[1]:
             return None
+        deps = []
+        for dq, at in base.deps:
+            other = queues[dq]
+            if other.span(at) is None:
+                return None
+            deps.append((dq, at + other.shift))
         if queue.kind == COMPUTE and len(self.ix.releases.get((queue.device, pos // SLOT), ())) \
                 != len(self.ix.releases.get((queue.device, (pos - queue.shift) // SLOT), ())):
             return None  # it also releases a collective without an image (a gradient bucket): wakes differ
@@ -224,8 +230,8 @@ class Lowering:
             point = self.ix.streams[queue.stream].points[pos]
         elif queue.kind == P2P:
             point = self.fused(queue.device, pos // SLOT)
-        return Shape(base.comm, base.device, base.devices, tuple([(dq, at + queues[dq].shift) for dq, at in base.deps]),
-                     base.cost, point, base.coll, base.nbytes, base.first, base.last, base.next + queue.shift, base.wakes)
+        return Shape(base.comm, base.device, base.devices, tuple(deps), base.cost, point, base.coll, base.nbytes,
+                     base.first, base.last, base.next + queue.shift, base.wakes)
 
     def _shape(self, q: int, pos: int) -> Shape:
         queue, ix = self.queues[q], self.ix
