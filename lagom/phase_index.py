@@ -14,7 +14,9 @@ skip whole periods once it sees its state repeat (see ``lagom.simulator``).
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections import defaultdict
 from dataclasses import dataclass
+from itertools import repeat
 from operator import attrgetter
 
 from lagom.comm_config import can_decompose
@@ -28,7 +30,7 @@ PROBES = (2, 4, 4 / 3)  # where the period search starts: n / probe
 MAX_CANDIDATES = 256  # candidate periods tried per probe
 END = 1 << 62  # a position past every task
 _SIGNATURE = attrgetter("flops", "bytes", "ctas")
-_AFTER, _BEFORE, _FUSE = attrgetter("after"), attrgetter("before"), attrgetter("fuse_with")
+_NAME, _AFTER, _BEFORE, _FUSE = attrgetter("name"), attrgetter("after"), attrgetter("before"), attrgetter("fuse_with")
 
 
 @dataclass
@@ -64,13 +66,13 @@ class PhaseIndex:
         self.devices = list(phase.segments)
         self.rank = {d: r for r, d in enumerate(self.devices)}
         self.segments = phase.segments
-        where: dict[str, tuple[int, int]] = {}
+        where: dict[str | None, tuple[int, int] | None] = {None: None}
         for d, segs in phase.segments.items():
-            where.update(zip([s.name for s in segs], [(d, i) for i in range(len(segs))]))
+            where.update(zip(map(_NAME, segs), zip(repeat(d), range(len(segs)))))
         pts = self.points = phase.points
         n = len(pts)
-        self.after: list[tuple[int, int] | None] = [where[a] if a else None for a in map(_AFTER, pts)]
-        self.before: list[tuple[int, int] | None] = [where[b] if b is not None else None for b in map(_BEFORE, pts)]
+        self.after: list[tuple[int, int] | None] = list(map(where.__getitem__, map(_AFTER, pts)))
+        self.before: list[tuple[int, int] | None] = list(map(where.__getitem__, map(_BEFORE, pts)))
         self.fuse: list[int] = [NONE] * n  # segment index on the point's device a decomposition splits
         self.candidates: dict[tuple[int, int], list[int]] = {}  # segment -> points that may split it, phase order
         first: dict[tuple, int] = {}  # (device, group, collective, bytes) -> first segment it may split
@@ -79,56 +81,40 @@ class PhaseIndex:
                 continue
             p = pts[j]
             seg = where[name]
-            if seg[0] != p.device:
+            if seg[0] != p.device:  # type: ignore[index]
                 raise LagomError(f"point {p.name} fuses with {name}, a segment of another device")
-            self.fuse[j] = seg[1]
-            self.candidates.setdefault(seg, []).append(j)
+            self.fuse[j] = seg[1]  # type: ignore[index]
+            self.candidates.setdefault(seg, []).append(j)  # type: ignore[arg-type]
             what = (p.device, p.group.name, p.collective, p.bytes)
-            if seg[1] < first.get(what, END):
-                first[what] = seg[1]
+            if seg[1] < first.get(what, END):  # type: ignore[index]
+                first[what] = seg[1]  # type: ignore[index]
         self.first_candidate: dict[int, dict[str, tuple[int, str]]] = {}  # device -> key -> (first segment, group)
         for (d, group, coll, nbytes), i in first.items():
             self.first_candidate.setdefault(d, {})[f"{group}/{coll.value}/{nbytes}"] = (i, group)
         self.candidate_segments = {d: sorted(i for dd, i in self.candidates if dd == d) for d in self.devices}
         # Host issue order: by the position of the segment that releases a point (phase start first).
         released_at = [a[1] if a else -1 for a in self.after]
-        self.order = sorted(range(n), key=released_at.__getitem__)
+        order = self.order = sorted(range(n), key=released_at.__getitem__)
         stream_keys = [(p.device, p.group.name) if p.peer_device is None else (p.device, f"pp{p.device}->{p.peer_device}")
                        for p in pts]
+        found: dict[tuple[int, str], int] = {}  # stream key -> its index, by the issue rank of its first point
+        ids = [found.setdefault(k, len(found)) for k in map(stream_keys.__getitem__, order)]
+        members: list[list[int]] = [[] for _ in found]
         self.issue_rank = [0] * n
-        self.streams: list[Stream] = []
         self.stream_of = [0] * n
         self.slot = [0] * n
-        by_name: dict[tuple[int, str], list[int]] = {}
-        stream_index: dict[tuple[int, str], int] = {}
-        self.waits: dict[tuple[int, int], list[int]] = {}  # segment -> points it waits for, issue order
-        self.releases: dict[tuple[int, int], list[int]] = {}  # segment -> points its end releases, issue order
-        before, stream_of, slot, issue_rank, waits = self.before, self.stream_of, self.slot, self.issue_rank, self.waits
-        after, releases = self.after, self.releases
-        for r, j in enumerate(self.order):
-            issue_rank[j] = r
-            sk = stream_keys[j]
-            members = by_name.get(sk)
-            if members is None:
-                members = by_name[sk] = []
-                stream_index[sk] = len(by_name) - 1
-            stream_of[j], slot[j] = stream_index[sk], len(members)
-            members.append(j)
-            b = before[j]
-            if b is not None:
-                if b in waits:
-                    waits[b].append(j)
-                else:
-                    waits[b] = [j]
-            a = after[j]
-            if a is not None:
-                if a in releases:
-                    releases[a].append(j)
-                else:
-                    releases[a] = [j]
-        for (d, name), members in by_name.items():
-            p = pts[members[0]]
-            self.streams.append(Stream(d, name, (d,) if p.peer_device is None else (d, p.peer_device), members))
+        issue_rank, stream_of, slot = self.issue_rank, self.stream_of, self.slot
+        for r, (j, k) in enumerate(zip(order, ids)):
+            issue_rank[j], stream_of[j] = r, k
+            held = members[k]
+            slot[j] = len(held)
+            held.append(j)
+        self.streams: list[Stream] = []
+        for (d, name), held in zip(found, members):
+            p = pts[held[0]]
+            self.streams.append(Stream(d, name, (d,) if p.peer_device is None else (d, p.peer_device), held))
+        self.waits = _grouped(order, self.before)  # segment -> points it waits for, issue order
+        self.releases = _grouped(order, self.after)  # segment -> points its end releases, issue order
         self._keys: list[str | None] = [None] * n
         self._band: Band | None | bool = False  # False: not searched yet
 
@@ -145,6 +131,15 @@ class PhaseIndex:
             with collector_paused():
                 self._band = _find_band(self)
         return self._band  # type: ignore[return-value]
+
+
+def _grouped(order: list[int], segment: list[tuple[int, int] | None]) -> dict[tuple[int, int], list[int]]:
+    """Per segment, the points (in ``order``) whose ``segment`` entry it is."""
+    out: defaultdict[tuple[int, int], list[int]] = defaultdict(list)
+    for j, seg in zip(order, map(segment.__getitem__, order)):
+        if seg is not None:
+            out[seg].append(j)
+    return dict(out)
 
 
 # ---------------------------------------------------------------------------------------------
