@@ -111,6 +111,26 @@ def test_recorder_times_async_gloo_collectives_without_waiting():
         assert out["pending"] == 0
 
 
+def test_a_completed_call_no_longer_holds_its_outputs():
+    """The recorder drops a call's future once it completes: the future holds the call's outputs, which the
+    framework may free long before the step ends (a gathered parameter)."""
+    import gc
+    import weakref
+
+    rec = Recorder(cuda=False)
+    rec.begin_step(0)
+    work = _FutureWork()
+    output = torch.ones(1024)
+    alive = weakref.ref(output)
+    rec.track("dp", "all_gather", 4096, work)
+    work.future.set_result([output])
+    del work, output
+    gc.collect()
+    assert alive() is None, "the recorder kept a completed call's output alive"
+    [record] = rec.end_step()
+    assert record.exact and record.duration_s >= 0
+
+
 class _FutureWork:
     """A work whose completion the test controls."""
 

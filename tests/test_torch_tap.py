@@ -11,6 +11,7 @@ direct torch.distributed call on the tensor-parallel group is recorded by the ta
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -106,6 +107,13 @@ def torch_only(rank: int, world: int) -> dict[str, Any]:
     dist.all_reduce(torch.ones(1))  # between steps (Lagom's own agreement calls are made here)
     out["between_steps"] = _calls(rec.end_step())
 
+    # a blocking call is timed to its end: rank 0's all-reduce waits for rank 1, which comes 0.2 s late
+    rec.begin_step(2)
+    if rank == 1:
+        time.sleep(0.2)
+    dist.all_reduce(torch.ones(1))
+    out["late_peer"] = [(r.collective, r.exact, r.duration_s) for r in rec.end_step()]
+
     # two sessions: the active one takes its calls, both take calls outside any active() block
     rec_two = Recorder(cuda=False)
     second = torch_tap.subscribe(lambda group: names[id(group)], rec_two)
@@ -184,9 +192,13 @@ def test_every_collective_kind_is_recorded_once_with_its_group_and_bytes(ranks: 
     for rank, (out, _) in enumerate(ranks):
         assert out["calls"] == expected_all_kinds(rank)
         assert out["timed"]
-        # gloo gives reduce-scatter and p2p works no future: those end with the step (an upper bound)
+        # gloo gives reduce-scatter and p2p works no future: those end with the step (an upper bound) unless
+        # they block (torch issues send and recv as async operations and waits for them itself)
         inexact = {c for c, exact in out["exact"] if not exact}
-        assert inexact <= {"reduce_scatter", "send_recv", "recv"} and ("all_reduce", True) in out["exact"]
+        assert inexact <= {"send_recv", "recv"} and {("all_reduce", True), ("reduce_scatter", True)} <= out["exact"]
+        [(collective, exact, seconds)] = out["late_peer"]
+        assert collective == "all_reduce" and exact
+        assert (seconds > 0.15) if rank == 0 else (seconds < 0.15), seconds
 
 
 def test_recording_leaves_results_and_handles_as_torch_made_them(ranks: list) -> None:

@@ -33,13 +33,17 @@ class _Open:
         self.future: Any = None
         self.exact = True
 
+    # Each drops the future once it has run: the future holds the call's outputs, which must not outlive
+    # the caller's use of them until the step ends (a gathered parameter the framework frees, say).
     def finish_cpu(self, _future: Any = None) -> None:
         self.end = time.perf_counter()
+        self.future = None
 
     def finish_cuda(self, _future: Any = None) -> None:
         # Run by the future with current streams that wait for the work's kernels: this event
         # completes when the collective does, and nothing on the host waits for it.
         self.end = _event()
+        self.future = None
 
 
 def _event() -> Any:
@@ -122,6 +126,16 @@ class Recorder:
         op.future.add_done_callback(op.finish_cuda if self.cuda else op.finish_cpu)
         return work
 
+    def ended(self, group: str, collective: str, nbytes: int, start: float, end: float) -> None:
+        """A call timed by its caller on the host clock (``time.perf_counter``): it ran from ``start`` to ``end``.
+        Host recorders only (a CUDA recorder's times are events)."""
+        if self._t0 is None:
+            self._t0 = self._now()
+        op = _Open(group, collective, int(nbytes), self._seq, self.step, self._t0, start)
+        op.end = end
+        self._seq += 1
+        self._open.append(op)
+
     def end_step(self) -> list[CallRecord]:
         """Resolve what has completed; return those records (this step's and late earlier ones)."""
         self.in_step = False
@@ -134,10 +148,11 @@ class Recorder:
                         "were never marked done", len(stale), f"{stale[0].group}/{stale[0].collective}", stale[0].step)
             self._open = [op for op in self._open if op.step >= self.step - STALE_STEPS]
         for op in self._open:
-            if op.end is None and op.future is None:  # no future, not waited through the proxy: the step end bounds it
+            future = op.future  # read before the end: a completion sets the end, then drops the future
+            if op.end is None and future is None:  # no future, not waited through the proxy: the step end bounds it
                 step_end = step_end or self._now()
                 op.end = step_end
-            elif op.end is None and not self.cuda and op.future.done():
+            elif op.end is None and not self.cuda and future.done():
                 deadline = time.perf_counter() + CALLBACK_GRACE_S
                 while op.end is None and time.perf_counter() < deadline:
                     time.sleep(0)

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -78,7 +79,7 @@ claimed = _Claims()
 
 
 def nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
+    return tensor.nbytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +127,7 @@ def _sizes(kind: Kind, side: Callable[[str], list[torch.Tensor]]) -> list[int]:
     builds a Python list of tensors, and this runs on every recorded call."""
     counted = side(kind.counted)
     if len(counted) == 1:  # the usual case
-        return [counted[0].numel() * counted[0].element_size()]
+        return [counted[0].nbytes]
     other = side("output_tensors" if kind.counted == "input_tensors" else "input_tensors")
     if not counted:  # broadcast and reduce carry the buffer on whichever side the backend fills
         counted, other = other, counted
@@ -198,7 +199,11 @@ class TorchTap:
     def __init__(self) -> None:
         from torch._C._distributed_c10d import HookOpName
 
-        self._kinds = {getattr(HookOpName, op): kind for op, kind in KINDS.items() if hasattr(HookOpName, op)}
+        # indexed by the operation's enum value: a pybind enum hashes in Python, an int indexes a list
+        self._kinds: list[Kind | None] = [None] * (1 + max(int(op.value) for op in HookOpName.__members__.values()))
+        for op, kind in KINDS.items():
+            if hasattr(HookOpName, op):
+                self._kinds[int(getattr(HookOpName, op).value)] = kind
         self.subscriptions: list[Subscription] = []
         self.active: list[Subscription] = []  # innermost last
         # id -> group carrying this tap's hooks; weak: a destroyed group goes, and its hooks with it
@@ -276,7 +281,7 @@ class TorchTap:
             if claimed.depth or not subscriptions:
                 return
             try:
-                kind = kinds.get(args.name)  # barriers, gather and scatter are not recorded
+                kind = kinds[args.name.value]  # barriers, gather and scatter are not recorded
                 if kind is None:
                     return
                 # who records it: the active session, else every session; each only inside a step
@@ -291,7 +296,11 @@ class TorchTap:
         return pre_hook
 
     def _post_hook(self, group: Any) -> Callable[[Any], None]:
-        issued, group_ref = self._issued, weakref.ref(group)
+        """Times the operation the pre-hook saw. A blocking call on a host recorder (gloo, CPU) is waited for
+        here: torch waits for it as soon as this hook returns, so waiting first changes nothing for the
+        caller and gives its end without a completion callback (which gloo's thread runs under the GIL).
+        Any other call is handed to the recorder with its work (CUDA events, or the work's future)."""
+        issued, group_ref, now = self._issued, weakref.ref(group), time.perf_counter
 
         def post_hook(args: Any) -> None:
             call = issued.call
@@ -304,6 +313,19 @@ class TorchTap:
             try:
                 work = args.work
                 if work is None:  # inside NCCL's own coalescing the operation has no work to time: not a call yet
+                    return
+                if not args.async_op and not any(sub.recorder.cuda for sub in receivers):
+                    start = now()
+                    try:
+                        work.wait()
+                    except Exception:  # noqa: BLE001 - the caller's own wait, next, raises it; nothing to time
+                        return
+                    end = now()
+                    for sub in receivers:
+                        name = sub.name(group)
+                        if name is not None:
+                            for size in sizes:
+                                sub.recorder.ended(name, collective, size, start, end)
                     return
                 for sub in receivers:
                     name = sub.name(group)
