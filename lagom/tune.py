@@ -14,7 +14,7 @@ from lagom.hardware import Hardware
 from lagom.plan import Plan, PlanEntry
 from lagom.points import points_for
 from lagom.search import STRATEGIES, Problem, SearchResult, exhaustive, priority, run_strategy
-from lagom.search.base import SimulatedEvaluator, settle_communicators
+from lagom.search.base import Seen, SimulatedEvaluator, settle_communicators
 from lagom.search.exhaustive import MAX_EVALUATIONS
 from lagom.simulator import Simulator, StepResult
 from lagom.workload import Workload, validate
@@ -86,24 +86,25 @@ ProgressCallback = Callable[[Progress], None]
 
 
 class _Planner:
-    """What the searches of one call share: one problem and one simulator per workload (so a step
-    simulated once is not simulated again, whichever strategy asks), and the progress report."""
+    """What the searches of one call share: per workload one problem, one simulator and the results it
+    gave (so a step simulated once is not simulated again, whichever strategy asks), and the progress
+    report."""
 
     def __init__(self, hw: Hardware, progress: ProgressCallback | None, capability: Capability | None = None) -> None:
         self.hw, self.progress = hw, progress
         self.capability = capability or capability_for(hw)
         self.evaluations = 0
         self.best: dict[str, float] = {}
-        self._problems: dict[str, tuple[Problem, Simulator]] = {}
+        self._problems: dict[str, tuple[Problem, Simulator, Seen]] = {}
 
     def problem(self, wl: Workload) -> Problem:
         return self._shared(wl)[0]
 
-    def _shared(self, wl: Workload) -> tuple[Problem, Simulator]:
+    def _shared(self, wl: Workload) -> tuple[Problem, Simulator, Seen]:
         key = _with_buckets(wl, 1.0).fingerprint()  # a default bucket size and the same one set explicitly
         if key not in self._problems:
             problem = problem_for(wl, self.hw, self.capability)
-            self._problems[key] = (problem, Simulator(problem.graph))
+            self._problems[key] = (problem, Simulator(problem.graph), {})
         return self._problems[key]
 
     def forget(self, wl: Workload) -> None:
@@ -111,7 +112,7 @@ class _Planner:
         self._problems.pop(_with_buckets(wl, 1.0).fingerprint(), None)
 
     def evaluator(self, wl: Workload, strategy: str) -> SimulatedEvaluator:
-        problem, simulator = self._shared(wl)
+        problem, simulator, seen = self._shared(wl)
 
         def report(result: StepResult) -> None:
             self.evaluations += 1
@@ -119,7 +120,7 @@ class _Planner:
             if self.progress is not None:
                 self.progress(Progress(strategy, self.evaluations, self.best[strategy]))
 
-        return SimulatedEvaluator(problem, simulator, report)
+        return SimulatedEvaluator(problem, simulator, report, seen)
 
     def run(self, wl: Workload, strategy: str) -> Tuned:
         if strategy not in STRATEGIES:

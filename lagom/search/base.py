@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import Protocol
+from typing import Any, Protocol
 
 from lagom.capability import Capability, capability_for
 from lagom.comm_config import (
@@ -25,7 +25,7 @@ from lagom.comm_config import (
 from lagom.cost_model import CostModel
 from lagom.hardware import Hardware
 from lagom.points import OverlapPoint, StepGraph
-from lagom.simulator import Configs, Simulator, StepResult
+from lagom.simulator import Configs, PointTiming, Simulator, StepResult, simulate
 
 
 @dataclass
@@ -43,6 +43,9 @@ class Problem:
     capability: Capability | None = None
     process: ProcessSettings | None = None
     open_space: SearchSpace = field(init=False)
+    # what searches work out from the graph and model alone, kept for every search of them (shared by
+    # ``with_process``); the model must not change once a search has run
+    derived: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.capability is None:
@@ -72,9 +75,10 @@ class Problem:
         also narrows the chunk to the process's, where the plugin would let it vary per size."""
         space = replace(self.open_space, chunks=(process.chunk_bytes,)) if one_chunk else self.open_space
         other = Problem(self.graph, self.hw, space, self.capability, process)
-        for shared in ("model", "keys"):
-            if shared in self.__dict__:
-                other.__dict__[shared] = self.__dict__[shared]
+        other.__dict__["model"] = self.model  # one model, so what ``derived`` holds stays true for both
+        if "keys" in self.__dict__:
+            other.__dict__["keys"] = self.__dict__["keys"]
+        other.derived = self.derived
         return other
 
     def process_choices(self) -> dict[str, list]:
@@ -115,24 +119,44 @@ class Evaluator(Protocol):
     def evaluate(self, configs: Configs) -> StepResult: ...
 
 
+Seen = dict[frozenset, StepResult]  # step results of one graph under one model, by the configs simulated
+
+
 class SimulatedEvaluator:
     """The simulator as evaluator. Its Simulator keeps the step graph's index and earlier runs, so runs
     resume where the changed keys cannot have mattered yet; searches of one problem may share one
-    (``simulator``). ``on_result`` sees every result (progress reports)."""
+    (``simulator``). Configs simulated before are not simulated again (``seen``, which evaluators of one
+    graph and one model may share: the passes of a search repeat a few). ``evaluations`` counts the
+    configs asked for, ``simulated`` those run. ``on_result`` sees every result (progress reports)."""
 
     def __init__(self, problem: Problem, simulator: Simulator | None = None,
-                 on_result: Callable[[StepResult], None] | None = None) -> None:
+                 on_result: Callable[[StepResult], None] | None = None, seen: Seen | None = None) -> None:
         self.problem = problem
         self.simulator = simulator or Simulator(problem.graph)
         self.on_result = on_result
-        self.evaluations = 0
+        self.seen: Seen = {} if seen is None else seen
+        self.evaluations = self.simulated = 0
 
     def evaluate(self, configs: Configs) -> StepResult:
         self.evaluations += 1
-        result = self.simulator.run(configs, self.problem.model)
+        what = frozenset(configs.items())
+        result = self.seen.get(what)
+        if result is None:
+            self.simulated += 1
+            result = self.simulator.run(configs, self.problem.model)
+            self.seen[what] = _kept(result, self.problem.graph, dict(configs), self.problem.model)
         if self.on_result is not None:
             self.on_result(result)
         return result
+
+
+def _kept(result: StepResult, graph: StepGraph, configs: Configs, model: CostModel) -> StepResult:
+    """A result to keep for repeats, without the run behind it (every task's record and checkpoint: tens of
+    MB a run at cluster scale); its collectives' timings, if asked for, come from a fresh simulation."""
+    def timings(i: int) -> Callable[[], list[PointTiming]]:
+        return lambda: simulate(graph, configs, model).phases[i].points
+
+    return replace(result, phases=[replace(ph, _timings=timings(i)) for i, ph in enumerate(result.phases)])
 
 
 @dataclass

@@ -232,7 +232,7 @@ def _distinct(ranked: list[tuple[Estimate, CommConfig]], k: int, seen: set) -> l
     return out
 
 
-def _checks(key: str, cur: Estimate, exposed: float, problem: Problem, wins: list[Window]) -> list[tuple[Estimate, CommConfig]]:
+def _checks(key: str, cur: Estimate, exposed: float, problem: Problem, graph: _Graph) -> list[tuple[Estimate, CommConfig]]:
     """The candidates to evaluate for one key, best first.
 
     Compute-bound: the smallest time the windows add (exposed comm plus slowdown). Comm-bound
@@ -241,16 +241,7 @@ def _checks(key: str, cur: Estimate, exposed: float, problem: Problem, wins: lis
     window alone shows; then the best of the window ranking (e.g. a decomposition, whose comm is longer
     but hidden).
     """
-    model = problem.model
-    # Priority only changes when a kernel gets SMs (the launch wait): candidates differing only in it
-    # with the same wait share one estimate.
-    estimates: dict[tuple[CommConfig, float], Estimate] = {}
-    scored = []
-    for c in candidates(problem.keys[key][0], problem.hw, problem.space):
-        shared = (replace(c, priority=0), model.launch_wait(c))
-        if shared not in estimates:
-            estimates[shared] = estimate(c, wins, model)
-        scored.append((estimates[shared], c))
+    scored = [(graph.estimate(key, c, problem.model), c) for c in candidates(problem.keys[key][0], problem.hw, problem.space)]
     by_window = sorted(scored, key=lambda ec: (ec[0].added, ec[0].comm))
     seen = {(round(cur.comm, 12), round(cur.compute, 12))}
     if exposed <= 0:
@@ -269,8 +260,8 @@ def search(problem: Problem, evaluator: Evaluator, start: SearchResult | None = 
         kept = {k: cfg for k, cfg in start.configs.items() if k in configs and (only is None or k not in only)}
         configs.update(kept)
         notes.update({k: start.notes[k] for k in kept if k in start.notes})
-    key_of = KeyOf()
-    tuning = _Tuning(problem, evaluator, configs, notes, evaluator.evaluate(configs), windows(problem.graph, key_of))
+    graph = prepared(problem)
+    tuning = _Tuning(problem, evaluator, configs, notes, evaluator.evaluate(configs), graph)
     per_key = tuning.best.per_key()
     plans = []
     for key in problem.keys if only is None else [k for k in problem.keys if k in only]:
@@ -285,7 +276,7 @@ def search(problem: Problem, evaluator: Evaluator, start: SearchResult | None = 
             changed.add(key)
         else:
             notes[key] = "kept NCCL's choice: no candidate improved the step"
-    blocking = blocked_together(problem, key_of)
+    blocking = graph.blocking
     for key in revisits(blocking, order, changed):  # revisits and pairs are among the keys of the pass
         cur, checks, comm_bound = tuning.checks(key, tuning.best.per_key())
         tuning.apply(key, cur, checks[:REVISIT_CHECKS], comm_bound, "revisited after a collective blocking the "
@@ -293,11 +284,40 @@ def search(problem: Problem, evaluator: Evaluator, start: SearchResult | None = 
     for first, second in pairs(blocking, order):
         tuning.joint(first, second)
     # groups by the gain the cost model gives their best move, none where it foresees none
-    shared = {keys: v for keys, v in shared_segments(problem, key_of).items() if only is None or keys <= only}
+    shared = {keys: v for keys, v in graph.shared.items() if only is None or keys <= only}
     gains = {keys: tuning.group_gain(keys, shared[keys][1]) for keys in shared}
     for keys in sorted((keys for keys in shared if gains[keys] > 0), key=gains.__getitem__, reverse=True)[:len(problem.keys)]:
         tuning.together(keys, shared[keys][1])
     return SearchResult("lagom", configs, tuning.best, evaluator.evaluations, notes)
+
+
+@dataclass
+class _Graph:
+    """What every search of one step graph under one model works out once (the per-process passes search
+    one graph twice): the (group, collective, bytes) -> key map, each key's windows, the keys blocking one
+    compute, the sets sharing compute, and each (key, config)'s estimate."""
+
+    key_of: KeyOf
+    wins: dict[str, list[Window]]
+    blocking: Blocking
+    shared: dict[frozenset[str], tuple[float, Shared]]
+    estimates: dict[tuple[str, CommConfig], Estimate] = field(default_factory=dict)
+
+    def estimate(self, key: str, cfg: CommConfig, model: CostModel) -> Estimate:
+        found = self.estimates.get((key, cfg))
+        if found is None:
+            found = self.estimates[(key, cfg)] = estimate(cfg, self.wins[key], model)
+        return found
+
+
+def prepared(problem: Problem) -> _Graph:
+    """The problem's ``_Graph``: built on its first search, kept with it (``Problem.derived``)."""
+    graph = problem.derived.get("priority")
+    if graph is None:
+        key_of = KeyOf()
+        graph = problem.derived["priority"] = _Graph(key_of, windows(problem.graph, key_of),
+                                                     blocked_together(problem, key_of), shared_segments(problem, key_of))
+    return graph
 
 
 @dataclass
@@ -309,20 +329,16 @@ class _Tuning:
     configs: Configs
     notes: dict[str, str]
     best: StepResult
-    wins: dict[str, list[Window]]
-
-    _estimates: dict[tuple[str, CommConfig], Estimate] = field(default_factory=dict)
+    graph: _Graph
 
     def estimate(self, key: str, cfg: CommConfig) -> Estimate:
-        if (key, cfg) not in self._estimates:
-            self._estimates[(key, cfg)] = estimate(cfg, self.wins[key], self.problem.model)
-        return self._estimates[(key, cfg)]
+        return self.graph.estimate(key, cfg, self.problem.model)
 
     def checks(self, key: str, per_key: dict[str, dict[str, float]]) -> tuple[Estimate, list[tuple[Estimate, CommConfig]], bool]:
         """The key's estimate under its config now, its candidates best first, and whether it is comm-bound."""
         cur = self.estimate(key, self.configs[key])
         exposed = per_key[key]["exposed"]
-        return cur, _checks(key, cur, self.best.exposed_comm_s if exposed > 0 else 0.0, self.problem, self.wins[key]), exposed > 0
+        return cur, _checks(key, cur, self.best.exposed_comm_s if exposed > 0 else 0.0, self.problem, self.graph), exposed > 0
 
     def apply(self, key: str, cur: Estimate, checks: list[tuple[Estimate, CommConfig]], comm_bound: bool,
               why: str = "") -> bool:
