@@ -1,0 +1,62 @@
+"""Online mode's drift re-tune through a real session: after live tuning, one key's collectives get slower
+per call and the step with them; the agreed drift re-runs the live search on that key alone.
+
+The test plays the framework: each step it reports one call per plan key through the recorder's host-timed
+entry (as the torch tap does for a blocking call), with a duration it chooses, and sleeps the step's time.
+"""
+
+from __future__ import annotations
+
+import time
+
+from lagom.runtime.session import SessionOptions, TuningSession
+from tests.test_capability import tiny_job
+
+STEP_S = 0.02
+SLOW = 3.0  # the drifted key's calls, this many times their time before
+
+
+def run_steps(session: TuningSession, steps: int, slow_key: str | None = None) -> None:
+    entries = session.plan.entries  # type: ignore[union-attr]
+    for _ in range(steps):
+        session.begin_step()
+        start = time.perf_counter()
+        for e in entries:
+            seconds = STEP_S / len(entries) * (SLOW if e.key == slow_key else 1.0) / 4
+            session.runtime.recorder.ended(e.group, e.collective, e.bytes, start, start + seconds)
+        time.sleep(STEP_S * (1.3 if slow_key else 1.0))
+        session.end_step()
+
+
+def test_a_drift_on_one_key_re_tunes_that_key_alone_on_live_steps(tmp_path) -> None:
+    wl, hw = tiny_job(tmp_path)
+    options = SessionOptions(mode="online", tune_steps=12, cache_dir=tmp_path / "cache", drift_check_steps=5)
+    session = TuningSession(wl, hw, options, world_size=8)
+    session.start()
+    try:
+        run_steps(session, 4)
+        while session.tuning or session.live_on:  # calibration, then the live search (budget: 7 steps)
+            run_steps(session, 1)
+            assert session.steps_seen < 200, "online tuning did not end"
+        assert session.off is None, session.off
+        first_round = len(session.trials)
+        run_steps(session, 10)  # steady under the tuned plan: the monitor's baseline
+        assert not session.live_on and not session.tuning
+        slow = sorted(e.key for e in session.plan.entries)[0]  # type: ignore[union-attr]
+        for _ in range(60):
+            run_steps(session, 1, slow_key=slow)
+            if session.live_on or session.tuning:
+                break
+        assert session.live_on and not session.tuning, session.events[-3:]
+        assert any(f"re-tuning {slow} on live steps" in e for e in session.events), session.events[-3:]
+        assert session.live is not None and session.live.only == {slow}
+        while session.live_on:
+            run_steps(session, 1, slow_key=slow)
+            assert session.steps_seen < 400, "the drift's live search did not end"
+        assert session.off is None, session.off
+        assert session.live_summary["keys"] == [slow]
+        second = session.trials[first_round:]
+        assert all(set(t.changed) <= {slow} for t in second)
+        assert [t.id for t in session.trials] == [f"t{n}" for n in range(1, len(session.trials) + 1)]
+    finally:
+        session.close()
