@@ -4,6 +4,7 @@
     python benchmarks/planning_scale.py --targets             # only the issue's target jobs
     python benchmarks/planning_scale.py --grid --micro-batches 4 16 64 --layers 24 --world 8 64 --no-tune
     python benchmarks/planning_scale.py --quality 700          # search quality: lagom against exhaustive
+    python benchmarks/planning_scale.py --grid --layers 24 80 --world 8 64 --plot scale.png   # and a figure
 
 Grid: a GPT-3-13B-shaped model (hidden 5120, 40 heads, ffn 20480, seq 2048) with 24, 80 or 128 layers,
 micro-batch 1 and 4 ... 1024 micro-batches per step, on H100 nodes of 8 (h100-sxm-8x-400g with as many
@@ -24,7 +25,10 @@ steady on a shared machine, and the same as wall time on an idle core, since pla
   rss     the process's peak resident memory (ru_maxrss) after all of the above, in MB
 A cell that runs past --timeout seconds prints '>T'; one whose step graph Lagom refuses to build (more than
 lagom.workload's limit of segments and collectives) prints why. After the table: per (layers, world), the ratio of
-the time at 1,024 micro-batches to the time at 16 (linear growth would be 64).
+the time at 1,024 micro-batches to the time at 16 (linear growth would be 64). ``--plot FILE`` draws the
+grid's times (tune where measured, else the cold step) against micro-batches, layers and world size on
+log-log axes, each line beside a dashed line of slope one through its first cell: a line no steeper than its
+dashed one grows at most linearly.
 """
 
 from __future__ import annotations
@@ -178,6 +182,40 @@ def quality(count: int) -> None:
           f"{sum(evaluations) / count:.1f} evaluations on average")
 
 
+def plot(results: dict[tuple[int, int, int], dict | None], path: str) -> None:
+    """Time against micro-batches, layers and world size, one panel each, with linear growth dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    what = "tune" if all(r is not None and "tune" in r for r in results.values() if r and "refused" not in r) else "cold"
+    done = {cell: r[what] for cell, r in results.items() if r is not None and what in r}
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    for ax, axis, label in zip(axes, range(3), ("layers", "world size (GPUs)", "micro-batches")):
+        lines: dict[tuple, list[tuple[int, float]]] = {}
+        for cell, seconds in done.items():
+            rest = tuple(v for n, v in enumerate(cell) if n != axis)
+            lines.setdefault(rest, []).append((cell[axis], seconds))
+        for rest, pts in sorted(lines.items()):
+            if len(pts) < 2:
+                continue
+            xs, ys = zip(*sorted(pts))
+            name = ", ".join(f"{k}{v}" for k, v in zip([k for n, k in enumerate(("L", "w", "m")) if n != axis], rest))
+            (line,) = ax.plot(xs, ys, "o-", label=name)
+            ax.plot(xs, [ys[0] * x / xs[0] for x in xs], "--", color=line.get_color(), alpha=0.5)
+        ax.set(xscale="log", yscale="log", xlabel=label, ylabel=f"{what} CPU s")
+        ax.set_xticks(sorted({cell[axis] for cell in done}), [str(x) for x in sorted({cell[axis] for cell in done})])
+        ax.minorticks_off()
+        ax.grid(True, which="both", alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=7)
+    fig.suptitle(f"planning time ({what}) against scale; dashed: linear growth from each line's first cell")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"figure: {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cell", help=argparse.SUPPRESS)
@@ -190,6 +228,7 @@ def main() -> None:
     parser.add_argument("--quality", type=int, metavar="N",
                         help="only the search-quality loop: lagom against exhaustive on N seeded 3-key problems (700)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per cell (default 600)")
+    parser.add_argument("--plot", metavar="FILE", help="draw the grid's times against scale into FILE (png, svg, pdf)")
     args = parser.parse_args()
     if args.cell:
         print(json.dumps(run_cell(json.loads(args.cell))))
@@ -221,6 +260,8 @@ def main() -> None:
                 continue
             ratios = [f"{what} {hi[what] / lo[what]:.2f}" for what in ("cold", "warm", "tune") if what in lo and what in hi]
             print(f"  L{layers} w{world}: " + ", ".join(ratios))
+    if args.plot:
+        plot(results, args.plot)
 
 
 if __name__ == "__main__":
