@@ -16,6 +16,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import repeat
 from operator import attrgetter
 
@@ -117,6 +118,14 @@ class PhaseIndex:
         self.releases = _grouped(order, self.after)  # segment -> points its end releases, issue order
         self._keys: list[str | None] = [None] * n
         self._band: Band | None | bool = False  # False: not searched yet
+
+    @cached_property
+    def kinds(self) -> tuple[dict[int, list[int]], list[tuple]]:
+        """(per device each segment's kind, each kind's (flops, bytes, ctas)): segments with the same
+        signature share a small int, so finding periods and counting segments compare ints, not tuples."""
+        ids: dict[tuple, int] = {}
+        out = {d: [ids.setdefault(sig, len(ids)) for sig in map(_SIGNATURE, segs)] for d, segs in self.segments.items()}
+        return out, list(ids)
 
     def key(self, j: int) -> str:
         """The tuning key of point j (cached: OverlapPoint.key builds a string each time)."""
@@ -222,7 +231,7 @@ def _descriptions(index: PhaseIndex, js: list[int]) -> list[tuple]:
 def _find_band(index: PhaseIndex) -> Band | None:
     if [a[0] for a in index.after if a is not None] != [p.device for p, a in zip(index.points, index.after) if a is not None]:
         return None  # a point released by another device's segment: positions would not shift together
-    runs = {d: run for d, segs in index.segments.items() if (run := _periodic_run(list(map(_SIGNATURE, segs))))}
+    runs = {d: run for d, kinds in index.kinds[0].items() if (run := _periodic_run(kinds))}
     if not runs:
         return None
     period = {d: run[0] for d, run in runs.items()}
@@ -305,7 +314,7 @@ def _mark_irregular(index: PhaseIndex, by_device, released_at, counts, image, pe
     waits for or may fuse with (and in which order)."""
     for d, (lo, hi) in domain.items():
         p = period[d]
-        sig = list(zip(map(_SIGNATURE, index.segments[d][lo:hi + p]), counts[d][lo:hi + p]))
+        sig = list(zip(index.kinds[0][d][lo:hi + p], counts[d][lo:hi + p]))
         if sig[:hi - lo] != sig[p:]:
             bad[d].update(lo + i for i in range(hi - lo) if sig[i] != sig[i + p])
         for j, a in zip(by_device[d], released_at[d]):

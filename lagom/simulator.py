@@ -62,7 +62,6 @@ LOWERINGS_KEPT = 8  # decomposition choices whose task shapes a Simulator keeps
 INF = float("inf")
 
 Configs = dict[str, CommConfig]
-_SIGNATURE = attrgetter("flops", "bytes", "ctas")
 _DEVICE, _COLLECTIVE, _BYTES = attrgetter("device"), attrgetter("collective"), attrgetter("bytes")
 
 
@@ -278,7 +277,8 @@ class Simulator:
         if i not in self._statics:
             phase = self.graph.phases[i]
             pts = phase.points
-            segs = {d: Counter(map(_SIGNATURE, seg_list)) for d, seg_list in phase.segments.items()}
+            kinds, signatures = self.index(i).kinds
+            segs = {d: {signatures[kind]: n for kind, n in Counter(of).items()} for d, of in kinds.items()}
             groups = {id(p.group): p.group for p in pts}
             comms: dict = defaultdict(dict)
             counted = Counter(zip(map(_DEVICE, pts), [p.group.name for p in pts], map(_COLLECTIVE, pts),
@@ -491,6 +491,7 @@ class _PhaseRun:
         since_checkpoint = 0
         event = 0
         comm_memo, rate_memo, compute_memo = self.comm_memo, self.rate_memo, self.compute_memo
+        shapes = lw.shapes
         if resume is not None:
             cp, records, earlier = resume
             now, exposed_total, longest, seq = cp.now, cp.exposed, cp.longest, cp.seq
@@ -654,16 +655,16 @@ class _PhaseRun:
                 blocker = None
                 pos = heads[cq]
                 if pos < END:
-                    for dep in (tasks[cq].get(pos) or self.task(cq, pos)).deps:
-                        if dep[1] < heads[dep[0]]:
+                    for dq, at in (tasks[cq].get(pos) or self.task(cq, pos)).deps:
+                        if at < heads[dq]:
                             continue
-                        other = self.task(*dep)
-                        if other.comm:
-                            for x in other.deps:
+                        waited = shapes[dq].get(at) or lw.shape(dq, at)
+                        if waited.comm:
+                            for x in waited.deps:
                                 if x[1] >= heads[x[0]]:
                                     break
                             else:
-                                blocker = other
+                                blocker = tasks[dq].get(at) or self.task(dq, at)
                                 break
                 elif comms_on[d]:  # compute finished: trailing collectives of this device
                     blocker = comms_on[d][0]
