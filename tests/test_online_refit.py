@@ -68,3 +68,22 @@ def test_one_channel_count_fits_no_slope(setup) -> None:
     assert result.calibration.model.hw.contention.gemm_slots_per_comm_cta is None
     assert result.step_error_after < result.step_error_before
     assert refit(start(problem, sim), []).observations == 0
+
+
+def test_a_refit_that_fits_the_steps_worse_keeps_the_calibration(setup) -> None:
+    """Collective times ten times what the steps allow (a recorder counting a wait as the call, say): scaling
+    comm to them makes every simulated step longer than measured, so the refit is refused, not reported."""
+    problem, sim, reference = setup
+    truth = truth_model(problem, 0.5)
+    tried = [{k: replace(c, channels=ch) for k, c in reference.items()} for ch in (1, 16)]
+    observations = []
+    for cfgs in tried:
+        o = observe(sim, truth, cfgs)
+        observations.append(Observation(o.configs, o.step_s, {k: 10 * v for k, v in o.keys.items()}))
+    cal = start(problem, sim)
+    result = refit(cal, observations)
+    assert result.kept and result.calibration is cal and result.slots_per_comm_cta is None
+    assert result.step_error_after == result.step_error_before > 0
+    assert result.summary()["kept_calibration"] is True
+    consistent = refit(cal, [observe(sim, truth, cfgs) for cfgs in tried])
+    assert not consistent.kept and consistent.step_error_after < consistent.step_error_before

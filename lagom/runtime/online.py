@@ -233,12 +233,14 @@ class Refit:
     step_error_before: float  # median |simulated - measured| / measured over the observations
     step_error_after: float
     slots_per_comm_cta: float | None  # fitted where the observations ran more than one channel count of a key
+    kept: bool = False  # the refit fitted the steps worse than the calibration did, which is kept as it was
 
     def summary(self) -> dict[str, Any]:
         model = self.calibration.model
         return {"observations": self.observations, "step_error_before": self.step_error_before,
                 "step_error_after": self.step_error_after, "compute_scale": model.compute_scale,
-                "gemm_slots_per_comm_cta": self.slots_per_comm_cta, "comm_scale": dict(model.comm_scale)}
+                "gemm_slots_per_comm_cta": self.slots_per_comm_cta, "comm_scale": dict(model.comm_scale),
+                "kept_calibration": self.kept}
 
 
 def _step_errors(cal: Calibration, model: CalibratedModel, observations: list[Observation]) -> list[float]:
@@ -339,6 +341,8 @@ def refit(cal: Calibration, observations: list[Observation]) -> Refit:
     problem.model = model  # type: ignore[misc]  # the search and its evaluator both read problem.model
     refitted = replace(cal, problem=problem, calibrated_step_s=cal.simulator.run(observations[0].configs, model).step_s)
     after = [abs(math.expm1(e)) for e in _step_errors(cal, model, observations)]
+    if statistics.median(after) > statistics.median(before):  # the scales' fit is not the step's: keep the calibration
+        return Refit(cal, len(observations), statistics.median(before), statistics.median(before), None, kept=True)
     return Refit(refitted, len(observations), statistics.median(before), statistics.median(after), slots)
 
 

@@ -647,9 +647,14 @@ class TuningSession:
         except Exception as err:  # noqa: BLE001 - the summary must reach every rank
             log.warning("lagom: refitting the model to the live trials failed: %s", err)
             return {"error": f"{type(err).__name__}: {err}"}
-        self.event(f"model refitted to {refit.observations} measured windows: step error {refit.step_error_before:.1%}"
-                   f" -> {refit.step_error_after:.1%}" + ("" if refit.slots_per_comm_cta is None else
-                                                          f", GEMM slots per comm CTA {refit.slots_per_comm_cta:g}"))
+        if refit.kept:
+            self.event(f"model not refitted to {refit.observations} measured windows: the refit fitted their steps "
+                       f"worse than the calibration ({refit.step_error_before:.1%} median step error), kept")
+        else:
+            self.event(f"model refitted to {refit.observations} measured windows: step error "
+                       f"{refit.step_error_before:.1%} -> {refit.step_error_after:.1%}" + (
+                           "" if refit.slots_per_comm_cta is None else
+                           f", GEMM slots per comm CTA {refit.slots_per_comm_cta:g}"))
         return refit.summary()
 
     def switch_off(self, why: str, agreed: bool) -> None:
