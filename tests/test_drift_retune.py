@@ -28,6 +28,17 @@ def run_steps(session: TuningSession, steps: int, slow_key: str | None = None) -
         session.end_step()
 
 
+def drift_on(session: TuningSession, key: str) -> None:
+    """Steady steps (the monitor's baseline), then ``key`` slower until the agreed drift starts a re-tune."""
+    run_steps(session, 10)
+    assert not session.live_on and not session.tuning
+    for _ in range(60):
+        run_steps(session, 1, slow_key=key)
+        if session.live_on or session.tuning:
+            return
+    raise AssertionError(f"no re-tune started: {session.events[-3:]}")
+
+
 def test_a_drift_on_one_key_re_tunes_that_key_alone_on_live_steps(tmp_path) -> None:
     wl, hw = tiny_job(tmp_path)
     options = SessionOptions(mode="online", tune_steps=12, cache_dir=tmp_path / "cache", drift_check_steps=5)
@@ -40,13 +51,8 @@ def test_a_drift_on_one_key_re_tunes_that_key_alone_on_live_steps(tmp_path) -> N
             assert session.steps_seen < 200, "online tuning did not end"
         assert session.off is None, session.off
         first_round = len(session.trials)
-        run_steps(session, 10)  # steady under the tuned plan: the monitor's baseline
-        assert not session.live_on and not session.tuning
         slow = sorted(e.key for e in session.plan.entries)[0]  # type: ignore[union-attr]
-        for _ in range(60):
-            run_steps(session, 1, slow_key=slow)
-            if session.live_on or session.tuning:
-                break
+        drift_on(session, slow)
         assert session.live_on and not session.tuning, session.events[-3:]
         assert any(f"re-tuning {slow} on live steps" in e for e in session.events), session.events[-3:]
         assert session.live is not None and session.live.only == {slow}
@@ -58,5 +64,29 @@ def test_a_drift_on_one_key_re_tunes_that_key_alone_on_live_steps(tmp_path) -> N
         second = session.trials[first_round:]
         assert all(set(t.changed) <= {slow} for t in second)
         assert [t.id for t in session.trials] == [f"t{n}" for n in range(1, len(session.trials) + 1)]
+    finally:
+        session.close()
+
+
+def test_without_a_calibrated_model_a_drift_on_one_key_re_tunes_the_whole_loop(tmp_path) -> None:
+    """A plan from the cache was never calibrated in this process: there is no model to rank the drifted key's
+    candidates, so the drift re-runs the calibration steps and then the search, as for any other drift."""
+    wl, hw = tiny_job(tmp_path)
+    options = SessionOptions(mode="online", tune_steps=12, cache_dir=tmp_path / "cache", drift_check_steps=5)
+    first = TuningSession(wl, hw, options, world_size=8)
+    first.start()
+    try:
+        while first.steps_seen < 4 or first.tuning or first.live_on:
+            run_steps(first, 1)
+    finally:
+        first.close()
+    session = TuningSession(wl, hw, options, world_size=8)
+    session.start()
+    try:
+        assert session.plan_source.startswith("tuned by an earlier online run") and not session.tuning
+        drift_on(session, sorted(e.key for e in session.plan.entries)[0])  # type: ignore[union-attr]
+        assert session.tuning and not session.live_on
+        assert "re-tuning from the next 5 steps" in session.events[-1]
+        assert session.off is None, session.off
     finally:
         session.close()

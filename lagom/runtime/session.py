@@ -471,7 +471,8 @@ class TuningSession:
         """
         try:
             order = self._drift_order()
-            values = self.control.max([float(self.failure is not None), self._drift_level(),
+            calibrated = rank() == 0 and self.tuner is not None and self.tuner.calibration is not None
+            values = self.control.max([float(self.failure is not None), self._drift_level(), float(calibrated),
                                        *(float(self._drift_keys is None or k in self._drift_keys) for k in order),
                                        *self._live_values()], f"the agreement of step {self.iteration}")
         except Exception as err:  # noqa: BLE001 - a peer missing: nothing more can be agreed
@@ -482,7 +483,7 @@ class TuningSession:
                             "another rank (its log says what)", agreed=True)
             return None
         try:
-            flags, live = values[2:2 + len(order)], values[2 + len(order):]
+            flags, live = values[3:3 + len(order)], values[3 + len(order):]
             if self.live_on:
                 return self._live_step(live)
             if self.tuning and self.tuner is not None:
@@ -496,7 +497,8 @@ class TuningSession:
             self._next_agreement = self.steps_seen + self.options.drift_check_steps
             drifted = {k for k, flag in zip(order, flags) if flag > 0}
             why = self._drift or "drift seen on another rank"
-            if values[1] == 1 and drifted and self.options.tune_steps > self.calibration_steps:
+            # the drifted keys alone, live, where rank 0 has a calibrated model to rank their candidates
+            if values[1] == 1 and drifted and values[2] > 0 and self.options.tune_steps > self.calibration_steps:
                 self.event(f"step {self.iteration}: {why}; re-tuning {', '.join(sorted(drifted))} on live steps")
                 self._start_live(only=drifted)
             elif values[1] > 0 and self.tuner is not None:
