@@ -90,6 +90,8 @@ class Lowering:
 
     def fused(self, d: int, i: int) -> int:
         """The point whose decomposition splits segment (d, i): the first candidate set to P2P, or NONE."""
+        if not self.chunks:  # nothing is split
+            return NONE
         found = self.fused_memo.get((d, i))
         if found is None:
             found = next((j for j in self.ix.candidates.get((d, i), ()) if self.ix.key(j) in self.chunks), NONE)
