@@ -99,8 +99,13 @@ class StepGraph:
     def keys(self) -> dict[str, list[OverlapPoint]]:
         """Points grouped by tuning key, in first-seen order."""
         out: dict[str, list[OverlapPoint]] = {}
+        named: dict[tuple[str, Collective, int], list[OverlapPoint]] = {}  # the key's parts: no string per point
         for p in self.points:
-            out.setdefault(p.key, []).append(p)
+            what = (p.group.name, p.collective, p.bytes)
+            found = named.get(what)
+            if found is None:
+                found = named[what] = out.setdefault(p.key, [])
+            found.append(p)
         return out
 
 
