@@ -162,7 +162,7 @@ def test_stamped_pipeline_graph_is_the_graph_built_block_by_block(tmp_path):
 
     for hardware, overrides in PIPELINES:
         pp, dp = overrides["parallel"]["pp"], overrides["parallel"]["dp"]
-        for m in (1, 3, pp + 1, 2 * pp + 3):
+        for m in (1, 3, 2 * pp + 3):
             wl, hw = load(tmp_path, hardware, training={"micro_batch": 1, "global_batch": m * dp}, **overrides)
             stamped, built = points_for(wl, hw), points_for(wl, hw, stamped=False)
             assert stamped == built, (overrides, m)
