@@ -7,12 +7,13 @@ entry (as the torch tap does for a blocking call), with a duration it chooses, a
 
 from __future__ import annotations
 
+import math
 import time
 
 from lagom.runtime.session import SessionOptions, TuningSession
 from tests.test_capability import tiny_job
 
-STEP_S = 0.02
+STEP_S = 0.04
 SLOW = 3.0  # the drifted key's calls, this many times their time before
 
 
@@ -24,7 +25,7 @@ def run_steps(session: TuningSession, steps: int, slow_key: str | None = None) -
         for e in entries:
             seconds = STEP_S / len(entries) * (SLOW if e.key == slow_key else 1.0) / 4
             session.runtime.recorder.ended(e.group, e.collective, e.bytes, start, start + seconds)
-        time.sleep(STEP_S * (1.3 if slow_key else 1.0))
+        time.sleep(STEP_S * (2.0 if slow_key else 1.0))
         session.end_step()
 
 
@@ -88,5 +89,36 @@ def test_without_a_calibrated_model_a_drift_on_one_key_re_tunes_the_whole_loop(t
         assert session.tuning and not session.live_on
         assert "re-tuning from the next 5 steps" in session.events[-1]
         assert session.off is None, session.off
+    finally:
+        session.close()
+
+
+def test_a_device_clock_that_reads_steps_late_judges_each_setting_by_its_own_steps(tmp_path) -> None:
+    """On a GPU a step's time is known a few steps after it ends (``StepClock.lag``). The live loop then judges
+    the step that many back, and skips steps that ran the settings before a switch: each trial's steps ran
+    that trial's settings. Here the host clock is read with the GPU's lag, and the step's time is a known
+    function of the channels in force (a plant)."""
+    from lagom.runtime.step_clock import DEVICE_LAG, StepClock
+
+    wl, hw = tiny_job(tmp_path)
+    options = SessionOptions(mode="online", tune_steps=40, cache_dir=tmp_path / "cache")
+    session = TuningSession(wl, hw, options, world_size=8)
+    session.start()
+    session.clock = StepClock(cuda=False, lag=DEVICE_LAG)
+    in_force: dict[int, dict[str, int]] = {}
+    try:
+        while session.steps_seen < 5 or session.tuning or session.live_on:
+            session.begin_step()
+            channels = {e.key: e.config.channels for e in session.router.plan.entries}  # type: ignore[union-attr]
+            in_force[session.iteration] = channels
+            time.sleep(STEP_S + 0.01 * sum(abs(math.log2(c) - 2) for c in channels.values()))
+            session.end_step()
+            assert session.steps_seen < 400, "online tuning did not end"
+        assert session.off is None, session.off
+        assert session.trials, "the live search tried nothing"
+        for t in session.trials:
+            for step in t.steps:
+                for key, config in t.changed.items():
+                    assert in_force[step][key] == config["channels"], (t.id, step, key)
     finally:
         session.close()

@@ -214,6 +214,27 @@ def test_cuda_path_uses_events_and_never_synchronises(monkeypatch):
     assert [(r.key, r.step, r.start_s, r.end_s) for r in out] == [("tp/all_gather/64", 3, 1.0, 3.0)]
 
 
+def test_step_clock_reads_device_steps_once_their_events_complete(monkeypatch):
+    from lagom.runtime.step_clock import DEVICE_LAG, StepClock
+
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: pytest.fail("synchronize called"))
+    _FakeEvent.clock, _FakeEvent.reached = 0.0, -1.0
+    clock = StepClock(cuda=True)
+    assert clock.lag == DEVICE_LAG and StepClock(cuda=False).lag == 0
+    clock.begin(1)  # t=1
+    clock.end(1)  # t=2
+    clock.begin(2)  # t=3
+    _FakeEvent.clock += 2.0  # the step runs two ticks on the device
+    clock.end(2)  # t=6
+    assert clock.seconds(1) is None and clock.seconds(2) is None  # the device has not got there: never waited for
+    _FakeEvent.reached = 2.0
+    assert clock.seconds(1) == 1.0 and clock.seconds(2) is None
+    _FakeEvent.reached = 6.0
+    assert clock.seconds(2) == 3.0
+    assert clock.seconds(7) is None  # a step never begun
+
+
 def test_key_index_matches_padded_sizes_only():
     index = KeyIndex(["dp/all_reduce/1000000", "dp/all_reduce/4096", "tp/all_gather/65536"], tolerance=0.05)
     assert index.match("dp/all_reduce/1024000") == "dp/all_reduce/1000000"

@@ -54,6 +54,7 @@ from lagom.runtime.live import DEFAULT_BUDGET_S, LiveSearch, Trial, describe_liv
 from lagom.runtime.monitor import Monitor
 from lagom.runtime.online import OnlineTuner, describe_changes
 from lagom.runtime.online import refit as online_refit
+from lagom.runtime.step_clock import KEEP, StepClock
 from lagom.tune import make_plan, running_workload
 from lagom.workload import Workload
 
@@ -221,7 +222,12 @@ class TuningSession:
         self.off: str | None = None  # why Lagom switched itself off (the framework runs on its own settings)
         self.off_at: int | None = None  # the step (``steps_seen``) it did
         self._next_agreement: int | None = None  # the step (``steps_seen``) at which every rank agrees next
-        self._last: tuple[float, list[CallRecord]] = (0.0, [])  # the step just ended, for the agreement
+        # the live loop judges steps by the clock (device time on a GPU, read ``clock.lag`` steps later) and only
+        # steps that ran the settings in force: each step's settings epoch, and its records, by step
+        self.clock: StepClock | None = None
+        self._epoch = 0  # bumped at every agreed change of live settings
+        self._step_epoch: dict[int, int] = {}
+        self._step_records: dict[int, list[CallRecord]] = {}
         # live tuning: every rank knows the keys and the settings in force when it began; rank 0 searches
         self.live: LiveSearch | None = None
         self.live_on = False
@@ -414,6 +420,13 @@ class TuningSession:
     def begin_step(self, step: int | None = None) -> None:
         self.iteration = self.iteration + 1 if step is None else step
         self.runtime.recorder.begin_step(self.iteration)
+        if self.clock is None:
+            self.clock = StepClock(bool(self.runtime.recorder.cuda))
+        self.clock.begin(self.iteration)
+        self._step_epoch[self.iteration] = self._epoch
+        for old in [s for s in self._step_epoch if s < self.iteration - KEEP]:
+            self._step_epoch.pop(old)
+            self._step_records.pop(old, None)
         self._t0 = time.perf_counter()
 
     def end_step(self) -> Plan | None:
@@ -424,8 +437,12 @@ class TuningSession:
         """
         step_s = time.perf_counter() - self._t0
         records = self.runtime.recorder.end_step()
+        if self.clock is not None:
+            self.clock.end(self.iteration)
+        if self.live_on:
+            for r in records:
+                self._step_records.setdefault(r.step, []).append(r)
         self.steps_seen += 1
-        self._last = (step_s, records)
         self.steps.append(StepStats(self.iteration, step_s, sum(r.duration_s for r in records), len(records),
                                     f"tuned {len(self.tuned)}" if self.tuned else "start"))
         if self.workload is None or self.off is not None:
@@ -558,28 +575,40 @@ class TuningSession:
             return "; this job's backend is not NCCL, so the tuner table changes nothing it runs (the loop is the same)"
         return ""
 
+    @property
+    def _judged_step(self) -> int:
+        """The step the live loop judges at this step's end: this one on the host, ``clock.lag`` back on a GPU."""
+        return self.iteration - (self.clock.lag if self.clock is not None else 0)
+
     def _live_values(self) -> list[float]:
-        """This rank's last step for the agreement: its time and each key's mean seconds per call (0: none)."""
+        """This rank's judged step for the agreement: whether it is not ready (its device time unknown yet, or
+        it ran other settings than those in force now), its time and each key's mean seconds per call (0: none)."""
         if not self.live_on:
             return []
-        step_s, records = self._last
+        step = self._judged_step
+        step_s = self.clock.seconds(step) if self.clock is not None else None
+        if step_s is None or self._step_epoch.get(step) != self._epoch:
+            return [1.0, 0.0, *(0.0 for _ in self.live_keys)]
         index = KeyIndex(self.live_keys)
         total: dict[str, list[float]] = {}
-        for r in records:
+        for r in self._step_records.get(step, []):
             key = index.match(r.key)
             if key is not None:
                 row = total.setdefault(key, [0, 0.0])
                 row[0] += 1
                 row[1] += r.duration_s
-        return [step_s, *((total[k][1] / total[k][0]) if k in total else 0.0 for k in self.live_keys)]
+        return [0.0, step_s, *((total[k][1] / total[k][0]) if k in total else 0.0 for k in self.live_keys)]
 
     def _live_step(self, values: list[float]) -> Plan | None:
         from lagom.runtime.live import Decision
 
+        if values[0] > 0:  # some rank cannot judge its step yet (or it ran the settings before): the next one
+            self._next_agreement = self.steps_seen + 1
+            return None
         decision: Decision | None = None
         if self.live is not None:
-            keys = {k: v for k, v in zip(self.live_keys, values[1:]) if v > 0}
-            decision = self.live.after_step(self.iteration, values[0], keys)
+            keys = {k: v for k, v in zip(self.live_keys, values[2:]) if v > 0}
+            decision = self.live.after_step(self._judged_step, values[1], keys)
         decision = self.control.broadcast(decision, f"the live decision of step {self.iteration}")
         if decision.configs is not None:
             self._put_live(decision.configs)
@@ -598,6 +627,7 @@ class TuningSession:
         plan = self._with_configs(configs)
         self.router.plan = plan
         self._put_table(emit.tuner_rules(plan))
+        self._epoch += 1  # the next step is the first that runs them
 
     def _put_table(self, rules: str) -> None:
         """The live table on this rank; a refusal is this rank's failure, told at the next agreed step."""
