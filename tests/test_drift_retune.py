@@ -101,7 +101,7 @@ def test_a_device_clock_that_reads_steps_late_judges_each_setting_by_its_own_ste
     from lagom.runtime.step_clock import DEVICE_LAG, StepClock
 
     wl, hw = tiny_job(tmp_path)
-    options = SessionOptions(mode="online", tune_steps=40, cache_dir=tmp_path / "cache")
+    options = SessionOptions(mode="online", tune_steps=30, cache_dir=tmp_path / "cache")
     session = TuningSession(wl, hw, options, world_size=8)
     session.start()
     session.clock = StepClock(cuda=False, lag=DEVICE_LAG)
@@ -111,7 +111,7 @@ def test_a_device_clock_that_reads_steps_late_judges_each_setting_by_its_own_ste
             session.begin_step()
             channels = {e.key: e.config.channels for e in session.router.plan.entries}  # type: ignore[union-attr]
             in_force[session.iteration] = channels
-            time.sleep(STEP_S + 0.01 * sum(abs(math.log2(c) - 2) for c in channels.values()))
+            time.sleep(0.01 + 0.01 * sum(abs(math.log2(c) - 2) for c in channels.values()))
             session.end_step()
             assert session.steps_seen < 400, "online tuning did not end"
         assert session.off is None, session.off
