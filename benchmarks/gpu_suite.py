@@ -12,7 +12,8 @@ that fails writes its exact error (``<part>.error``) and the driver goes on with
    what happened recorded in ``two_ranks.csv``.
 2. ``cuda``: Lagom's CUDA paths: the recorder's device events against a timed kernel;
    ``ProcessGroupNCCL.Options`` from a plan read back from the communicator; the tuner plugin loaded by
-   the real NCCL (``NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=TUNING``), its log lines checked against the rules.
+   the real NCCL (``NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=TUNING``), its log lines checked against the rules;
+   a live table switched between steps on two ranks, NCCL's TUNING lines showing the new protocol after it.
 3. ``window``: a layer's FFN GEMMs beside the next layer's parameter all-gather (emulated on one GPU): the
    makespan at every (channels, chunk) pair, and at the pairs the ``nccl``, ``autoccl`` and ``lagom``
    strategies pick on the calibrated model. Targets: Lagom >= 1.15x faster than AutoCCL's pick and within
@@ -109,10 +110,10 @@ dist.destroy_process_group()
 """
 
 
-def _two_processes(label: str, env: dict[str, str], folder: Path) -> dict[str, Any]:
-    rendezvous = folder / f"rendezvous-{label}"
+def _run_pair(script: str, env: dict[str, str], rendezvous: Path) -> tuple[list[int | None], list[str]]:
+    """``script`` as ranks 0 and 1 (argv: rank, rendezvous file); their exit codes and outputs."""
     rendezvous.unlink(missing_ok=True)
-    procs = [subprocess.Popen([sys.executable, "-c", TWO_RANKS, str(r), str(rendezvous)], env=env,
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(r), str(rendezvous)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
     outputs = []
     for p in procs:
@@ -121,10 +122,15 @@ def _two_processes(label: str, env: dict[str, str], folder: Path) -> dict[str, A
         except subprocess.TimeoutExpired:
             p.kill()
             outputs.append(p.communicate()[0] + "\n[killed after 120 s]")
-    ok = all(p.returncode == 0 for p in procs) and all("all_reduce 3.0" in o for o in outputs)
+    return [p.returncode for p in procs], outputs
+
+
+def _two_processes(label: str, env: dict[str, str], folder: Path) -> dict[str, Any]:
+    codes, outputs = _run_pair(TWO_RANKS, env, folder / f"rendezvous-{label}")
+    ok = all(c == 0 for c in codes) and all("all_reduce 3.0" in o for o in outputs)
     (folder / f"two_ranks_{label}.log").write_text("\n---\n".join(outputs))
     last = [line for o in outputs for line in o.splitlines() if line.strip()][-1:] or [""]
-    return {"setup": label, "worked": ok, "exit_codes": " ".join(str(p.returncode) for p in procs), "last_line": last[0]}
+    return {"setup": label, "worked": ok, "exit_codes": " ".join(str(c) for c in codes), "last_line": last[0]}
 
 
 def two_ranks(out: Path) -> None:
@@ -234,6 +240,62 @@ def _tuner_plugin_loaded(out: Path) -> str:
     return "; ".join(lagom_lines[:3])
 
 
+# Two NCCL ranks on one GPU (as ``two_ranks``) with Lagom's plugin: each rank puts a live table in force,
+# runs three 16 MiB all-reduces, then (after a barrier, as the session's agreed step) a table with another
+# protocol and three more. NCCL's TUNING log says which protocol each call got (proto 2 Simple, 0 LL).
+LIVE_SWITCH = """
+import datetime, os, sys, torch, torch.distributed as dist
+from lagom.nccl_tuner.live import LiveTable
+rank = int(sys.argv[1])
+os.environ["NCCL_HOSTID"] = f"lagom-suite-host-{rank}"
+os.environ["NCCL_DEBUG_FILE"] = os.environ["LAGOM_SUITE_LOG"] + f".{rank}"
+table = LiveTable.create(2)
+dist.init_process_group("nccl", init_method="file://" + sys.argv[2], rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=60))
+torch.cuda.set_device(0)
+t = torch.ones(1 << 22, device="cuda")
+for proto, chunk in (("simple", 131072), ("ll", 32768)):
+    rules = "".join(f"allreduce 1048576 1099511627776 2 {n} ring {proto} 2 {chunk}\\n" for n in (1, 2))
+    table.put(f"lagom-nccl-tuner 1\\nworld 2\\n{rules}")
+    dist.barrier()
+    torch.cuda.synchronize()
+    for _ in range(3):
+        dist.all_reduce(t)
+    torch.cuda.synchronize()
+print("switched", flush=True)
+table.close()
+dist.destroy_process_group()
+"""
+PROTO_LINE = r"AllReduce: 16777216 Bytes -> Algo (\d+) proto (\d+)"
+
+
+def _live_switch_reaches_nccl(out: Path) -> str:
+    """The live table changed between steps reaches NCCL: the calls after the switch run the new protocol."""
+    import re
+
+    from lagom import nccl_tuner
+
+    plugin = nccl_tuner.path()
+    if plugin is None:
+        raise RuntimeError(nccl_tuner.UNAVAILABLE)
+    start = out / "live_start.lagom"
+    start.write_text("lagom-nccl-tuner 1\nworld 2\n")
+    start.chmod(0o600)
+    log = out / "live_switch_nccl.log"
+    env = {**os.environ, "NCCL_TUNER_PLUGIN": str(plugin), nccl_tuner.RULES_FILE_ENV: str(start),
+           "NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,TUNING", "LAGOM_SUITE_LOG": str(log)}
+    codes, outputs = _run_pair(LIVE_SWITCH, env, out / "rendezvous-live")
+    protos = []
+    for rank in range(2):
+        text = Path(f"{log}.{rank}").read_text() if Path(f"{log}.{rank}").exists() else ""
+        protos.append([int(m.group(2)) for m in re.finditer(PROTO_LINE, text)])
+    log.write_text("\n---\n".join(outputs) + "\n" + "\n".join(f"rank {r} protocols: {p}" for r, p in enumerate(protos)))
+    if codes != [0, 0] or protos[0] != [2, 2, 2, 0, 0, 0] or protos[1] != protos[0]:
+        raise AssertionError(f"exit codes {codes}; protocols per call by rank {protos} (want Simple x3 then LL x3 "
+                             f"on both); see {log.name}")
+    return f"both ranks: protocols {protos[0]} (2 Simple, 0 LL) across the live switch"
+
+
 def part_cuda(out: Path, budget_s: float) -> None:
     import torch
     import torch.distributed as dist
@@ -249,6 +311,7 @@ def part_cuda(out: Path, budget_s: float) -> None:
     finally:
         dist.destroy_process_group()
     _check(rows, "tuner plugin loaded by NCCL", lambda: _tuner_plugin_loaded(out))
+    _check(rows, "live table switch reaches NCCL (two ranks on one GPU)", lambda: _live_switch_reaches_nccl(out))
     rows.append({"check": "Flash-Overlap exact on CUDA streams", "passed": False,
                  "detail": "needs two NCCL ranks: see two_ranks.csv for whether this GPU can host them"})
     write_csv(out / "cuda_paths.csv", rows)
