@@ -314,7 +314,7 @@ class _Task:
         self.queue, self.pos, self.shape = queue, pos, shape
         self.comm, self.device, self.devices, self.deps, self.cost = shape.comm, shape.device, shape.devices, shape.deps, shape.cost
         self.key: str = shape.cost[0] if shape.comm else ""
-        self.config: CommConfig | None = run.config(self.key) if shape.comm else None
+        self.config: CommConfig | None = (run.config_memo.get(self.key) or run.config(self.key)) if shape.comm else None
         self.cross = shape.comm and run.ix.points[shape.point].group.nodes > 1  # uses the node's NIC
         # a pipeline send uses its NIC one way only (out of its device, into its peer); collectives both ways
         self.one_way = shape.comm and not shape.cost[1] and shape.coll == Collective.SEND_RECV
@@ -490,7 +490,7 @@ class _PhaseRun:
         watching = band_ref is not None
         since_checkpoint = 0
         event = 0
-        comm_memo, rate_memo, compute_memo = self.comm_memo, self.rate_memo, self.compute_memo
+        comm_memo, rate_memo, compute_memo, util_memo = self.comm_memo, self.rate_memo, self.compute_memo, self.util_memo
         shapes = lw.shapes
         if resume is not None:
             cp, records, earlier = resume
@@ -555,7 +555,7 @@ class _PhaseRun:
                             if t.key not in first_start:
                                 first_start[t.key] = now
                     else:
-                        t.util = self.util(t)
+                        t.util = util_memo.get(t.cost) or self.util(t)
                         compute_on[t.device] = t
                         if q == band_ref and watching and pos % check_every == 0:
                             check = True
