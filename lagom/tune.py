@@ -111,6 +111,15 @@ class _Planner:
         """Drop a workload's problem (a step graph can take gigabytes at cluster scale)."""
         self._problems.pop(_with_buckets(wl, 1.0).fingerprint(), None)
 
+    def rest(self, wl: Workload) -> None:
+        """Drop what a workload's simulator keeps for runs to come (prepared phases, earlier runs: hundreds
+        of MB at cluster scale) while other graphs are searched; its problem and results stay, and a run
+        not among them prepares the graph again."""
+        key = _with_buckets(wl, 1.0).fingerprint()
+        if key in self._problems:
+            problem, _, seen = self._problems[key]
+            self._problems[key] = (problem, Simulator(problem.graph), seen)
+
     def evaluator(self, wl: Workload, strategy: str) -> SimulatedEvaluator:
         problem, simulator, seen = self._shared(wl)
 
@@ -148,6 +157,7 @@ def _search_with_buckets(planner: _Planner, wl: Workload, strategy: str, search_
     for scale in BUCKET_SCALES:
         if scale == 1.0:
             continue
+        planner.rest(best.workload)  # searched: at most its baseline is asked for again, from its results
         cand = _with_buckets(wl, scale)
         prob = planner.problem(cand).with_process(central.result.process or central.problem.settings)
         changed = {k for k, pts in prob.keys.items() if len(central.problem.keys.get(k, ())) != len(pts)}

@@ -50,6 +50,10 @@ def test_the_strategies_of_one_call_share_results_per_graph_and_a_bucket_size_is
     assert nccl.evaluate(configs) == lagom.evaluate(configs)
     assert (nccl.simulated, lagom.simulated, lagom.evaluations) == (1, 0, 1)
     assert planner.evaluations == 2  # progress counts both
+    planner.rest(wl)  # the simulator's runs dropped, the results kept
+    rested = planner.evaluator(wl, "lagom")
+    assert rested.simulator is not lagom.simulator and rested.evaluate(configs) == lagom.evaluate(configs)
+    assert rested.simulated == 0
     doubled = _with_buckets(wl, 2.0)
     bigger = planner.evaluator(doubled, "lagom")
     bigger.evaluate(nccl_configs(planner.problem(doubled)))
