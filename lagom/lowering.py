@@ -198,6 +198,17 @@ class Lowering:
 
     # -- shapes
 
+    def kept(self) -> int:
+        """How many task shapes are memoised."""
+        return sum(map(len, self.shapes))
+
+    def forget(self) -> None:
+        """Drop the memoised shapes and fused segments (worked out again as runs reach them): what keeps
+        the memory of a long search bounded."""
+        for shapes in self.shapes:
+            shapes.clear()
+        self.fused_memo.clear()
+
     def shape(self, q: int, pos: int) -> Shape:
         shape = self.shapes[q].get(pos)
         if shape is None:

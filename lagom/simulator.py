@@ -59,6 +59,7 @@ ROUNDING = 1e-11  # rounding noise allowed in those differences, per unit of the
 CHECKPOINT_EVERY = 400  # tasks started between checkpoints
 TRAILS_KEPT = 3  # earlier runs whose checkpoints a Simulator keeps
 LOWERINGS_KEPT = 8  # decomposition choices whose task shapes a Simulator keeps
+SHAPES_KEPT = 200_000  # task shapes a Simulator keeps over all its lowerings (about 400 bytes each)
 INF = float("inf")
 
 Configs = dict[str, CommConfig]
@@ -242,6 +243,9 @@ class Simulator:
         if not keep_spans:
             self._trails.insert(0, _Trail(dict(configs), model, _model_state(model), extrapolate, left))
             del self._trails[TRAILS_KEPT:]
+        if sum(lowering.kept() for lowering in self._lowerings.values()) > SHAPES_KEPT:
+            for lowering in self._lowerings.values():  # each run lands its jumps elsewhere: new shapes every run
+                lowering.forget()
         return StepResult(
             step_s=sum(p.time * p.repeat for p in phases),
             exposed_comm_s=sum(p.exposed_comm * p.repeat for p in phases),

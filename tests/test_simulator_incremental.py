@@ -113,3 +113,26 @@ def test_a_model_whose_settings_changed_is_not_reused():
     assert second.step_s > 1.1 * first.step_s
     assert all(a is not b for a, b in zip(second.phases, first.phases))
     same(second, Simulator(problem.graph).run(base, model))
+
+
+def test_memoised_shapes_stay_bounded_and_change_nothing(monkeypatch):
+    """Each run lands its steady-state jumps elsewhere, so a long search would memoise ever more task
+    shapes; past SHAPES_KEPT a Simulator drops them all and works them out again, with the same steps."""
+    import lagom.simulator
+
+    problem = job("gpt3-13b-pp4", 16)
+    base = nccl_configs(problem)
+    tp = [k for k in base if k.startswith("tp/")]
+    sim = Simulator(problem.graph)
+    sim.run(base, problem.model)
+    one_run = sum(lw.kept() for lw in sim._lowerings.values())
+    monkeypatch.setattr(lagom.simulator, "SHAPES_KEPT", one_run + 1)
+    forgot = False
+    for channels in (2, 4):
+        configs = {**base, tp[0]: replace(base[tp[0]], channels=channels)}
+        before = sum(lw.kept() for lw in sim._lowerings.values())
+        same(sim.run(configs, problem.model), Simulator(problem.graph).run(configs, problem.model))
+        after = sum(lw.kept() for lw in sim._lowerings.values())
+        forgot |= after < before
+        assert after <= one_run + 1
+    assert forgot
