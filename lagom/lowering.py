@@ -4,7 +4,8 @@ A phase lowers to task queues: per device its compute stream and the P2P streams
 decompositions, then one stream per communicator. Only which keys are split into P2P steps (and into
 how many chunks) changes the tasks; every other knob only changes their speed. So a ``Lowering`` is
 built per such choice, fills in task shapes as the simulator reaches them, and is reused by every later
-run with the same choice (a search tries many configs with the same decompositions).
+run with the same choice (a search tries many configs with the same decompositions). Inside the
+periodic band a shape is copied from its image a period back rather than worked out again.
 
 The order of queues, of tasks in them and of each task's dependencies is the order in which the
 pre-issue-11 simulator lowered a whole phase: it decides which task starts first at the same instant
