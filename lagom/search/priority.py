@@ -9,7 +9,8 @@ model ranks its candidates on its own windows, the evaluator (simulator or live 
 best few on the whole step. Then a joint revisit of collectives on different communicators that hold
 up the same compute segment (or phase end): one tuned before such another one changed gets its best
 few checked again; and each is moved together with the next such one (the pairings of both one's best
-few), since two of them may only pay off together. Last, the keys that run beside one compute segment
+few that the cost model's joint estimate, as for groups below, says gain), since two of them may only pay
+off together. Last, the keys that run beside one compute segment
 move as a group (``sharing_compute``), since the GEMM there gets a wave back only when all of them give
 SMs back: the cost model costs each group's moves jointly (the compute beside them slowed by all of them
 at once, plus their comm it cannot hide), groups are taken by the gain it foresees, and only moves it
@@ -365,14 +366,22 @@ class _Tuning:
 
     def joint(self, first: str, second: str) -> None:
         """Move two keys together: each one's best JOINT_WIDTH candidates (ranked as in the first pass, with
-        the exposure they have now), every pairing. Two collectives that hold up the same compute may only
-        pay off together: the SMs they take free a wave of a GEMM only when both give them back, and a
-        faster one is no use while the other still blocks."""
+        the exposure they have now), every pairing the cost model says gains (``group_cost`` of the pair
+        and every key beside the compute both run beside). Two collectives that hold up the same compute
+        may only pay off together: the SMs they take free a wave of a GEMM only when both give them back,
+        and a faster one is no use while the other still blocks."""
         per_key = self.best.per_key()
         choices = {key: [cfg for _, cfg in self.checks(key, per_key)[1][:JOINT_WIDTH]] for key in (first, second)}
+        pair = frozenset((first, second))
+        segments = list({id(seg): (seg, within, n) for keys, (_, shared) in self.graph.shared.items() if pair <= keys
+                         for seg, within, n in shared if pair <= within}.values())
+        beside = pair.union(*(within for _, within, _ in segments))
+        now = self.group_cost(beside, {}, segments)
         chosen = None
         for a in choices[first]:
             for b in choices[second]:
+                if now - self.group_cost(beside, {first: a, second: b}, segments) <= GAIN_FLOOR * now:
+                    continue
                 result = self.evaluator.evaluate({**self.configs, first: a, second: b})
                 if result.step_s < self.best.step_s:
                     self.best, chosen = result, (a, b)
