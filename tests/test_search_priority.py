@@ -191,3 +191,21 @@ def test_joint_revisit_keeps_the_evaluations_linear_in_the_number_of_keys():
         screens = sum(len(values) for values in problem.step_wide_choices().values())
         assert searched[n] < strategy[n] <= 2 * (1 + most * n + settle_bound(problem)) + screens
     assert searched[16] < 2.5 * searched[8] and strategy[16] < 2.5 * strategy[8]
+
+
+def test_pairings_the_cost_model_says_cannot_gain_are_not_simulated(monkeypatch):
+    """The pair of test_two_all_reduces_...: of each pair's JOINT_WIDTH ** 2 pairings only those whose joint
+    estimate gains are evaluated, and the pair still reaches exhaustive's step."""
+    counted: list[int] = []
+    joint = priority._Tuning.joint
+
+    def counting(self, first, second):
+        before = self.evaluator.evaluations
+        joint(self, first, second)
+        counted.append(self.evaluator.evaluations - before)
+
+    monkeypatch.setattr(priority._Tuning, "joint", counting)
+    problem = two_all_reduces_one_gemm()
+    lagom = run_strategy("lagom", problem)
+    assert counted and sum(counted) < len(counted) * priority.JOINT_WIDTH ** 2
+    assert lagom.result.step_s == pytest.approx(run_strategy("exhaustive", problem).result.step_s, rel=1e-9)
