@@ -163,6 +163,7 @@ def test_no_repeating_structure_is_simulated_in_full():
     assert fast.step_s == pytest.approx(reference_simulate(problem.graph, configs, problem.model).step_s, rel=REL)
 
 
+@pytest.mark.slow  # a 16-layer 1,024-GPU step simulated in full beside the extrapolation: CI's slower tier
 def test_a_drifting_backlog_is_extrapolated_exactly():
     """Flash-Overlap P2P steps on the tensor-parallel collectives of a 1,024-GPU Llama (16 layers here, as
     the shipped 80 at a fifth of the cost) leave a backlog that grows each cycle of two periods by 1.16% of
