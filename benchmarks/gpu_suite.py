@@ -216,18 +216,24 @@ dist.destroy_process_group()
 """
 
 
-def _tuner_plugin_loaded(out: Path) -> str:
-    """NCCL loads Lagom's plugin and its rules file (its log says which rules apply to the communicator)."""
+def _plugin_env(rules: Path, text: str) -> dict[str, str]:
+    """The environment of a process whose NCCL loads Lagom's plugin with ``text`` as its rules file, logging
+    its INIT and TUNING lines."""
     from lagom import nccl_tuner
 
     plugin = nccl_tuner.path()
     if plugin is None:
         raise RuntimeError(nccl_tuner.UNAVAILABLE)
-    rules = out / "tuner_rules.lagom"
-    rules.write_text("lagom-nccl-tuner 1\nworld 1\nallreduce 1 1099511627776 1 1 ring simple 2 2097152\n")
+    rules.write_text(text)
     rules.chmod(0o600)
-    env = {**os.environ, "NCCL_TUNER_PLUGIN": str(plugin), nccl_tuner.RULES_FILE_ENV: str(rules),
-           "NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,TUNING", "WORLD_SIZE": "1"}
+    return {**os.environ, "NCCL_TUNER_PLUGIN": str(plugin), nccl_tuner.RULES_FILE_ENV: str(rules),
+            "NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,TUNING"}
+
+
+def _tuner_plugin_loaded(out: Path) -> str:
+    """NCCL loads Lagom's plugin and its rules file (its log says which rules apply to the communicator)."""
+    env = {**_plugin_env(out / "tuner_rules.lagom", "lagom-nccl-tuner 1\nworld 1\n"
+                         "allreduce 1 1099511627776 1 1 ring simple 2 2097152\n"), "WORLD_SIZE": "1"}
     rendezvous = out / "rendezvous-tuner"
     rendezvous.unlink(missing_ok=True)
     done = subprocess.run([sys.executable, "-c", TUNER_CHECK, str(rendezvous)], env=env, capture_output=True,
@@ -273,17 +279,8 @@ def _live_switch_reaches_nccl(out: Path) -> str:
     """The live table changed between steps reaches NCCL: the calls after the switch run the new protocol."""
     import re
 
-    from lagom import nccl_tuner
-
-    plugin = nccl_tuner.path()
-    if plugin is None:
-        raise RuntimeError(nccl_tuner.UNAVAILABLE)
-    start = out / "live_start.lagom"
-    start.write_text("lagom-nccl-tuner 1\nworld 2\n")
-    start.chmod(0o600)
     log = out / "live_switch_nccl.log"
-    env = {**os.environ, "NCCL_TUNER_PLUGIN": str(plugin), nccl_tuner.RULES_FILE_ENV: str(start),
-           "NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,TUNING", "LAGOM_SUITE_LOG": str(log)}
+    env = {**_plugin_env(out / "live_start.lagom", "lagom-nccl-tuner 1\nworld 2\n"), "LAGOM_SUITE_LOG": str(log)}
     codes, outputs = _run_pair(LIVE_SWITCH, env, out / "rendezvous-live")
     protos = []
     for rank in range(2):
