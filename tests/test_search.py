@@ -108,6 +108,7 @@ def many_keys(n: int) -> Problem:
     return synthetic_problem(segs, points)
 
 
+@pytest.mark.slow  # searches jobs of growing size: CI's slower tier (benchmarks/planning_scale.py --quality too)
 def test_lagom_evaluations_grow_linearly_with_the_number_of_collectives():
     """Per run of the priority search a fixed number of checks per key; the per-process decision adds one
     evaluation per value tried on every collective at once and at most one more run, settling communicators
