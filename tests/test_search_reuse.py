@@ -41,6 +41,24 @@ def test_a_repeated_config_is_not_simulated_again_and_equals_a_fresh_simulation_
     assert again.phases[0].points  # the collectives are there
 
 
+def test_a_kept_results_timings_of_every_phase_come_from_one_simulation(monkeypatch):
+    import lagom.search.base as base
+
+    wl = load_workload("t5-dp-tp")  # a gradient-accumulation micro-batch phase and the last one
+    problem = _Planner(load_hardware(wl.hardware), None).problem(wl)
+    configs = nccl_configs(problem)
+    evaluator = SimulatedEvaluator(problem)
+    evaluator.evaluate(configs)
+    kept = evaluator.evaluate(configs)  # from the cache: no run behind it
+    calls = []
+    monkeypatch.setattr(base, "simulate", lambda *args: calls.append(args) or Simulator(args[0]).run(args[1], args[2]))
+    assert len(kept.phases) > 1
+    timings = [ph.points for ph in kept.phases]
+    assert len(calls) == 1
+    fresh = Simulator(problem.graph).run(configs, problem.model)
+    assert timings == [ph.points for ph in fresh.phases]
+
+
 def test_the_strategies_of_one_call_share_results_per_graph_and_a_bucket_size_is_another_graph(tmp_path):
     wl = load_workload(write_yaml(tmp_path / "w.yaml", gpt_workload(framework={
         "name": "megatron", "overlap_grad_reduce": True})))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from functools import cached_property
+from functools import cache, cached_property
 from typing import Any, Protocol
 
 from lagom.capability import Capability, capability_for
@@ -153,8 +153,12 @@ class SimulatedEvaluator:
 def _kept(result: StepResult, graph: StepGraph, configs: Configs, model: CostModel) -> StepResult:
     """A result to keep for repeats, without the run behind it (every task's record and checkpoint: tens of
     MB a run at cluster scale); its collectives' timings, if asked for, come from a fresh simulation."""
+    @cache
+    def rerun() -> StepResult:  # once for every phase that asks
+        return simulate(graph, configs, model)
+
     def timings(i: int) -> Callable[[], list[PointTiming]]:
-        return lambda: simulate(graph, configs, model).phases[i].points
+        return lambda: rerun().phases[i].points
 
     return replace(result, phases=[replace(ph, _timings=timings(i)) for i, ph in enumerate(result.phases)])
 

@@ -284,8 +284,9 @@ def search(problem: Problem, evaluator: Evaluator, start: SearchResult | None = 
                      "same compute changed: ")
     for first, second in pairs(blocking, order):
         tuning.joint(first, second)
-    # groups by the gain the cost model gives their best move, none where it foresees none
-    shared = {keys: v for keys, v in graph.shared.items() if only is None or keys <= only}
+    # groups by the gain the cost model gives their best move, none where it foresees none; with ``only``,
+    # each set's keys among them (two at least) move, the others keep what they have
+    shared = graph.shared if only is None else {keys & only: v for keys, v in graph.shared.items() if len(keys & only) > 1}
     gains = {keys: tuning.group_gain(keys, shared[keys][1]) for keys in shared}
     for keys in sorted((keys for keys in shared if gains[keys] > 0), key=gains.__getitem__, reverse=True)[:len(problem.keys)]:
         tuning.together(keys, shared[keys][1])
@@ -380,7 +381,8 @@ class _Tuning:
         chosen = None
         for a in choices[first]:
             for b in choices[second]:
-                if now - self.group_cost(beside, {first: a, second: b}, segments) <= GAIN_FLOOR * now:
+                # pruned only where the two share compute: the joint estimate leaves out what one key slows alone
+                if segments and now - self.group_cost(beside, {first: a, second: b}, segments) <= GAIN_FLOOR * now:
                     continue
                 result = self.evaluator.evaluate({**self.configs, first: a, second: b})
                 if result.step_s < self.best.step_s:
