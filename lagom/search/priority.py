@@ -424,13 +424,14 @@ class _Tuning:
         the compute they all run beside, slowed by all of them at once (a GEMM gets a wave back only when
         every one gives SMs back), plus each one's comm beyond the compute that hides it."""
         model = self.problem.model
-        configs = {key: move.get(key, self.configs[key]) for key in keys}
+        involved = keys.union(*(within for _, within, _ in segments))  # with ``only``, keys beside that stay put
+        configs = {key: move.get(key, self.configs[key]) for key in involved}
         util = max((model.hbm_util(seg) for seg, _, _ in segments), default=0.0)
         running = {key: _instance(cfg, self.problem.keys[key][0], False, util, True, model)[2]
                    for key, cfg in configs.items()}
         beside = sum(n * model.compute_time(seg, tuple(running[key] for key in sorted(within)))
                      for seg, within, n in segments)
-        return beside + sum(self.estimate(key, cfg).beyond for key, cfg in configs.items())
+        return beside + sum(self.estimate(key, configs[key]).beyond for key in keys)
 
     def together(self, keys: frozenset[str], segments: Shared) -> None:
         """Move every key that runs beside one compute segment at once, to the best GROUP_CHECKS moves the
