@@ -39,6 +39,7 @@ def two_ranks() -> list[dict[int, dict]]:
     return run_ranks(names_rank, 2, (2, 1))
 
 
+@pytest.mark.slow  # a megatron-core world of one rank, spawned on its own: CI's slower tier
 def test_one_rank_names_every_size_one_group_by_identity() -> None:
     (by_tp,) = run_ranks(names_rank, 1, (1,))
     out = by_tp[1]
