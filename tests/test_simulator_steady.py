@@ -94,6 +94,7 @@ def test_band_tasks_are_shaped_as_their_images_a_period_back(how):
     assert copied > 3 * worked_out
 
 
+@pytest.mark.slow  # a pipeline simulated in full beside the skip: CI's slower tier
 def test_skipped_periods_still_have_their_collectives_timed():
     """Per-point timings of a skipped steady state: skipped collectives are placed whole periods (plus the
     geometric transient) after the simulated ones, as the full simulation places them. The pipeline's
@@ -109,6 +110,7 @@ def test_skipped_periods_still_have_their_collectives_timed():
         assert (a.start, a.end, a.solo, a.exposed) == pytest.approx((b.start, b.end, b.solo, b.exposed), rel=1e-9, abs=1e-7)
 
 
+@pytest.mark.slow  # gpt3-13b-pp4 at 64 and 256 micro-batches: CI's slower tier
 def test_cost_does_not_grow_with_micro_batches():
     """Once the steady state is skipped, a longer step costs the same number of simulated tasks."""
     counts = {m: Simulator(p.graph).run(nccl_configs(p), p.model).tasks_simulated
