@@ -9,7 +9,7 @@ and the NCCL tuner rules all match through this rule. Nothing here imports torch
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from lagom.errors import ConfigError
@@ -95,3 +95,15 @@ class KeyIndex:
         """The known key's text form, or None."""
         found = self.match_key(key)
         return None if found is None else str(found)
+
+
+def mean_per_call(records: Iterable[CallRecord], key_of: Callable[[str], str | None]) -> dict[str, float]:
+    """Each key's mean seconds per call over ``records``; ``key_of`` names a record's key (None: left out)."""
+    calls: dict[str, list[float]] = {}
+    for r in records:
+        key = key_of(r.key)
+        if key is not None:
+            row = calls.setdefault(key, [0, 0.0])
+            row[0] += 1
+            row[1] += r.duration_s
+    return {key: total / n for key, (n, total) in calls.items()}

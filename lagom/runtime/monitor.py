@@ -17,7 +17,7 @@ import logging
 from collections import deque
 from collections.abc import Iterable
 
-from lagom.calls import SIZE_TOLERANCE, CallRecord, KeyIndex
+from lagom.calls import SIZE_TOLERANCE, CallRecord, KeyIndex, mean_per_call
 from lagom.errors import ConfigError
 from lagom.hardware import Hardware
 from lagom.plan import Plan
@@ -130,20 +130,14 @@ class Monitor:
     def _per_key(self, records: list[CallRecord]) -> None:
         """Each key's mean seconds per call this step: into its baseline while that is measured, else into
         its recent steps. Keys are the plan's, or while the reference is still learned, the step's own."""
-        calls: dict[str, list[float]] = {}
-        for r in records:
-            key = r.key if self._index is None else self._index.match(r.key)
-            if key is not None:
-                row = calls.setdefault(key, [0.0, 0.0])
-                row[0] += 1
-                row[1] += r.duration_s
-        for key, (n, total) in calls.items():
+        index = self._index
+        for key, seconds in mean_per_call(records, (lambda k: k) if index is None else index.match).items():
             if self.baseline is None:
                 base = self._key_base.setdefault(key, [0.0, 0.0])
-                base[0] += total / n
+                base[0] += seconds
                 base[1] += 1
             elif key in self._key_base:
-                self._key_recent.setdefault(key, deque(maxlen=self.window)).append(total / n)
+                self._key_recent.setdefault(key, deque(maxlen=self.window)).append(seconds)
 
     def _slower_keys(self) -> list[str]:
         """Keys whose recent calls are slower than over the baseline by more than the threshold."""

@@ -41,7 +41,7 @@ from typing import Any
 import torch.distributed as dist
 
 from lagom import emit
-from lagom.calls import CallRecord, KeyIndex
+from lagom.calls import CallRecord, KeyIndex, mean_per_call
 from lagom.capability import Capability
 from lagom.errors import ConfigError
 from lagom.flash_overlap import FlashOverlapConfig
@@ -589,15 +589,8 @@ class TuningSession:
         step_s = self.clock.seconds(step) if self.clock is not None else None
         if step_s is None or self._step_epoch.get(step) != self._epoch:
             return [1.0, 0.0, *(0.0 for _ in self.live_keys)]
-        index = KeyIndex(self.live_keys)
-        total: dict[str, list[float]] = {}
-        for r in self._step_records.get(step, []):
-            key = index.match(r.key)
-            if key is not None:
-                row = total.setdefault(key, [0, 0.0])
-                row[0] += 1
-                row[1] += r.duration_s
-        return [0.0, step_s, *((total[k][1] / total[k][0]) if k in total else 0.0 for k in self.live_keys)]
+        means = mean_per_call(self._step_records.get(step, []), KeyIndex(self.live_keys).match)
+        return [0.0, step_s, *(means.get(k, 0.0) for k in self.live_keys)]
 
     def _live_step(self, values: list[float]) -> Plan | None:
         from lagom.runtime.live import Decision
