@@ -50,7 +50,9 @@ EPS = 1e-12
 DONE = 1e-9  # a task whose remaining fraction falls to this is finished
 REPEAT_TOLERANCE = 1e-9  # remaining fractions this close count as the same state
 CYCLE_MOST = 3  # the longest cycle of periods extrapolated geometrically (a state alternating between two)
-UNITS_KEPT = 3 * CYCLE_MOST + 1  # states remembered for this many periods back (three cycles and one)
+REPEAT_MOST = 64  # the longest cycle of periods an exact repetition is looked for over (P2P steps whose
+# length is no whole fraction of the period come back to one state after many periods: 19 on a 1,024-GPU Llama)
+UNITS_KEPT = max(REPEAT_MOST, 3 * CYCLE_MOST) + 1  # states remembered for this many periods back
 RANK_ONE = 1e-7  # how closely successive differences must be one geometric series to extrapolate its limit
 DRIFT_MOST = 1.5  # the fastest growth per cycle of a drifting state that is extrapolated
 DRIFT_NEAR_ONE = 1e-6  # a ratio this close to 1 is a linear drift the geometric sums cannot take exactly
@@ -385,7 +387,7 @@ class _PhaseRun:
         self.checkpoints: list[_Checkpoint] = []
         self.simulated = 0
         self.jumps: list[_Jump] = []
-        self.history: list[_Seen] = []  # the last few period boundaries of the band
+        self.history: list[_Seen] = []  # the period boundaries of the band, UNITS_KEPT back
         self.probe_unit: int | None = None  # a probe: stop at this period boundary and report the state
 
     def config(self, key: str) -> CommConfig:
@@ -771,9 +773,9 @@ class _PhaseRun:
                    for q, queue in enumerate(self.lw.queues) if queue.shift and queue.spans)
 
     def _steady(self, now: _Seen, compute_on, comms_on, longest: float) -> _Plan | None:
-        """A jump from this period boundary: where the state repeats one seen whole periods ago, or where
-        the last periods' states converge geometrically (one mode, checked over three periods) to a
-        fixed point that a probe period confirms."""
+        """A jump from this period boundary: where the state repeats one seen whole periods ago (a cycle of
+        up to REPEAT_MOST periods), or where the last periods' states converge geometrically (one mode,
+        checked over three periods) to a fixed point that a probe period confirms."""
         alike = [h for h in self.history if h.key == now.key and h.spans == now.spans]
         for old in reversed(alike):
             if _close(now.remaining, old.remaining):
