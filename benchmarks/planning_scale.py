@@ -4,6 +4,7 @@
     python benchmarks/planning_scale.py --targets             # only the issue's target jobs
     python benchmarks/planning_scale.py --grid --micro-batches 4 16 64 --layers 24 --world 8 64 --no-tune
     python benchmarks/planning_scale.py --quality 700          # search quality: lagom against exhaustive
+    python benchmarks/planning_scale.py --compare              # `lagom compare` on every shipped workload
     python benchmarks/planning_scale.py --grid --layers 24 80 --world 8 64 --plot scale.png   # and a figure
 
 Grid: a GPT-3-13B-shaped model (hidden 5120, 40 heads, ffn 20480, seq 2048) with 24, 80 or 128 layers,
@@ -29,6 +30,11 @@ the time at 1,024 micro-batches to the time at 16 (linear growth would be 64). `
 grid's times (tune where measured, else the cold step) against micro-batches, layers and world size on
 log-log axes, each line beside a dashed line of slope one through its first cell: a line no steeper than its
 dashed one grows at most linearly.
+
+``--compare [NAME ...]``: `lagom compare` (lagom.tune.compare_strategies) on each shipped workload (default: all
+of configs/workloads/), one fresh process each: CPU seconds until nccl, autoccl and lagom are done (the
+issue's target), the whole call with the exhaustive reference where it is feasible, and each strategy's
+evaluations.
 """
 
 from __future__ import annotations
@@ -76,8 +82,46 @@ def target_job(name: str, micro_batches: int):
     return wl, load_hardware(wl.hardware)
 
 
+def compare_cell(name: str) -> dict:
+    """Runs in the child process: `lagom compare` on a shipped workload, the three strategies timed apart from
+    the exhaustive reference (the time of its first evaluation)."""
+    from lagom.hardware import load_hardware
+    from lagom.tune import Progress, compare_strategies
+    from lagom.workload import load_workload
+
+    wl = load_workload(name)
+    hw = load_hardware(wl.hardware)
+    start = time.process_time()
+    three: list[float] = []
+
+    def heard(p: Progress) -> None:
+        if p.strategy == "exhaustive" and not three:
+            three.append(time.process_time() - start)
+
+    tuned = compare_strategies(wl, hw, progress=heard)
+    total = time.process_time() - start
+    evaluations = {s: (t.result.evaluations if t else None) for s, t in tuned.items()}
+    return {"three": three[0] if three else total, "total": total, "evaluations": evaluations,
+            "speedup": tuned["nccl"].result.result.step_s / tuned["lagom"].result.result.step_s,  # type: ignore[union-attr]
+            "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def compare_all(names: list[str], timeout: float) -> None:
+    print(f"{'workload':<24} {'3 strategies s':>14} {'with exhaustive s':>17} {'lagom x':>8}  evaluations", flush=True)
+    for name in names:
+        res = measure({"compare": name}, timeout)
+        if res is None:
+            print(f"{name:<24} {'>' + format(timeout, '.0f'):>14}", flush=True)
+            continue
+        ev = ", ".join(f"{s} {n if n is not None else 'too large'}" for s, n in res["evaluations"].items())
+        print(f"{name:<24} {_fmt(res['three'], timeout):>14} {_fmt(res['total'], timeout):>17} "
+              f"{res['speedup']:>7.3f}x  {ev}", flush=True)
+
+
 def run_cell(spec: dict) -> dict:
     """Runs in the child process: time the graph, two evaluations and (unless told not to) a tune."""
+    if "compare" in spec:
+        return compare_cell(spec["compare"])
     from lagom.search.base import SimulatedEvaluator, nccl_configs
     from lagom.tune import make_plan, problem_for
 
@@ -227,6 +271,8 @@ def main() -> None:
     parser.add_argument("--no-tune", action="store_true", help="time the step only, not `lagom tune`")
     parser.add_argument("--quality", type=int, metavar="N",
                         help="only the search-quality loop: lagom against exhaustive on N seeded 3-key problems (700)")
+    parser.add_argument("--compare", nargs="*", metavar="NAME",
+                        help="only `lagom compare` on these shipped workloads (none named: every one)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per cell (default 600)")
     parser.add_argument("--plot", metavar="FILE", help="draw the grid's times against scale into FILE (png, svg, pdf)")
     args = parser.parse_args()
@@ -235,6 +281,13 @@ def main() -> None:
         return
     if args.quality:
         quality(args.quality)
+        return
+    if args.compare is not None:
+        shipped = sorted(p.stem for p in (Path(__file__).resolve().parent.parent / "lagom/configs/workloads").glob("*.yaml"))
+        unknown = sorted(set(args.compare) - set(shipped))
+        if unknown:
+            parser.error(f"--compare: no shipped workload {', '.join(unknown)}; use one of {', '.join(shipped)}")
+        compare_all(args.compare or shipped, args.timeout)
         return
     both = not args.targets and not args.grid
     tune = not args.no_tune
