@@ -366,6 +366,7 @@ class _Plan:
     fixed: list[float]  # remaining fractions at the fixed point
     remaining: list[float]  # remaining fractions now
     most: int | None = None  # the most periods it may skip (None: to the band's end)
+    drift: list[float] | None = None  # a linear drift: each running head's change per cycle (ratio 0, fixed = now)
 
 
 class _PhaseRun:
@@ -800,7 +801,8 @@ class _PhaseRun:
         if biggest is None or not diffs[1][biggest]:
             return None
         ratio = diffs[0][biggest] / diffs[1][biggest]
-        if not (-0.999 < ratio < 0.999 or DRIFT_NEAR_ONE < abs(ratio - 1) and 0.999 <= ratio <= DRIFT_MOST):
+        linear = abs(ratio - 1) <= DRIFT_NEAR_ONE
+        if not (linear or -0.999 < ratio < 0.999 or 0.999 <= ratio <= DRIFT_MOST):
             return None
         # each series with the size of the sum it is taken from: its rounding noise grows with that sum (a
         # clock of seconds, sums over thousands of events), and noise is no second mode
@@ -816,6 +818,8 @@ class _PhaseRun:
             scale = max(map(abs, later + sooner), default=0.0)
             if any(abs(a - ratio * b) > RANK_ONE * scale + ROUNDING * max(1.0, size) for a, b in zip(later, sooner)):
                 return None
+        if linear:
+            return self._linear(now, units, diffs[0], periods, exposed, increments, compute_on, comms_on, longest)
         fixed = [x + d * ratio / (1 - ratio) for x, d in zip(now.remaining, diffs[0])]
         if ratio >= 0.999:
             return self._drifting(now, units, ratio, fixed, periods, exposed, increments, compute_on, comms_on, longest)
@@ -850,6 +854,39 @@ class _PhaseRun:
         def state(cycles: int) -> list[float]:
             return [f + ratio ** cycles * (r - f) for f, r in zip(fixed, now.remaining)]
 
+        return self._landing(now, plan, state, lambda cycles: period + plan.excess * ratio ** (cycles + 1), top,
+                             compute_on, comms_on, longest)
+
+    def _linear(self, now: _Seen, units: int, drift: list[float], periods: list[float], exposed: list[float],
+                increments: list[dict[str, list[float]]], compute_on, comms_on, longest: float) -> _Plan | None:
+        """A jump where each cycle repeats the last one but for the running heads' remaining work, which moves
+        by the same amount every cycle: a collective that runs across many periods beside compute that does
+        not change (a gradient all-reduce under identical layers) finishes no sooner than its work runs out,
+        and the state repeats only after it. The cycle's length and sums must be the last cycle's; the jump
+        lands where no running head would finish or start over, and a probe cycle from there must give the
+        drifted state and the same length; else half as far, a few times."""
+        period = periods[0]
+        if abs(period - periods[1]) > REPEAT_TOLERANCE * period or abs(exposed[0] - exposed[1]) > ROUNDING * max(1.0, now.exposed):
+            return None
+        for key, row in increments[0].items():
+            size = max(1.0, *map(abs, now.totals[key]))
+            if any(abs(a - b) > ROUNDING * size for a, b in zip(row, increments[1].get(key, [0.0] * 4))):
+                return None
+        plan = _Plan(units, period, increments[0], exposed[0], 0.0, {}, 0.0, 0.0, list(now.remaining), now.remaining,
+                     drift=drift)
+
+        def state(cycles: int) -> list[float]:
+            return [r + cycles * d for r, d in zip(now.remaining, drift)]
+
+        return self._landing(now, plan, state, lambda cycles: period, max(1.0, *now.remaining),
+                             compute_on, comms_on, longest)
+
+    def _landing(self, now: _Seen, plan: _Plan, state: Callable[[int], list[float]], length: Callable[[int], float],
+                 top: float, compute_on, comms_on, longest: float) -> _Plan | None:
+        """The plan, jumping the most whole cycles (within the band's room) that keep every running head's
+        remaining work in (DONE, top] and that a probe cycle from the landing state confirms: it must reach
+        the state and take the length (of the cycle after the landing) the extrapolation gives."""
+        units = plan.units
         cycles = now.room // units - 1
         while cycles >= 2 and not all(DONE < x <= top for x in state(cycles)):
             cycles //= 2
@@ -857,9 +894,8 @@ class _PhaseRun:
             if cycles < 2:
                 return None
             probe = self._probe(now, state(cycles), units, compute_on, comms_on, longest)
-            length = period + plan.excess * ratio ** (cycles + 1)
             if probe is not None and probe.key == now.key and _close(probe.remaining, state(cycles + 1)) \
-                    and abs(probe.now - now.now - length) <= REPEAT_TOLERANCE * length:
+                    and abs(probe.now - now.now - length(cycles)) <= REPEAT_TOLERANCE * length(cycles):
                 plan.most = cycles
                 return plan
             cycles //= 2
@@ -899,7 +935,9 @@ class _PhaseRun:
         later = now + delta
         heads_running = [self.tasks[q][self.heads[q]] for q in range(len(self.lw.queues))
                          if self.heads[q] < END and self.heads[q] in self.tasks[q] and self.tasks[q][self.heads[q]].start >= 0]
-        where = {id(t): f + ratio ** periods * (r - f) for t, f, r in zip(heads_running, plan.fixed, plan.remaining)}
+        drift = plan.drift or [0.0] * len(heads_running)
+        where = {id(t): f + ratio ** periods * (r - f) + periods * d
+                 for t, f, r, d in zip(heads_running, plan.fixed, plan.remaining, drift)}
         moved: dict[int, _Task] = {}
         skipped: dict[int, tuple[int, int, bool]] = {}
         for q, queue in enumerate(self.lw.queues):
@@ -917,6 +955,10 @@ class _PhaseRun:
             t.rem = where.get(id(old), old.rem - (now - old.since) / old.dur)
             t.dur, t.rate, t.exposed, t.solo, t.util = old.dur, old.rate, old.exposed, old.solo, old.util
             moved[id(old)] = t
+        if plan.drift is not None:  # a head outside the band keeps its task: its remaining work drifted
+            for t in heads_running:
+                if id(t) not in moved:
+                    t.rem, t.since = where[id(t)], later
         for d, t in compute_on.items():
             if t is not None and id(t) in moved:
                 compute_on[d] = moved[id(t)]

@@ -119,9 +119,10 @@ def test_cost_does_not_grow_with_micro_batches():
     assert counts[64] == counts[256]
 
 
-def _single_device(n_layers: int, long_comm: bool) -> Problem:
+def _single_device(n_layers: int, long_comm: bool, grad_bytes: int = 2_000_000_000) -> Problem:
     """Identical layers (GEMM, then a tensor-parallel all-gather waited for two segments later); with
-    ``long_comm`` a large data-parallel all-reduce released at the phase start runs under the first layers."""
+    ``long_comm`` a large data-parallel all-reduce released at the phase start runs under the first layers
+    (``grad_bytes`` large enough: under all of them)."""
     hw = load_hardware("a40-2x8-nvlink")
     tp, dp = Group("tp", 8, 8, 1), Group("dp", 16, 8, 2)
     segs = [ComputeSegment(f"L{i}.{part}", flops, nbytes, ctas)
@@ -129,7 +130,7 @@ def _single_device(n_layers: int, long_comm: bool) -> Problem:
     points = [OverlapPoint(f"L{i}.ag", Collective.ALL_GATHER, tp, 32_000_000, after=f"L{i}.gemm",
                            before=f"L{i + 1}.norm" if i + 1 < n_layers else None) for i in range(n_layers)]
     if long_comm:
-        points.append(OverlapPoint("grad", Collective.ALL_REDUCE, dp, 2_000_000_000, after=None, before=None))
+        points.append(OverlapPoint("grad", Collective.ALL_REDUCE, dp, grad_bytes, after=None, before=None))
     return Problem(StepGraph("synthetic", hw.name, 1, [Phase("step", 1, {0: segs}, points)]), hw)
 
 
@@ -150,6 +151,24 @@ def test_single_device_layers_are_a_band_and_a_transient_delays_the_jump(long_co
         grad = next(p for p in fast.phases[0].points if p.name == "grad")
         layer = next(p for p in fast.phases[0].points if p.name == "L1.ag")
         assert grad.end > 5 * (layer.end - layer.start)  # it spans several periods: the transient is real
+
+
+def test_a_collective_running_under_the_whole_band_drifts_linearly_and_is_jumped():
+    """A gradient all-reduce released at the phase start and still running when the last layer ends: each
+    period repeats the last but for its remaining work, which falls by the same amount every period (ratio
+    one: no geometric series). The jump carries that drift; before it, nothing was skipped."""
+    problem = _single_device(200, True, grad_bytes=20_000_000_000)
+    configs = {k: default_config(problem.hw) for k in problem.keys}
+    full = Simulator(problem.graph).run(configs, problem.model, extrapolate=False)
+    fast = Simulator(problem.graph).run(configs, problem.model)
+    grad = next(p for p in fast.phases[0].points if p.name == "grad")
+    assert grad.end == pytest.approx(fast.step_s, rel=REL)  # it ends the step: it ran under every layer
+    assert fast.phases[0].periods_skipped > 150 and fast.tasks_simulated < full.tasks_simulated / 10
+    assert_same_step(fast, full)
+    assert fast.step_s == pytest.approx(reference_simulate(problem.graph, configs, problem.model).step_s, rel=REL)
+    same = {p.name: p for p in full.phases[0].points}
+    for p in fast.phases[0].points:
+        assert (p.start, p.end) == pytest.approx((same[p.name].start, same[p.name].end), rel=REL), p.name
 
 
 def test_no_repeating_structure_is_simulated_in_full():
