@@ -114,7 +114,10 @@ class PhaseIndex:
         for (d, name), held in zip(found, members):
             p = pts[held[0]]
             self.streams.append(Stream(d, name, (d,) if p.peer_device is None else (d, p.peer_device), held))
-        self.waits = _grouped(order, self.before)  # segment -> points it waits for, issue order
+        # segment -> points it waits for: device by device (a pipeline stage's recv apart from its own
+        # collectives), each device's in issue order. Issue order across devices compares segment indices of
+        # stages whose periods differ, so it would flip once inside a pipeline's repeating stretch.
+        self.waits = _grouped(sorted(order, key=lambda j: pts[j].device), self.before)
         self.releases = _grouped(order, self.after)  # segment -> points its end releases, issue order
         self._keys: list[str | None] = [None] * n
         self._band: Band | None | bool = False  # False: not searched yet

@@ -55,7 +55,7 @@ class _Lowering:
         self.first: dict[str, int] = {}
         self.last: dict[str, int] = {}
         self.order: dict[str, float] = {}
-        self.waits: list[tuple[str, int]] = []
+        self.waits: list[tuple[str, int, int]] = []  # (segment, task waited for, its point's device)
 
     def add(self, **kw) -> Task:
         task = Task(id=len(self.tasks), **kw)
@@ -85,13 +85,13 @@ class _Lowering:
         for point in sorted(self.phase.points, key=lambda p: self.order[p.after] if p.after else -1):
             if fused.get(point.fuse_with) is not point:
                 self._collective(point)
-        for segment, done in self.waits:
+        for segment, done, _ in sorted(self.waits, key=lambda w: w[2]):  # device by device, as the library's
             self.tasks[self.first[segment]].deps.append(done)
         return self.tasks
 
     def _wait(self, point: OverlapPoint, done: int) -> None:
         if point.before is not None:
-            self.waits.append((point.before, done))
+            self.waits.append((point.before, done, point.device))
 
     def _released(self, point: OverlapPoint) -> list[int]:
         return [self.last[point.after]] if point.after else []
