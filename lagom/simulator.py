@@ -13,15 +13,18 @@ completion comes off a heap: O(E log E) for E tasks. Tasks are built lazily by p
 
 Steady state. In a periodic band (a 1F1B pipeline once it fills: every stage repeats one forward and
 one backward per micro-batch) the simulator compares the state, once per period of one stage, with the
-state one or more periods earlier: the same stream positions shifted by whole periods, the same tasks
-running, with the same remaining work (to 1e-9). From then on every period repeats the last one, so the
+state one or more periods earlier (up to REPEAT_MOST: P2P steps whose length is no whole fraction of the
+period bring the state back only after many): the same stream positions shifted by whole periods, the
+same tasks running, with the same remaining work (to 1e-9). From then on every period repeats the last one, so the
 simulator jumps over all but the last period of the band: the clock, exposed comm and per-key sums
 advance by the measured period's, and running tasks hand their progress to their images. It then
 simulates the cool-down. A pipeline converges to its steady state geometrically, so the jump is exact to
 about the tolerance (tests compare it with the full simulation). A state that changes by the same factor
 every cycle (of up to three periods) is extrapolated along that series: to its limit where it converges,
 and where it drifts away (a backlog growing each cycle) as far as a probe cycle from the landing state
-confirms it. If the state does none of these, the phase is simulated in full.
+confirms it. A state whose running heads' remaining work moves by the same amount every cycle (a linear
+drift: a collective running across many periods beside compute that repeats) is jumped the same way, to
+before any of them would finish. If the state does none of these, the phase is simulated in full.
 
 Incremental runs. A ``Simulator`` keeps checkpoints of its last runs. A run whose configs differ from
 an earlier one's only in keys whose first collective started late in it (gradient buckets, parameter
