@@ -39,6 +39,15 @@ def split(problem: Problem, collective: str, chunks: int = 1, **knobs) -> dict[s
     return configs
 
 
+def full_and_fast(problem: Problem, changes: dict[str, dict]):
+    """NCCL's configs with ``changes`` (key -> knobs), and the step simulated in full and with skips."""
+    configs = nccl_configs(problem)
+    for key, knobs in changes.items():
+        configs[key] = replace(configs[key], **knobs)
+    return configs, Simulator(problem.graph).run(configs, problem.model, extrapolate=False), \
+        Simulator(problem.graph).run(configs, problem.model)
+
+
 def assert_same_step(a, b) -> None:
     assert a.step_s == pytest.approx(b.step_s, rel=REL)
     assert a.exposed_comm_s == pytest.approx(b.exposed_comm_s, rel=REL, abs=1e-15)
@@ -193,17 +202,13 @@ def test_a_drifting_backlog_is_extrapolated_exactly():
     step was simulated in full (1.2 M tasks at 80 layers and 256 micro-batches). The drift is a geometric
     series too; jumped along it, to where a probe cycle still confirms it, the step is the full one's."""
     problem = job("llama3-70b-1024", 40, layers=16)
-    configs = nccl_configs(problem)
     p2p = {"decomposition": Decomposition.P2P, "channels": 16, "priority": 1}
     changes = {"tp/all_gather/134217728": {**p2p, "num_chunks": 2}, "tp/reduce_scatter/134217728": p2p,
                "pp/send_recv/16777216": {"channels": 4}, "dp/reduce_scatter/234881024": {"channels": 64, "priority": 1},
                **{f"dp/reduce_scatter/{n}": {"channels": 16, "priority": 1} for n in (193069056, 525336576)},
                **{f"dp/all_gather/{n}": {"cta_policy": CTAPolicy.ZERO}
                   for n in (176160768, 96534528, 117440512, 37814272, 262668288)}}
-    for key, knobs in changes.items():
-        configs[key] = replace(configs[key], **knobs)
-    full = Simulator(problem.graph).run(configs, problem.model, extrapolate=False)
-    fast = Simulator(problem.graph).run(configs, problem.model)
+    _, full, fast = full_and_fast(problem, changes)
     assert sum(ph.periods_skipped for ph in fast.phases) >= 8 and fast.tasks_simulated < full.tasks_simulated
     assert_same_step(fast, full)
 
@@ -215,14 +220,10 @@ def test_a_state_that_comes_back_after_many_periods_is_jumped_exactly(monkeypatc
     periods and neither repeats nor converges over the few periods the geometric check looks at. Before
     states were kept that far back, the step was simulated in full (2.9 M tasks at 256 micro-batches)."""
     problem = job("llama3-70b-1024", 96)
-    configs = nccl_configs(problem)
     changes = {"tp/all_gather/134217728": {"decomposition": Decomposition.P2P, "num_chunks": 2, "channels": 16, "priority": 1},
                "tp/reduce_scatter/134217728": {"channels": 16, "chunk_bytes": 262144, "priority": 1},
                "pp/send_recv/16777216": {"channels": 16, "chunk_bytes": 65536}}
-    for key, knobs in changes.items():
-        configs[key] = replace(configs[key], **knobs)
-    full = Simulator(problem.graph).run(configs, problem.model, extrapolate=False)
-    fast = Simulator(problem.graph).run(configs, problem.model)
+    configs, full, fast = full_and_fast(problem, changes)
     assert sum(ph.periods_skipped for ph in fast.phases) >= 19 and fast.tasks_simulated < full.tasks_simulated
     assert_same_step(fast, full)
     monkeypatch.setattr(simulator, "UNITS_KEPT", 3 * simulator.CYCLE_MOST + 1)  # three cycles of three back only
