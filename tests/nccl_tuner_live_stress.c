@@ -22,6 +22,7 @@
 #include "lagom_nccl_tuner.h"
 
 typedef int (*reload_fn)(const char*, int, char*, size_t);
+typedef int (*publish_fn)(void);
 
 static lagom_nccl_tuner_v6* tuner;
 static long calls_per_thread;
@@ -74,7 +75,9 @@ int main(int argc, char** argv) {
   }
   tuner = dlsym(lib, "ncclTunerPlugin_v6");
   reload_fn reload = (reload_fn)dlsym(lib, "lagom_tuner_live_reload");
-  if (tuner == NULL || reload == NULL) {
+  reload_fn stage = (reload_fn)dlsym(lib, "lagom_tuner_live_stage");
+  publish_fn publish = (publish_fn)dlsym(lib, "lagom_tuner_live_publish");
+  if (tuner == NULL || reload == NULL || stage == NULL || publish == NULL) {
     fprintf(stderr, "missing symbols\n");
     return 2;
   }
@@ -89,9 +92,12 @@ int main(int argc, char** argv) {
   pthread_t* ids = calloc((size_t)threads, sizeof *ids);
   double start = now();
   for (int t = 0; t < threads; t++) pthread_create(&ids[t], NULL, caller, NULL);
-  for (long r = 0; r < reloads; r++) {
-    if (reload(argv[2 + (r + 1) % 2], 4, reason, sizeof reason) != 0) {
-      fprintf(stderr, "reload refused: %s\n", reason);
+  for (long r = 0; r < reloads; r++) { /* every other switch in two phases, as a job of several ranks does */
+    const char* table = argv[2 + (r + 1) % 2];
+    int refused = r % 2 ? (stage(table, 4, reason, sizeof reason) != 0 || publish() != 1)
+                        : reload(table, 4, reason, sizeof reason) != 0;
+    if (refused) {
+      fprintf(stderr, "switch refused: %s\n", reason);
       return 2;
     }
   }

@@ -3,6 +3,7 @@ switched under concurrent getCollInfo calls (ThreadSanitizer, AddressSanitizer/U
 
 from __future__ import annotations
 
+import ctypes
 import os
 import stat
 import subprocess
@@ -11,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from lagom.nccl_tuner import build
-from lagom.nccl_tuner.live import LiveTable, LiveTableError, RuleChoice
-from tests.test_nccl_tuner import compiler_or_skip
+from lagom.nccl_tuner.live import LiveTable, LiveTableError, PluginCounters, RuleChoice
+from tests.test_nccl_tuner import Comm, TunerV6, compiler_or_skip, cost_table
 
 LIVE_STRESS = Path(__file__).with_name("nccl_tuner_live_stress.c")
 TABLE_A = "lagom-nccl-tuner 1\nworld 4\nallreduce 1 4294967296 4 1 ring simple 2 524288\n"
@@ -67,23 +68,59 @@ def test_a_table_others_could_write_or_own_is_refused(table: LiveTable) -> None:
     table.path.write_text(TABLE_B)
     os.chmod(table.path, 0o666)
     with pytest.raises(LiveTableError, match="writable by group or others"):
-        table.reload()
+        table.stage_file(table.path)
     os.chmod(table.path, 0o600)
     if os.geteuid() == 0:  # root can hand the file to another user, as an attacker's file would be
         os.chown(table.path, 65534, 65534)
         with pytest.raises(LiveTableError, match="owned by another user"):
-            table.reload()
+            table.stage_file(table.path)
     link = table.directory / "link.lagom"
     link.symlink_to(table.path)
     table.path = link
     with pytest.raises(LiveTableError, match="cannot open"):
-        table.reload()
+        table.stage_file(table.path)
     assert table.lookup("all_reduce", 1 << 20, 4, 1) == RuleChoice("ring", "simple", 2, 524288)
 
 
 def test_a_missing_table_is_refused(table: LiveTable) -> None:
     with pytest.raises(LiveTableError, match="cannot open"):
-        table.reload()
+        table.stage_file(table.path)
+
+
+def test_a_staged_table_is_in_force_only_once_published(table: LiveTable) -> None:
+    """The two phases of a switch: staging parses and holds a table (the one in force stays); publishing puts
+    it in force; a refused stage or a discard keeps the table in force; staging None stages the start rules."""
+    table.put(TABLE_A)
+    table.stage(TABLE_B)
+    assert table.lookup("all_reduce", 1 << 20, 4, 1) == RuleChoice("ring", "simple", 2, 524288)
+    assert table.publish()
+    assert table.lookup("all_reduce", 1 << 20, 4, 1) == RuleChoice("tree", "ll", 7, 65536)
+    assert not table.publish()  # nothing staged: nothing changes
+    table.stage(TABLE_A)
+    table.discard()
+    assert not table.publish() and table.lookup("all_reduce", 1 << 20, 4, 1).algorithm == "tree"
+    table.stage(TABLE_A)
+    with pytest.raises(LiveTableError, match="written for 8 ranks"):  # a refusal drops what was staged before
+        table.stage("lagom-nccl-tuner 1\nworld 8\n")
+    assert not table.publish() and table.lookup("all_reduce", 1 << 20, 4, 1).algorithm == "tree"
+    table.stage(None)
+    assert table.publish() and table.lookup("all_reduce", 1 << 20, 4, 1) is None  # the start rules again
+
+
+def test_counters_count_nccls_calls_and_the_rules_applied_not_lagoms_lookups(table: LiveTable,
+                                                                                private_plugin: Path) -> None:
+    """A job learns from the counters whether NCCL consults the plugin: inits and getCollInfo calls made as NCCL
+    makes them are counted, and those a rule was applied to; Lagom's own lookups are not."""
+    table.put(TABLE_A)
+    table.lookup("all_reduce", 1 << 20, 4, 1)
+    assert table.counters() == PluginCounters(0, 0, 0)
+    tuner = TunerV6.in_dll(ctypes.CDLL(str(private_plugin)), "ncclTunerPlugin_v6")
+    comm = Comm(tuner, 4, 1)
+    comm.coll_info("all_reduce", 1 << 20, cost_table())  # the live rule applies
+    comm.coll_info("all_gather", 1 << 20, cost_table())  # no rule: NCCL decides
+    comm.close()
+    assert table.counters() == PluginCounters(1, 2, 1)
+    assert table.counters().since(PluginCounters(1, 1, 0)) == PluginCounters(0, 1, 1)
 
 
 def _stress(tmp_path: Path, flags: list[str], threads: int, calls: int, reloads: int) -> str:

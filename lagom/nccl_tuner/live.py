@@ -1,11 +1,14 @@
 """The tuner plugin's live table: rules a running job puts in force between steps (see plugin.c).
 
-A session writes the rules for the next step into a file of its own (a private directory, mode 0600,
-replaced atomically) and tells the plugin instance in this process to read it
-(``lagom_tuner_live_reload``, through ctypes: the library NCCL loaded from the same file is the same
-library). The plugin refuses a file another user owns or that group or others may write, a malformed
-one, one for another world size or format version, and keeps the table in force. ``lookup`` asks the
-plugin which rule a call gets, with the code getCollInfo uses.
+A switch has two phases, so that the ranks of a job never run different tables: ``stage`` writes the
+rules into a file of its own (a private directory, mode 0600, replaced atomically) and has the plugin
+instance in this process parse and hold them (through ctypes: the library NCCL loaded from the same file
+is the same library); once every rank has staged, ``publish`` puts them in force with one pointer swap,
+which cannot fail, and a rank whose peers could not stage calls ``discard``. ``stage(None)`` stages the
+start rules (the live table out of force). The plugin refuses a file another user owns or that group or
+others may write, a malformed one, one for another world size or format version, and keeps the table in
+force. ``lookup`` asks the plugin which rule a call gets, with the code getCollInfo uses; ``counters``
+how often NCCL called the plugin in this process.
 """
 
 from __future__ import annotations
@@ -31,6 +34,20 @@ class LiveTableError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class PluginCounters:
+    """How often NCCL called the plugin in this process: communicator inits, getCollInfo calls, and the
+    getCollInfo calls a rule was applied to. All zero: NCCL never loaded it (or ran no collective)."""
+
+    inits: int
+    coll_infos: int
+    applied: int
+
+    def since(self, before: PluginCounters) -> PluginCounters:
+        return PluginCounters(self.inits - before.inits, self.coll_infos - before.coll_infos,
+                              self.applied - before.applied)
+
+
+@dataclass(frozen=True)
 class RuleChoice:
     """What the plugin gives a call: NCCL's algorithm and protocol names, channels, chunk bytes."""
 
@@ -45,12 +62,30 @@ def _library(path: Path | None = None) -> ctypes.CDLL:
     if path is None:
         raise LiveTableError(nccl_tuner.UNAVAILABLE)
     lib = ctypes.CDLL(str(path))  # the instance NCCL loaded, when it loaded this file
-    lib.lagom_tuner_live_reload.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
-    lib.lagom_tuner_live_reload.restype = ctypes.c_int
+    for name in ("lagom_tuner_live_reload", "lagom_tuner_live_stage"):
+        getattr(lib, name).argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
+        getattr(lib, name).restype = ctypes.c_int
+    lib.lagom_tuner_live_publish.argtypes = []
+    lib.lagom_tuner_live_publish.restype = ctypes.c_int
+    lib.lagom_tuner_live_discard.argtypes = []
+    lib.lagom_tuner_live_discard.restype = None
+    lib.lagom_tuner_counters.argtypes = [ctypes.POINTER(ctypes.c_uint64)] * 3
+    lib.lagom_tuner_counters.restype = None
     u64, out_int = ctypes.c_uint64, ctypes.POINTER(ctypes.c_int)
     lib.lagom_tuner_lookup.argtypes = [ctypes.c_int, u64, u64, u64, out_int, out_int, out_int, ctypes.POINTER(u64)]
     lib.lagom_tuner_lookup.restype = ctypes.c_int
     return lib
+
+
+def counters(library: Path | None = None) -> PluginCounters:
+    """How often NCCL called the plugin in this process (``library``: default this install's)."""
+    return _counters(_library(library))
+
+
+def _counters(lib: ctypes.CDLL) -> PluginCounters:
+    inits, calls, applied = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_uint64()
+    lib.lagom_tuner_counters(ctypes.byref(inits), ctypes.byref(calls), ctypes.byref(applied))
+    return PluginCounters(inits.value, calls.value, applied.value)
 
 
 def body(rules_text: str, world_size: int) -> str:
@@ -76,21 +111,53 @@ class LiveTable:
         os.chmod(made, 0o700)
         return cls(world_size, made, lib)
 
-    def put(self, rules_text: str) -> None:
-        """Write the table (atomically, 0600) and put it in force in this process's plugin."""
+    def _write(self, rules_text: str) -> None:
+        """The table's file, replaced atomically (0600)."""
         tmp = self.directory / f".live.{self.generation + 1}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as out:
             out.write(body(rules_text, self.world_size))
         os.replace(tmp, self.path)
         self.generation += 1
-        self.reload()
 
-    def reload(self) -> None:
-        """Ask the plugin to read the file as it is now; LiveTableError when it refuses it."""
+    def _call(self, function: str, path: Path | None) -> None:
         reason = ctypes.create_string_buffer(512)
-        if self._lib.lagom_tuner_live_reload(str(self.path).encode(), self.world_size, reason, len(reason)) != 0:
+        if getattr(self._lib, function)(None if path is None else str(path).encode(), self.world_size, reason,
+                                        len(reason)) != 0:
             raise LiveTableError(reason.value.decode(errors="replace"))
+
+    def stage_file(self, path: Path | None) -> None:
+        """Have the plugin parse and hold the file at ``path`` as it is now (None: the start rules);
+        LiveTableError when it refuses it (nothing is staged then)."""
+        self._call("lagom_tuner_live_stage", path)
+
+    def stage(self, rules_text: str | None) -> None:
+        """Write the table and have the plugin parse and hold it, unpublished (None: stage the start rules).
+        LiveTableError or OSError when it cannot; nothing is staged then and the table in force stays."""
+        if rules_text is not None:
+            try:
+                self._write(rules_text)
+            except OSError:
+                self.discard()
+                raise
+        self.stage_file(None if rules_text is None else self.path)
+
+    def publish(self) -> bool:
+        """Put the staged table in force: a pointer swap that cannot fail. False when nothing was staged."""
+        return bool(self._lib.lagom_tuner_live_publish())
+
+    def discard(self) -> None:
+        """Drop the staged table; the one in force stays."""
+        self._lib.lagom_tuner_live_discard()
+
+    def put(self, rules_text: str) -> None:
+        """Stage and publish at once: for a process alone (a job of several ranks stages on every rank first)."""
+        self._write(rules_text)
+        self._call("lagom_tuner_live_reload", self.path)
+
+    def counters(self) -> PluginCounters:
+        """How often NCCL called this process's plugin (see ``PluginCounters``)."""
+        return _counters(self._lib)
 
     def lookup(self, collective: str, nbytes: int, nranks: int, nnodes: int) -> RuleChoice | None:
         """The rule the plugin gives such a call now, or None (NCCL decides)."""

@@ -8,15 +8,22 @@
  * problem (no file, a bad file, a file for another job, no memory) is one line in NCCL's log and
  * leaves the communicator to NCCL: every entry point returns success.
  *
- * The live table. A running job may replace the rules between steps: it writes a rules file of its own
- * (private to its user) and calls lagom_tuner_live_reload in this process (ctypes reaches the instance NCCL
- * loaded: the same file dlopen'ed twice is one library). The file is checked (owner, mode, format, world
- * size) and read whole before it is published with one atomic store; getCollInfo reads the table in force
- * with one atomic load, so a call sees the old table or the new one, whole, and never reads a file. While
- * a live table is in force it replaces the start rules for every communicator (an empty one leaves every
- * call to NCCL). A refused file keeps the table in force. A reader counts itself in ``readers`` before it
- * loads the table and out after its call; a reload frees the tables it replaced only when, after
+ * The live table. A running job may replace the rules between steps, in two phases, so that ranks never
+ * disagree: it writes a rules file of its own (private to its user) and asks this process's instance to
+ * stage it (lagom_tuner_live_stage; ctypes reaches the instance NCCL loaded: the same file dlopen'ed twice
+ * is one library). Staging checks the file (owner, mode, format, world size) and reads it whole, or refuses
+ * it and keeps nothing. Once every rank has staged, each publishes (lagom_tuner_live_publish): one atomic
+ * store of the parsed table, which cannot fail; a rank whose peers could not stage discards instead
+ * (lagom_tuner_live_discard). Staging "no file" stages the start rules: publishing it takes the live table
+ * out of force. getCollInfo reads the table in force with one atomic load, so a call sees the old table or
+ * the new one, whole, and never reads a file. While a live table is in force it replaces the start rules
+ * for every communicator (an empty one leaves every call to NCCL). A reader counts itself in ``readers``
+ * before it loads the table and out after its call; a publish frees the tables it replaced only when, after
  * publishing, it sees no reader, since a reader that arrives later can only load the new table.
+ *
+ * Counters. init and getCollInfo count their calls (and getCollInfo the calls a rule was applied to) in
+ * process-wide relaxed atomics, read by lagom_tuner_counters: a job learns whether NCCL consults this
+ * plugin at all (NCCL remembers a failed plugin load for the whole process) before it tries settings live.
  *
  * getCollInfo's nBytes is the whole buffer (an all-gather's output, a reduce-scatter's input), as
  * Lagom's plan counts it. Collectives of one NCCL group with the same function, operation and type
@@ -68,6 +75,12 @@ static _Atomic(live_table*) live_in_force = NULL;
 static atomic_long readers = 0; /* calls between their load of live_in_force and their last use of it */
 static pthread_mutex_t reloading = PTHREAD_MUTEX_INITIALIZER;
 static live_table* retired = NULL; /* newest first; under ``reloading`` */
+static live_table* staged = NULL;  /* the parsed table waiting to be published (NULL: the start rules); under ``reloading`` */
+static int staged_pending = 0;     /* whether something is staged; under ``reloading`` */
+
+static atomic_ullong init_calls = 0;      /* communicators NCCL initialised this plugin for */
+static atomic_ullong coll_info_calls = 0; /* getCollInfo calls */
+static atomic_ullong applied_calls = 0;   /* getCollInfo calls a rule was applied to */
 
 static void say_at(lagom_nccl_logger logger, int level, const char* file, int line, const char* fmt, ...) {
   if (logger == NULL) return;
@@ -134,6 +147,7 @@ static void load_start_rules(tuner_context* ctx, lagom_nccl_logger logger) {
 
 /* Builds this communicator's context; NULL (and one logged line) without memory. */
 static tuner_context* load(size_t n_ranks, size_t n_nodes, lagom_nccl_logger logger) {
+  atomic_fetch_add_explicit(&init_calls, 1, memory_order_relaxed);
   tuner_context* ctx = calloc(1, sizeof *ctx);
   if (ctx == NULL) {
     say(logger, LAGOM_NCCL_LOG_WARN, "Lagom tuner: out of memory; NCCL tunes this communicator");
@@ -165,6 +179,7 @@ static lagom_nccl_result get_coll_info(void* context, lagom_nccl_func coll_type,
   (void)num_pipe_ops;
   (void)reg_buff;
   tuner_context* ctx = context;
+  atomic_fetch_add_explicit(&coll_info_calls, 1, memory_order_relaxed);
   if (ctx == NULL || (int)coll_type < 0 || coll_type >= LAGOM_NCCL_TUNED_FUNCTIONS) return LAGOM_NCCL_SUCCESS;
   if (ctx->scheduling) {
     ctx->round++;
@@ -187,7 +202,11 @@ static lagom_nccl_result get_coll_info(void* context, lagom_nccl_func coll_type,
     }
   }
   atomic_fetch_sub_explicit(&readers, 1, memory_order_release);
-  if (!applied) ctx->uncovered_round[coll_type] = ctx->round;
+  if (applied) {
+    atomic_fetch_add_explicit(&applied_calls, 1, memory_order_relaxed);
+  } else {
+    ctx->uncovered_round[coll_type] = ctx->round;
+  }
   return LAGOM_NCCL_SUCCESS;
 }
 
@@ -264,7 +283,8 @@ static int refuse(char* reason, size_t reason_len, const char* fmt, ...) {
   return -1;
 }
 
-static int reload_locked(const char* path, int world_size, char* reason, size_t reason_len) {
+/* Reads and checks the live table at ``path`` into *out; 0, or -1 with one line in ``reason``. Under ``reloading``. */
+static int read_live(const char* path, int world_size, live_table** out, char* reason, size_t reason_len) {
   int fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
   if (fd < 0) return refuse(reason, reason_len, "%s: cannot open it as a regular file of this user", path);
   struct stat st;
@@ -298,18 +318,83 @@ static int reload_locked(const char* path, int world_size, char* reason, size_t 
     free(table);
     return -1;
   }
-  retire(atomic_exchange(&live_in_force, table));
+  *out = table;
   return 0;
 }
 
-/* Reads the live table at ``path`` and puts it in force for every communicator of this process; 0 on success.
- * Any problem keeps the table in force and writes one line into ``reason``. */
+/* Drops what is staged. Under ``reloading``. */
+static void discard_locked(void) {
+  if (staged != NULL) {
+    lagom_rules_free(&staged->set);
+    free(staged);
+    staged = NULL;
+  }
+  staged_pending = 0;
+}
+
+/* Stages ``path`` (NULL: the start rules), replacing anything staged before. Under ``reloading``. */
+static int stage_locked(const char* path, int world_size, char* reason, size_t reason_len) {
+  live_table* table = NULL;
+  if (path != NULL && read_live(path, world_size, &table, reason, reason_len) != 0) return -1;
+  discard_locked();
+  staged = table;
+  staged_pending = 1;
+  return 0;
+}
+
+/* Puts what is staged in force; 1, or 0 when nothing is staged. Cannot fail. Under ``reloading``. */
+static int publish_locked(void) {
+  if (!staged_pending) return 0;
+  retire(atomic_exchange(&live_in_force, staged));
+  staged = NULL;
+  staged_pending = 0;
+  return 1;
+}
+
+/* Stages the live table at ``path`` for this process (NULL: the start rules, which cannot be refused); 0 on
+ * success. Any problem stages nothing (what was staged before is dropped too), leaves the table in force
+ * and writes one line into ``reason``. */
+EXPORT int lagom_tuner_live_stage(const char* path, int world_size, char* reason, size_t reason_len) {
+  pthread_mutex_lock(&reloading);
+  int status = stage_locked(path, world_size, reason, reason_len);
+  if (status != 0) discard_locked();
+  pthread_mutex_unlock(&reloading);
+  return status;
+}
+
+/* Puts the staged table in force for every communicator of this process: one pointer swap of a table
+ * already parsed. Returns 1, or 0 when nothing was staged (the table in force stays). */
+EXPORT int lagom_tuner_live_publish(void) {
+  pthread_mutex_lock(&reloading);
+  int published = publish_locked();
+  pthread_mutex_unlock(&reloading);
+  return published;
+}
+
+/* Drops the staged table; the table in force stays. */
+EXPORT void lagom_tuner_live_discard(void) {
+  pthread_mutex_lock(&reloading);
+  discard_locked();
+  pthread_mutex_unlock(&reloading);
+}
+
+/* Stages and publishes at once, for a process alone (lagom calibrate's single-rank sweep and the tests); a
+ * job of several ranks stages on every rank first. 0 on success; a refusal keeps the table in force. */
 EXPORT int lagom_tuner_live_reload(const char* path, int world_size, char* reason, size_t reason_len) {
   if (path == NULL) return refuse(reason, reason_len, "no path");
   pthread_mutex_lock(&reloading);
-  int status = reload_locked(path, world_size, reason, reason_len);
+  int status = stage_locked(path, world_size, reason, reason_len);
+  if (status == 0) publish_locked();
   pthread_mutex_unlock(&reloading);
   return status;
+}
+
+/* How often NCCL called this plugin in this process: communicator inits, getCollInfo calls, and getCollInfo
+ * calls a rule was applied to. Any pointer may be NULL. */
+EXPORT void lagom_tuner_counters(uint64_t* inits, uint64_t* coll_infos, uint64_t* applied) {
+  if (inits != NULL) *inits = atomic_load_explicit(&init_calls, memory_order_relaxed);
+  if (coll_infos != NULL) *coll_infos = atomic_load_explicit(&coll_info_calls, memory_order_relaxed);
+  if (applied != NULL) *applied = atomic_load_explicit(&applied_calls, memory_order_relaxed);
 }
 
 /* The live table's rule for a call, picked as getCollInfo picks it: 1 and its fields, or 0 (no live table in
