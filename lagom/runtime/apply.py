@@ -422,11 +422,12 @@ def _hardware_for(plan: Plan, hw: Hardware | str | None) -> Hardware:
 
 def open_runtime(plan: Plan | str | Path | None = None, *, strict_env: bool = True,
                  hw: Hardware | str | None = None, capability: Capability | None = None,
-                 explore_channels: int | None = None) -> Runtime:
+                 explore_channels: int | None = None, recorder: Recorder | None = None) -> Runtime:
     """A runtime with ``plan`` in force (or one that only records, with ``plan=None``), beside any other open
     one: each tuning session owns its own and closes it with itself. See ``init`` for the arguments;
     ``explore_channels``: communicators are made with at least this many CTAs, so the tuner plugin's live
-    table can give a call up to that many channels (a communicator cannot grow its channels later)."""
+    table can give a call up to that many channels (a communicator cannot grow its channels later);
+    ``recorder``: the recorder to keep (a session that puts its plan in force later keeps its taps' one)."""
     if isinstance(plan, (str, Path)):
         plan = Plan.load(plan)
     hardware = None
@@ -436,7 +437,7 @@ def open_runtime(plan: Plan | str | Path | None = None, *, strict_env: bool = Tr
         plan.check_for(world if world is not None else plan.world_size, hw=hardware)
         capability = capability or runtime_capability(hardware)
         check_capability(plan, capability)
-    runtime = Runtime(plan, hardware, Recorder(), capability, explore_channels)
+    runtime = Runtime(plan, hardware, recorder or Recorder(), capability, explore_channels)
     if plan is not None:
         runtime._export_env(strict_env)
         runtime._install()

@@ -14,8 +14,9 @@ import logging
 import math
 import os
 import statistics
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -371,6 +372,23 @@ def _as_hardware(hw: Hardware | str) -> Hardware:
     return hw if isinstance(hw, Hardware) else load_hardware(str(hw))
 
 
+class SearchThread:
+    """A search running beside the job (a daemon thread): ``done`` says whether its payload is ready."""
+
+    def __init__(self, search: Callable[[], dict[str, Any]]) -> None:
+        self.payload: dict[str, Any] | None = None
+        self.started = time.perf_counter()
+        self._thread = threading.Thread(target=self._run, args=(search,), name="lagom-online-search", daemon=True)
+        self._thread.start()
+
+    def _run(self, search: Callable[[], dict[str, Any]]) -> None:
+        self.payload = search()
+
+    @property
+    def done(self) -> bool:
+        return self.payload is not None
+
+
 class OnlineTuner:
     """Tunes a running job from its first ``tune_steps`` steps; see the module docstring.
 
@@ -496,18 +514,29 @@ class OnlineTuner:
         return running, configs
 
     def _tune(self, control: Control) -> Plan:
-        payload: dict[str, Any] = {}
-        if self._rank() == 0:
-            try:
-                payload = self._search()
-            except Exception as err:  # noqa: BLE001 - must reach every rank, or they wait in the broadcast
-                payload = {"error": f"{type(err).__name__}: {err}"}
-        payload = control.broadcast(payload, "the online plan")
+        payload = self.search_payload() if self._rank() == 0 else {}
+        return self.take(control.broadcast(payload, "the online plan"))
+
+    def search_payload(self) -> dict[str, Any]:
+        """Rank 0's search on what was measured, as the payload every rank takes (``take``); an error is carried
+        in it, never raised, since every rank waits for it."""
+        try:
+            return self._search()
+        except Exception as err:  # noqa: BLE001 - must reach every rank, or they wait in the broadcast
+            return {"error": f"{type(err).__name__}: {err}"}
+
+    def search_in_background(self) -> SearchThread:
+        """Rank 0: ``search_payload`` in a thread of its own, so that no step hook waits for it."""
+        return SearchThread(self.search_payload)
+
+    def take(self, payload: dict[str, Any]) -> Plan:
+        """The plan of rank 0's search payload (``search_payload``), on this rank; cached per node."""
         if "error" in payload:
             raise LagomError(f"online tuning failed on rank 0: {payload['error']}")
         plan = Plan.from_dict(json.loads(payload["plan"]), "online plan")
         self.applies_now, self.next_start = payload["now"], payload["next"]
         self._save(plan)
+        self.plan = plan
         return plan
 
     def _problem(self) -> tuple[Problem, Simulator]:
