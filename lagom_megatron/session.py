@@ -1,7 +1,9 @@
 """A Lagom-tuned Megatron run: the core session plus what Megatron fixes at start-up.
 
-``Session.start_for(args, options)`` runs from the parsed arguments, before any process group exists.
-A plan in force at start-up sets the DDP bucket size, the NCCL options of each process group (through
+``Session.start_for(args, options)`` runs from the parsed arguments, before any process group exists:
+each rank then chooses a start plan of its own and sets nothing NCCL reads; at megatron's
+``initialize_model_parallel`` (the default group exists, the groups the plan configures do not yet)
+every rank puts rank 0's plan in force (``TuningSession.agree_start``). A plan in force at start-up sets the DDP bucket size, the NCCL options of each process group (through
 megatron's ``get_nccl_options``), the process-wide NCCL variables and, with Transformer Engine, the
 userbuffers config. Explicit user flags win over the plan: the plan is made around them, and Lagom
 says once, at WARNING, what it would have changed and what not changing it is predicted to cost.
@@ -11,6 +13,7 @@ Everything else (start plan, online tuning, drift, report) is ``lagom.runtime.se
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import logging
 from dataclasses import replace
@@ -237,6 +240,17 @@ class Session(TuningSession):
         if self.interceptor is not None:
             self.interceptor.install()
         self._swap(parallel_state, "get_nccl_options", self.nccl_options(parallel_state.get_nccl_options))
+        self._swap(parallel_state, "initialize_model_parallel",
+                   self._agreeing_first(parallel_state.initialize_model_parallel))
+
+    def _agreeing_first(self, original: Any) -> Any:
+        """megatron's initialize_model_parallel, after every rank has agreed on rank 0's start plan: the default
+        group exists by then, and the groups whose NCCL options the plan sets do not yet."""
+        @functools.wraps(original)
+        def initialize_model_parallel(*args: Any, **kwargs: Any) -> Any:
+            self.agree_start()
+            return original(*args, **kwargs)
+        return initialize_model_parallel
 
     def close(self) -> None:
         if self.interceptor is not None:

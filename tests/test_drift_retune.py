@@ -32,10 +32,10 @@ def run_steps(session: TuningSession, steps: int, slow_key: str | None = None) -
 def drift_on(session: TuningSession, key: str) -> None:
     """Steady steps (the monitor's baseline), then ``key`` slower until the agreed drift starts a re-tune."""
     run_steps(session, 10)
-    assert not session.live_on and not session.tuning
+    assert not session.tuning_underway
     for _ in range(60):
         run_steps(session, 1, slow_key=key)
-        if session.live_on or session.tuning:
+        if session.tuning_underway:
             return
     raise AssertionError(f"no re-tune started: {session.events[-3:]}")
 
@@ -47,7 +47,7 @@ def test_a_drift_on_one_key_re_tunes_that_key_alone_on_live_steps(tmp_path) -> N
     session.start()
     try:
         run_steps(session, 4)
-        while session.tuning or session.live_on:  # calibration, then the live search (budget: 7 steps)
+        while session.tuning_underway:  # calibration, then the live search (budget: 7 steps)
             run_steps(session, 1)
             assert session.steps_seen < 200, "online tuning did not end"
         assert session.off is None, session.off
@@ -77,7 +77,7 @@ def test_without_a_calibrated_model_a_drift_on_one_key_re_tunes_the_whole_loop(t
     first = TuningSession(wl, hw, options, world_size=8)
     first.start()
     try:
-        while first.steps_seen < 4 or first.tuning or first.live_on:
+        while first.steps_seen < 4 or first.tuning_underway:
             run_steps(first, 1)
     finally:
         first.close()
@@ -107,7 +107,7 @@ def test_a_device_clock_that_reads_steps_late_judges_each_setting_by_its_own_ste
     session.clock = StepClock(cuda=False, lag=DEVICE_LAG)
     in_force: dict[int, dict[str, int]] = {}
     try:
-        while session.steps_seen < 5 or session.tuning or session.live_on:
+        while session.steps_seen < 5 or session.tuning_underway:
             session.begin_step()
             channels = {e.key: e.config.channels for e in session.router.plan.entries}  # type: ignore[union-attr]
             in_force[session.iteration] = channels

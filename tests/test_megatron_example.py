@@ -33,10 +33,10 @@ def run_example(cwd: Path, iters: int) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow  # the example under its launcher, end to end: CI's slower tier
 def test_cpu_example_tunes_online_then_reuses_the_cached_plan(tmp_path: Path) -> None:
-    first = run_example(tmp_path, iters=6)
+    first = run_example(tmp_path, iters=12)  # rank 0 searches beside the steps: the plan lands a few steps later
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-4000:]
     losses = [line for line in first.stdout.splitlines() if line.startswith("iteration ")]
-    assert len(losses) == 6
+    assert len(losses) == 12
     log = first.stdout + first.stderr  # megatron's logging setup decides the stream
     assert "online plan cached in" in log
     report = json.loads((tmp_path / "report" / "lagom-report.json").read_text())

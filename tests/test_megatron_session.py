@@ -59,6 +59,8 @@ def session(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture):
     args = job_args()
     s = hooks.setup(args)
     assert s is not None and hooks.setup(args) is s  # idempotent for one args object (patch + launcher)
+    assert s.plan is None  # WORLD_SIZE 2 and no process group yet: nothing is in force before the ranks agree
+    s.agree_start()  # what megatron's initialize_model_parallel triggers (one process: its own plan is rank 0's)
     yield s, args, steps
     assert hooks.setup(argparse.Namespace(lagom=False)) is None and hooks.current() is None
     assert parallel_state.get_nccl_options is original

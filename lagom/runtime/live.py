@@ -18,7 +18,10 @@ Measuring:
   difference; otherwise it is reported no faster than the best so far, so the search does not take it;
 - guard: a candidate step slower than ``GUARD`` times the reference ends its window at once;
 - budget: once ``budget_steps`` steps or ``budget_s`` seconds are spent, every further candidate is
-  answered "no gain" without running, so the search ends with what it has measured;
+  answered "no gain" without running, so the search ends with what it has measured; a step the loop
+  could not judge (a device clock further behind than budgeted) spends budget too;
+- no wait: the step loop never waits for the search thread. While it thinks, the reference stays in
+  force and its steps lengthen the reference window the next candidate is judged against;
 - last: the search's final settings run once more against the reference; if they are not faster, the
   reference stays. The job never ends tuning on settings slower than the measured baseline.
 """
@@ -43,12 +46,13 @@ from lagom.simulator import Configs, Simulator, StepResult
 log = logging.getLogger("lagom.online")
 
 LIVE_FIELDS = ("algorithm", "protocol", "channels", "chunk_bytes", "decomposition", "num_chunks")
+ROUTED_FIELDS = ("decomposition", "num_chunks")  # what Lagom routes itself: live even where NCCL ignores the plugin
 GUARD = 2.0  # a candidate step this many times the reference's is switched back at once
 Z = 2.0  # a gain counts when it exceeds this many standard deviations of the measured difference
 WINDOW = 2  # steps per candidate window and per reference window
 NOISE_STEPS = 4  # reference steps measured before the first candidate
 DEFAULT_BUDGET_S = 300.0  # wall-clock budget of the live search (steps: the tune_steps option)
-ANSWER_TIMEOUT_S = 600.0  # the search thread's longest think between two candidates
+ANSWER_TIMEOUT_S = 600.0  # the search thread's longest think between two candidates (the job runs on meanwhile)
 
 
 def live_part(cfg: CommConfig, running: CommConfig, max_channels: int | None,
@@ -77,6 +81,26 @@ def describe_live(configs: Configs, reference: Configs) -> list[str]:
         if moved:
             out.append(f"{key}: {', '.join(moved)} (measured live)")
     return out
+
+
+def trial_note(decision: str, step_s: float, reference_s: float, noise: float, z: float, *, final: bool = False) -> str:
+    """The sentence a trial's decision is reported with, built from the figures its row prints (the window's mean
+    step and the reference it was judged against) and the noise of their difference."""
+    change = step_s / reference_s - 1 if reference_s > 0 else 0.0
+    figures = (f"{step_s * 1e3:.2f} ms against {reference_s * 1e3:.2f} ms, "
+               f"{-change:.1%} faster" if change < 0 else
+               f"{step_s * 1e3:.2f} ms against {reference_s * 1e3:.2f} ms, {change:.1%} slower")
+    if decision == "reverted" and not final:
+        return f"a step took over {GUARD:g}x the reference: switched back at once ({figures})"
+    if final:
+        return figures + ("" if decision == "kept" else ": not faster, the reference stays")
+    if decision == "kept":
+        return f"{figures}: over {z:g}x the noise ({noise:.1%})"
+    if change >= 0:
+        return figures
+    if -change <= z * noise:
+        return f"{figures}: within {z:g}x the noise ({noise:.1%})"
+    return f"{figures}: not faster than the best setting so far"
 
 
 @dataclass
@@ -158,14 +182,16 @@ class LiveSearch:
     def __init__(self, problem: Problem, simulator: Simulator, reference: Configs, *,
                  max_channels: dict[str, int] | None = None, budget_steps: int = 100,
                  budget_s: float = DEFAULT_BUDGET_S, window: int = WINDOW, noise_steps: int = NOISE_STEPS,
-                 z: float = Z, only: set[str] | None = None, first_trial: int = 1) -> None:
+                 z: float = Z, only: set[str] | None = None, first_trial: int = 1,
+                 fields: tuple[str, ...] | None = None) -> None:
         self.problem, self.simulator = problem, simulator
         self.only = only  # the keys searched (those that drifted); None: every key
         self.first_trial = first_trial  # trial ids go on from an earlier round's in the same job
         self.reference = dict(reference)
         self.max_channels = max_channels or {}
-        # the chunk is live only where the plugin sets it per size; else it is NCCL_BUFFSIZE, per process
-        self.fields = tuple(f for f in LIVE_FIELDS if f not in problem.cap.process_fields())
+        # the chunk is live only where the plugin sets it per size; else it is NCCL_BUFFSIZE, per process.
+        # ``fields``: fewer (only what Lagom routes, where NCCL does not consult the plugin)
+        self.fields = tuple(f for f in fields or LIVE_FIELDS if f not in problem.cap.process_fields())
         self.budget_steps, self.budget_s, self.window, self.noise_steps, self.z = budget_steps, budget_s, window, noise_steps, z
         self.evaluations = 0
         self.trials: list[Trial] = []
@@ -176,6 +202,8 @@ class LiveSearch:
         self.final: Configs = dict(reference)
         self.steps_used = 0
         self.steps_s = 0.0  # the live steps' measured time, all of them
+        self.waited = 0  # steps that ran the reference while the search thread thought
+        self._waiting_since: float | None = None
         self._started = time.perf_counter()
         self._requests: queue.Queue[Configs | None] = queue.Queue(maxsize=1)
         self._answers: queue.Queue[tuple[float, dict[str, float]] | None] = queue.Queue(maxsize=1)  # None: stop
@@ -235,9 +263,13 @@ class LiveSearch:
         """One measured step (the slowest rank's); the settings for the next one."""
         self.steps_used += 1
         self.steps_s += step_s
-        self.spent = self.spent or self.steps_used >= self.budget_steps or \
-            time.perf_counter() - self._started >= self.budget_s
+        self._spend()
         self._window.add(step, step_s, keys)
+        if self._state == "waiting":  # the reference ran: it lengthens the window the next candidate is judged against
+            assert self._before is not None
+            self._before.add(step, step_s, keys)
+            self._window = Window()
+            return self._next()
         if self._state == "noise":
             if len(self._window.step_s) < self.noise_steps:
                 return Decision()
@@ -260,6 +292,16 @@ class LiveSearch:
         self._before = after
         return self._next()
 
+    def _spend(self) -> None:
+        self.spent = self.spent or self.steps_used >= self.budget_steps or \
+            time.perf_counter() - self._started >= self.budget_s
+
+    def unjudged_step(self) -> None:
+        """A step the loop could not judge (its device time not known yet on some rank, or it ran other settings):
+        it still spends the step budget."""
+        self.steps_used += 1
+        self._spend()
+
     def _noise_measured(self, window: Window) -> None:
         self._ref0 = window.mean
         spread = statistics.stdev(window.step_s) if len(window.step_s) > 1 else 0.0
@@ -276,12 +318,20 @@ class LiveSearch:
         return self._before.mean if self._before is not None else self._ref0
 
     def _next(self) -> Decision:
-        """The search's next candidate in force, or (search over) the final check, or the end."""
+        """The search's next candidate in force, or (search over) the final check, or the end; while the search
+        thread is still thinking, the reference for one more step (never a wait)."""
         try:
-            request = self._requests.get(timeout=ANSWER_TIMEOUT_S)
+            request = self._requests.get_nowait()
         except queue.Empty:
+            now = time.perf_counter()
+            self._waiting_since = self._waiting_since or now
+            if now - self._waiting_since < ANSWER_TIMEOUT_S:
+                self._state = "waiting"
+                self.waited += 1
+                return Decision()
             self.error = TimeoutError(f"the live search thought for over {ANSWER_TIMEOUT_S:g} s")
             request = None
+        self._waiting_since = None
         if request is not None:
             self._candidate, self._state = request, "candidate"
             return Decision(configs=dict(request))
@@ -296,36 +346,35 @@ class LiveSearch:
         """The candidate's step on the first reference's scale, thresholded by the noise; its trial recorded."""
         window, candidate = self._candidate_window, self._candidate
         assert window is not None and candidate is not None and self._before is not None
-        reference = (self._before.mean + after.mean) / 2
+        reference = (self._before.mean + after.mean) / 2  # the reference windows before and after: drift cancels
         ratio = window.mean / reference if reference > 0 else 1.0
         value = self._ref0 * ratio
         sigma = self._noise * math.sqrt(2)
         gain = 1 - ratio
         confidence = 0.5 * (1 + math.erf(gain / sigma / math.sqrt(2))) if sigma > 0 else float(gain > 0)
         if self._reverted:
-            decision, note = "reverted", f"a step took over {GUARD:g}x the reference: switched back at once"
+            decision = "reverted"
         elif gain > self.z * sigma and value < self._floor:
-            decision, note = "kept", f"{gain:.1%} faster than the reference (noise {sigma:.1%})"
-        elif gain <= 0:
-            decision, note = "rejected", f"{-gain:.1%} slower than the reference"
+            decision = "kept"
         else:
-            decision, note = "rejected", f"{gain:.1%} faster: within the noise ({sigma:.1%}) or not the best so far"
+            decision = "rejected"
         reported = value if decision == "kept" else max(value, self._floor)
         self._floor = min(self._floor, reported)
-        self._record(window, candidate, after, decision, confidence, note)
+        note = trial_note(decision, window.mean, reference, sigma, self.z)
+        self._record(window, candidate, after, reference, decision, confidence, note)
         return reported, window.key_means()
 
-    def _record(self, window: Window, configs: Configs, reference: Window, decision: str, confidence: float,
-                note: str) -> None:
+    def _record(self, window: Window, configs: Configs, after: Window, reference_s: float, decision: str,
+                confidence: float, note: str) -> None:
         predicted = self.simulator.run(configs, self.problem.model)
         per_key = predicted.per_key()
         self.observations += [Observation(dict(configs), window.mean, window.key_means()),
-                              Observation(dict(self.reference), reference.mean, reference.key_means())]
+                              Observation(dict(self.reference), after.mean, after.key_means())]
         self.trials.append(Trial(
             f"t{self.first_trial + len(self.trials)}", window.steps, changed(configs, self.reference),
             {"step_s": predicted.step_s,
              "collectives_s": {k: r["time"] / r["count"] for k, r in per_key.items() if r["count"]}},
-            {"step_s": window.mean, "collectives_s": window.key_means(), "reference_step_s": reference.mean},
+            {"step_s": window.mean, "collectives_s": window.key_means(), "reference_step_s": reference_s},
             decision, confidence, note))
 
     def _settle(self, after: Window) -> Decision:
@@ -333,10 +382,11 @@ class LiveSearch:
         window, candidate = self._candidate_window, self._candidate
         assert window is not None and candidate is not None
         faster = not self._reverted and window.mean < after.mean
-        self._record(window, candidate, after, "kept" if faster else "reverted",
-                     0.5 * (1 + math.erf((1 - window.mean / after.mean) / max(self._noise * math.sqrt(2), 1e-12)
-                                         / math.sqrt(2))),
-                     "final check against the reference" + ("" if faster else ": not faster, the reference stays"))
+        decision = "kept" if faster else "reverted"
+        sigma = self._noise * math.sqrt(2)
+        self._record(window, candidate, after, after.mean, decision,
+                     0.5 * (1 + math.erf((1 - window.mean / after.mean) / max(sigma, 1e-12) / math.sqrt(2))),
+                     "final check: " + trial_note(decision, window.mean, after.mean, sigma, self.z, final=True))
         return self._end(candidate if faster else self.reference,
                          "the search's settings confirmed faster" if faster else "the reference was faster")
 

@@ -30,6 +30,8 @@ it; its peers, waiting in the same collective, time out the same way.
 from __future__ import annotations
 
 import atexit
+import hashlib
+import json
 import logging
 import os
 import time
@@ -43,16 +45,16 @@ import torch.distributed as dist
 from lagom import emit
 from lagom.calls import CallRecord, KeyIndex, mean_per_call
 from lagom.capability import Capability
-from lagom.errors import ConfigError
+from lagom.errors import ConfigError, LagomError
 from lagom.flash_overlap import FlashOverlapConfig
 from lagom.hardware import Hardware
 from lagom.plan import Plan, PlanEntry
 from lagom.runtime import report
 from lagom.runtime.apply import open_runtime, registration_message, runtime_capability
 from lagom.runtime.control import DEFAULT_TIMEOUT_S, Control
-from lagom.runtime.live import DEFAULT_BUDGET_S, LiveSearch, Trial, describe_live
+from lagom.runtime.live import DEFAULT_BUDGET_S, ROUTED_FIELDS, LiveSearch, Trial, describe_live
 from lagom.runtime.monitor import Monitor
-from lagom.runtime.online import OnlineTuner, describe_changes
+from lagom.runtime.online import OnlineTuner, SearchThread, describe_changes
 from lagom.runtime.online import refit as online_refit
 from lagom.runtime.step_clock import KEEP, StepClock
 from lagom.tune import make_plan, running_workload
@@ -64,6 +66,32 @@ CALIBRATION_STEPS = 5  # online: steps measured under the start plan before the 
 
 def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _launched_ranks() -> int:
+    """The rank count the launcher gave this process (torchrun's, DeepSpeed's WORLD_SIZE), 1 when it says none."""
+    size = os.environ.get("WORLD_SIZE", "")
+    return int(size) if size.isdigit() else 1
+
+
+def _fingerprint(plan: Plan) -> str:
+    """A plan's identity across ranks: the hash of its JSON."""
+    return hashlib.sha256(plan.to_json().encode()).hexdigest()[:16]
+
+
+def _plugin_counters() -> Any:
+    """The tuner plugin's counters in this process (``PluginCounters``), or None without the plugin."""
+    from lagom.nccl_tuner.live import LiveTableError, counters
+
+    try:
+        return counters()
+    except (LiveTableError, OSError):
+        return None
+
+
+# Whether a live tuner table of a session is in force in this process's plugin (the table is process-wide and
+# outlives the session that published it when that session closed mid-tuning).
+_live_table_published = False
 
 
 def choose_hardware(explicit: str | None, world_size: int, cache_dir: Path, control: Control) -> tuple[Hardware, str]:
@@ -234,6 +262,14 @@ class TuningSession:
         self.live_keys: list[str] = []
         self.live_reference: Plan | None = None
         self.live_table: Any = None  # lagom.nccl_tuner.live.LiveTable, where the plugin is built
+        # whether NCCL consulted the tuner plugin on every rank while calibrating (None: the backend is not NCCL)
+        self.nccl_listens: bool | None = None
+        self._counters_at: Any = None  # the plugin's counters when calibration began (PluginCounters)
+        self._algorithms_run: set[tuple[str, str]] = set()  # (algorithm, protocol) put in force so far in the job
+        self._first_steps: set[int] = set()  # steps that pay one-time costs of a new algorithm: never judged
+        self._unagreed: StartPlan | None = None  # this rank's own start plan, before rank 0's is agreed
+        self.searching = False  # online: rank 0 searches the calibrated model beside the job's steps
+        self._search: SearchThread | None = None  # rank 0's
         self.trials: list[Trial] = []
         self.live_summary: dict[str, Any] = {}
         self.hardware_reason = hardware_reason
@@ -263,7 +299,13 @@ class TuningSession:
 
     # -- start-up ---------------------------------------------------------------------------------
     def start(self) -> None:
-        """Choose the start plan and put it in force (NCCL env, group options, routing, monitor)."""
+        """Choose the start plan and put it in force (NCCL env, group options, routing, monitor).
+
+        Ranks must start on one plan, or their first collectives disagree. Where process groups exist, rank 0
+        reads the files and searches and every rank receives its choice. Where they do not yet (Megatron
+        starts Lagom right after parsing its arguments), each rank chooses a plan of its own, nothing NCCL
+        reads is set, and ``agree_start`` puts rank 0's in force on every rank once a group exists.
+        """
         _open_sessions.add(self)
         if self.workload is None or self.hw is None:
             self.runtime = open_runtime(None)
@@ -271,22 +313,79 @@ class TuningSession:
             return
         if self.capability is None:
             self.capability = runtime_capability(self.hw)
-        start = self.within_capability(self.start_plan())
+        if _launched_ranks() > 1 and not self.control.distributed:
+            self.runtime = open_runtime(None)  # records only: NCCL's own settings until the plan is agreed
+            self._unagreed = self.start_plan()
+            return
+        self._begin(self.within_capability(self.start_plan()))
+
+    def agree_start(self) -> None:
+        """Put rank 0's start plan in force on every rank, once a process group exists (a no-op when it is in
+        force already). Called by the adapter before the framework makes its NCCL communicators, else at the
+        first step: communicators made before then keep NCCL's own settings, the same on every rank."""
+        mine, self._unagreed = self._unagreed, None
+        if mine is None:
+            return
+        try:
+            rank0 = self.control.broadcast(self._start_message(mine), "the start plan")
+            plan = Plan.from_dict(json.loads(rank0["plan"]), "rank 0's start plan") if rank0["plan"] else None
+            if plan is not None and _fingerprint(plan) != rank0["fingerprint"]:
+                raise LagomError("rank 0's start plan arrived altered (its fingerprint does not match)")
+            if self._start_message(mine)["fingerprint"] != rank0["fingerprint"]:
+                log.warning("Lagom on rank %d: this rank's own start plan (%s) differs from rank 0's (%s), e.g. a "
+                            "stale node-local cache or a plan file missing here; rank 0's is used", rank(),
+                            mine.source, rank0["source"])
+            if self.hw is None or self.hw.fingerprint() != rank0["hardware"].fingerprint():
+                self.hw, self.hardware_reason = rank0["hardware"], rank0["hardware_reason"]
+                self.capability = runtime_capability(self.hw)
+                if self.tuner is not None:
+                    self.tuner = self._new_tuner()
+            if rank0["tuning"] and plan is not None:
+                self._measuring(plan)
+            else:
+                self.tuning = False
+            self._begin(self.within_capability(StartPlan(plan, rank0["source"])))
+        except Exception as err:  # noqa: BLE001 - Lagom's own failure must not fail the job: NCCL's defaults stay
+            self.switch_off(f"the start plan could not be agreed: {type(err).__name__}: {err}", agreed=False)
+
+    def _start_message(self, start: StartPlan) -> dict[str, Any]:
+        """What rank 0 tells every rank of its start: the plan (JSON), its fingerprint, its hardware, whether
+        it measures calibration steps next."""
+        return {"plan": start.plan.to_json() if start.plan is not None else "",
+                "fingerprint": _fingerprint(start.plan) if start.plan is not None else "", "source": start.source,
+                "hardware": self.hw, "hardware_reason": self.hardware_reason, "tuning": self.tuning}
+
+    def _begin(self, start: StartPlan) -> None:
+        """Put an agreed start plan in force on this rank (every rank does it at the same point)."""
         self.plan_source = start.source
+        recorder = self.runtime.recorder if self.runtime is not None else None
+        if self.runtime is not None:
+            self.runtime.close()
         self.runtime = open_runtime(start.plan, strict_env=self.options.strict_env, hw=self.hw,
-                                    capability=self.capability, explore_channels=self._explore_channels())
+                                    capability=self.capability, explore_channels=self._explore_channels(),
+                                    recorder=recorder)
         if self.options.mode == "online":
             self.live_table = self._open_live_table()
+        self._restore_start_rules()
         if start.plan is not None:
             message = registration_message(start.plan)
             if message is not None:
                 self.events.append(message)  # init_runtime has logged it once
-            self.env_conflicts = emit.env_conflicts(start.plan, self.hw, os.environ)
+            self.env_conflicts = emit.env_conflicts(start.plan, self.hw, os.environ)  # type: ignore[arg-type]
             self._put_in_force(start.plan)
             self.apply_at_startup(start.plan)
         self.event(f"{self.options.mode} mode: plan {self.plan_source}" + (
             f" ({start.plan.strategy}, {len(start.plan.entries)} keys)" if start.plan else ""))
 
+    def _restore_start_rules(self) -> None:
+        """A live table an earlier session of this process left in force (it closed mid-tuning, or switched
+        off without an agreement) would override this session's rules: every rank puts the start rules back,
+        agreed, before this session's first step."""
+        global _live_table_published
+        if not self.control.any([_live_table_published], "whether a live tuner table is in force")[0]:
+            return
+        if self._switch_table(None, "the start rules in place of an earlier session's live table"):
+            self.event("an earlier session's live tuner table was still in force: the start rules are back")
     def _explore_channels(self) -> int | None:
         """Online mode with the tuner plugin: the most channels the live search may give a call (communicators
         are made with room for it). Without the plugin, channels cannot change live: the plan's range stays."""
@@ -328,8 +427,7 @@ class TuningSession:
         file_plan = self.control.on_rank0(lambda: self._load(plan_in) if plan_in and plan_in.exists() else None,
                                           "the plan file")
         if options.mode == "online":
-            tuner = self.tuner = OnlineTuner(workload, hw, strategy=options.strategy, tune_steps=self.calibration_steps,
-                                             cache_dir=options.cache_dir, capability=self.capability)
+            tuner = self.tuner = self._new_tuner()
             cached = self.control.on_rank0(tuner.cached_plan, "the cached online plan")
             if cached is not None:
                 self.check_plan(cached, f"cache {options.cache_dir}")
@@ -348,6 +446,11 @@ class TuningSession:
             source += f", saved to {options.plan_out}"
         self._measuring(plan)
         return StartPlan(plan, source)
+
+    def _new_tuner(self) -> OnlineTuner:
+        assert self.workload is not None and self.hw is not None
+        return OnlineTuner(self.workload, self.hw, strategy=self.options.strategy, tune_steps=self.calibration_steps,
+                           cache_dir=self.options.cache_dir, capability=self.capability)
 
     def within_capability(self, start: StartPlan) -> StartPlan:
         """The start plan, or, where it needs what this process lacks, a plan made within what it has."""
@@ -374,8 +477,14 @@ class TuningSession:
         self.tuner.running_plan = plan
         self.tuner.model_workload = running_workload(self.tuner.workload, plan)
         self.tuning = True
+        self._counters_at = _plugin_counters()
         # the steps measured are those after the warm-up: every rank agrees on the plan after the last of them
         self._next_agreement = max(self.steps_seen, self.options.warmup_steps) + self.calibration_steps
+
+    @property
+    def tuning_underway(self) -> bool:
+        """Online tuning is under way: calibration steps, rank 0's search beside the job, or live trials."""
+        return self.tuning or self.searching or self.live_on
 
     @property
     def calibration_steps(self) -> int:
@@ -418,6 +527,8 @@ class TuningSession:
 
     # -- per step ---------------------------------------------------------------------------------
     def begin_step(self, step: int | None = None) -> None:
+        if self._unagreed is not None and self.control.distributed:
+            self.agree_start()  # the adapter found no earlier point: every rank reaches its first step
         self.iteration = self.iteration + 1 if step is None else step
         self.runtime.recorder.begin_step(self.iteration)
         if self.clock is None:
@@ -468,6 +579,9 @@ class TuningSession:
             return
         if self.live_on:  # the live search's steps: judged at the agreement, not measured as the tuned plan's
             return
+        if self.searching:  # the start plan runs on while rank 0 searches: measured, but no drift is watched
+            self.measured.add(step_s, records)
+            return
         self.measured.add(step_s, records)
         if self.measured.steps == self.options.tune_steps:
             self.write_report()
@@ -480,17 +594,22 @@ class TuningSession:
             self.switch_off(f"rank {rank()}: {self.failure}", agreed=False)
 
     def _agree(self) -> Plan | None:
-        """The agreed step: whether any rank failed or saw drift (and, while tuning live, the slowest rank's
-        step and collective times), then the tuner's decision, on every rank.
+        """The agreed step: whether any rank failed, saw drift, has no live table, or saw NCCL never consult
+        the plugin while calibrating; whether rank 0's search is ready (and, while tuning live, the slowest
+        rank's step and collective times); then the tuner's decision, on every rank.
 
         Settings that every rank must share (the tuner table, Flash-Overlap routing) change only here, after
-        an agreement every rank took part in; when the agreement itself fails, they stay as they are.
+        an agreement every rank took part in, and the table in two phases (``_switch_table``); when the
+        agreement itself fails, they stay as they are.
         """
         try:
             order = self._drift_order()
             calibrated = rank() == 0 and self.tuner is not None and self.tuner.calibration is not None
-            values = self.control.max([float(self.failure is not None), self._drift_level(), float(calibrated),
-                                       *(float(self._drift_keys is None or k in self._drift_keys) for k in order),
+            header = [float(self.failure is not None), self._drift_level(), float(calibrated),
+                      float(self.options.mode == "online" and self.live_table is None),
+                      float(self.tuning and not self._nccl_consulted()),
+                      float(self._search is not None and self._search.done)]
+            values = self.control.max([*header, *(float(self._drift_keys is None or k in self._drift_keys) for k in order),
                                        *self._live_values()], f"the agreement of step {self.iteration}")
         except Exception as err:  # noqa: BLE001 - a peer missing: nothing more can be agreed
             self.switch_off(str(err), agreed=False)
@@ -500,17 +619,17 @@ class TuningSession:
                             "another rank (its log says what)", agreed=True)
             return None
         try:
-            flags, live = values[3:3 + len(order)], values[3 + len(order):]
+            if values[3] > 0 and self.live_table is not None:
+                self._drop_live_table("a rank has no live tuner table (its log says why), so no rank switches NCCL's "
+                                      "settings live: algorithm, protocol, channels and chunk are tried on the model only")
+            flags, live = values[len(header):len(header) + len(order)], values[len(header) + len(order):]
             if self.live_on:
                 return self._live_step(live)
             if self.tuning and self.tuner is not None:
-                plan = self.tuner.decide(self.control)
-                self.tuning = False
-                self._next_agreement = self.steps_seen + self.options.drift_check_steps
-                self.adopt(plan, self.iteration, (self.tuner.applies_now, self.tuner.next_start))
-                if self.options.tune_steps > self.calibration_steps:
-                    self._start_live()
-                return plan
+                self._calibrated(silent=values[4] > 0)
+                return None
+            if self.searching:
+                return self._searched(ready=values[5] > 0)
             self._next_agreement = self.steps_seen + self.options.drift_check_steps
             drifted = {k for k, flag in zip(order, flags) if flag > 0}
             why = self._drift or "drift seen on another rank"
@@ -528,9 +647,57 @@ class TuningSession:
             self.switch_off(f"{type(err).__name__}: {err}", agreed=False)
         return None
 
+    def _calibrated(self, silent: bool) -> None:
+        """The calibration steps are over: rank 0 searches the calibrated model in a thread of its own while the
+        job runs on; every rank asks at each step whether the plan is ready (``_searched``)."""
+        assert self.tuner is not None
+        self.tuning = False
+        self.nccl_listens = not silent if self._nccl_backend() else None
+        if self.nccl_listens is False:
+            self.event("NCCL did not consult Lagom's tuner plugin on every rank during the calibration steps (another "
+                       "NCCL_TUNER_PLUGIN, NCCL_ALGO or NCCL_PROTO, or a communicator made before Lagom set its "
+                       "environment: NCCL keeps a failed plugin load for the whole process), so live trials change "
+                       "only what Lagom routes itself (Flash-Overlap)", level=logging.WARNING)
+        self.searching = True
+        self._next_agreement = self.steps_seen + 1
+        if rank() == 0:
+            self._search = self.tuner.search_in_background()
+
+    def _searched(self, ready: bool) -> Plan | None:
+        """Rank 0's search is over on every rank's word: its plan, adopted on every rank at this step; else the job
+        runs one more step on the plan in force (no rank ever waits for the search)."""
+        assert self.tuner is not None
+        if not ready:
+            self._next_agreement = self.steps_seen + 1
+            return None
+        payload = self._search.payload if self._search is not None else None
+        payload = self.control.broadcast(payload, "the online plan")
+        self.searching, self._search = False, None
+        plan = self.tuner.take(payload)
+        self._next_agreement = self.steps_seen + self.options.drift_check_steps
+        self.adopt(plan, self.iteration, (self.tuner.applies_now, self.tuner.next_start))
+        if self.options.tune_steps > self.calibration_steps:
+            self._start_live()
+        return plan
+
+    def _nccl_backend(self) -> bool:
+        """Whether the job's collectives run on NCCL (only there can the tuner plugin change anything)."""
+        return dist.is_initialized() and "nccl" in str(dist.get_backend()).lower()
+
+    def _nccl_consulted(self) -> bool:
+        """Whether NCCL called the tuner plugin's getCollInfo in this process since calibration began."""
+        now = _plugin_counters()
+        return now is not None and self._counters_at is not None and now.since(self._counters_at).coll_infos > 0
+
+    def _drop_live_table(self, why: str) -> None:
+        if self.live_table is not None:
+            self.live_table.close()
+            self.live_table = None
+            self.event(why, level=logging.WARNING)
+
     def _drift_order(self) -> list[str]:
         """The plan keys whose drift flags the agreement carries (none while tuning: no drift is watched)."""
-        if self.plan is None or self.live_on or self.tuning:
+        if self.plan is None or self.live_on or self.tuning or self.searching:
             return []
         return sorted(e.key for e in self.plan.entries)
 
@@ -550,14 +717,17 @@ class TuningSession:
         self.live_keys = sorted(e.key for e in plan.entries)
         self.live_on = True
         self._next_agreement = self.steps_seen + 1
-        self._put_live(plan.configs())  # the reference, on every rank: the noise steps measure what is in force
+        if not self._put_live(plan.configs()):  # the reference, on every rank: the noise steps measure what is in force
+            return
         budget = self.options.tune_steps - self.calibration_steps
         if rank() == 0 and self.tuner.calibration is not None:
             cal = self.tuner.calibration
             reference = {k: cfg for k, cfg in plan.configs().items() if k in cal.problem.keys}
+            # where NCCL never consults the plugin, its settings are not tried: a trial of them would be noise
+            fields = ROUTED_FIELDS if self.nccl_listens is False else None
             self.live = LiveSearch(cal.problem, cal.simulator, reference, max_channels=self._max_channels(),
                                    budget_steps=budget, budget_s=self.options.tune_seconds, only=only,
-                                   first_trial=len(self.trials) + 1)
+                                   first_trial=len(self.trials) + 1, fields=fields)
         self.event(f"step {self.iteration}: trying settings on live steps (at most {budget} steps or "
                    f"{self.options.tune_seconds:g} s){self._live_reach()}")
 
@@ -571,7 +741,9 @@ class TuningSession:
         """What the live settings reach in this process, for the log and the report."""
         if self.live_table is None:
             return "; NCCL's settings cannot change live here (no tuner plugin table): only Flash-Overlap routing does"
-        if "nccl" not in str(dist.get_backend() if dist.is_initialized() else "").lower():
+        if self.nccl_listens is False:
+            return "; NCCL does not consult the tuner plugin on every rank: only Flash-Overlap routing is tried"
+        if not self._nccl_backend():
             return "; this job's backend is not NCCL, so the tuner table changes nothing it runs (the loop is the same)"
         return ""
 
@@ -587,7 +759,7 @@ class TuningSession:
             return []
         step = self._judged_step
         step_s = self.clock.seconds(step) if self.clock is not None else None
-        if step_s is None or self._step_epoch.get(step) != self._epoch:
+        if step_s is None or self._step_epoch.get(step) != self._epoch or step in self._first_steps:
             return [1.0, 0.0, *(0.0 for _ in self.live_keys)]
         means = mean_per_call(self._step_records.get(step, []), KeyIndex(self.live_keys).match)
         return [0.0, step_s, *(means.get(k, 0.0) for k in self.live_keys)]
@@ -596,6 +768,8 @@ class TuningSession:
         from lagom.runtime.live import Decision
 
         if values[0] > 0:  # some rank cannot judge its step yet (or it ran the settings before): the next one
+            if self.live is not None:
+                self.live.unjudged_step()  # a step the search could not use still spends its budget
             self._next_agreement = self.steps_seen + 1
             return None
         decision: Decision | None = None
@@ -603,8 +777,8 @@ class TuningSession:
             keys = {k: v for k, v in zip(self.live_keys, values[2:]) if v > 0}
             decision = self.live.after_step(self._judged_step, values[1], keys)
         decision = self.control.broadcast(decision, f"the live decision of step {self.iteration}")
-        if decision.configs is not None:
-            self._put_live(decision.configs)
+        if decision.configs is not None and not self._put_live(decision.configs):
+            return None  # not switched on any rank: Lagom is off (``_switch_table`` said why)
         if not decision.done:
             self._next_agreement = self.steps_seen + 1
             return None
@@ -615,23 +789,57 @@ class TuningSession:
         assert plan is not None
         return replace(plan, entries=[replace(e, config=configs[e.key]) if e.key in configs else e for e in plan.entries])
 
-    def _put_live(self, configs: dict[str, Any]) -> None:
-        """Every rank, at the same step: the tuner table and the Flash-Overlap routing for ``configs``."""
+    def _put_live(self, configs: dict[str, Any]) -> bool:
+        """Every rank, at the same step: the tuner table and the Flash-Overlap routing for ``configs``; False when
+        the table could not be switched on every rank (then none switched, and Lagom is off)."""
         plan = self._with_configs(configs)
+        if not self._switch_table(emit.tuner_rules(plan), f"the live settings of step {self.iteration}"):
+            return False
         self.router.plan = plan
-        self._put_table(emit.tuner_rules(plan))
         self._epoch += 1  # the next step is the first that runs them
+        # the first step of an algorithm or protocol new to the job pays its connection setup, buffers and kernel
+        # loading once: it is not judged, so trials are not biased against new algorithms
+        pairs = {(cfg.algorithm, cfg.protocol) for cfg in configs.values()}
+        if self._algorithms_run and pairs - self._algorithms_run:
+            self._first_steps.add(self.iteration + 1)
+        self._algorithms_run |= pairs
+        return True
 
-    def _put_table(self, rules: str) -> None:
-        """The live table on this rank; a refusal is this rank's failure, told at the next agreed step."""
+    def _switch_table(self, rules: str | None, what: str) -> bool:
+        """Put ``rules`` (None: the start rules) in force in the tuner plugin on every rank, or on none.
+
+        Two phases: every rank stages the table (writes it, has the plugin parse and hold it), the ranks agree
+        that every one of them staged it, then each publishes it, a pointer swap that cannot fail. A rank that
+        cannot stage makes every rank discard and switch Lagom off together (back to the start rules, which
+        cannot be refused); an agreement that fails leaves every rank on the table it had, which is the same.
+        Every rank calls it at the same point, with or without a table of its own.
+        """
+        global _live_table_published
         from lagom.nccl_tuner.live import LiveTableError
 
-        if self.live_table is None:
-            return
+        table, refusal = self.live_table, ""
+        if table is not None:
+            try:
+                table.stage(rules)
+            except (LiveTableError, OSError) as err:
+                refusal = f"{type(err).__name__}: {err}"
+                log.error("Lagom on rank %d could not stage %s: %s", rank(), what, refusal)
         try:
-            self.live_table.put(rules)
-        except (LiveTableError, OSError) as err:
-            self._failed(err)
+            refused = self.control.any([bool(refusal)], f"{what}: staged on every rank")[0]
+        except Exception as err:  # noqa: BLE001 - a peer missing: no rank publishes
+            if table is not None:
+                table.discard()
+            self.switch_off(str(err), agreed=False)
+            return False
+        if refused:
+            if table is not None:
+                table.discard()
+            self.switch_off(f"{what} could not be staged on " + (f"rank {rank()} ({refusal})" if refusal else
+                                                                  "another rank (its log says why)"), agreed=True)
+            return False
+        if table is not None and table.publish():
+            _live_table_published = rules is not None
+        return True
 
     def _end_live(self, configs: dict[str, Any]) -> Plan:
         reference = self.live_reference
@@ -685,23 +893,24 @@ class TuningSession:
     def switch_off(self, why: str, agreed: bool) -> None:
         """Stop every decision Lagom makes in this job, on this rank. Said once, at ERROR, and kept for the report.
 
-        ``agreed``: every rank switches off at this step, so the settings ranks must share go back to the
-        framework's own (Flash-Overlap calls to its collectives, NCCL's own choices); otherwise they stay as
-        they are, the same on every rank, since changing them on one rank alone could hang the framework.
-        What was fixed at start-up stays as it was made.
+        ``agreed``: every rank switches off at this step, so the settings ranks must share go back to those of
+        the start (Flash-Overlap calls to the framework's collectives, the tuner plugin's start rules in place of
+        any live table), in two phases; otherwise they stay as they are, the same on every rank, since changing
+        them on one rank alone could hang the framework. What was fixed at start-up stays as it was made.
         """
         if self.off is not None:
             return
         self.off, self.off_at = why, self.steps_seen
         if self.live is not None:
             self.live.stop()
-        self.tuning = self.live_on = False
+        self.tuning = self.live_on = self.searching = False
+        self._search = None
         self.tuner = self.live = None
         self.monitor = None
         self._next_agreement = None
         if agreed:
             self.router.plan = None
-            self._put_table("")  # no rules: NCCL's own choices
+            self._switch_table(None, "the start rules")  # the live table out of force on every rank
         self.control.close()
         self.events.append(f"Lagom switched itself off: {why}")
         log.error("Lagom switched itself off on rank %d: %s. The job runs on with the framework's own settings.",
@@ -777,7 +986,12 @@ class TuningSession:
         report.write(self.report(), self.options.report_files)
 
     def close(self) -> None:
-        """Remove what this session added to the process (idempotent); adapters extend it with their own."""
+        """Remove what this session added to the process (idempotent); adapters extend it with their own.
+
+        A live table in force stays in the plugin: ranks close at different moments (an engine collected by
+        one rank's garbage collector before another's), and a table changed by one rank alone could hang the
+        next collective. It is the same on every rank, and the next session of the process puts the start
+        rules back at its own agreed start (``_restore_start_rules``)."""
         _open_sessions.discard(self)
         if self.live is not None:
             self.live.stop()
@@ -802,6 +1016,10 @@ def _final_reports() -> None:
             session.write_report()
         except Exception as err:  # noqa: BLE001 - one session's report must not stop the others'
             log.warning("Lagom's final report could not be written: %s", err)
+        try:
+            session.close()  # hooks, taps and threads out before the interpreter finalises
+        except Exception as err:  # noqa: BLE001 - the process is ending: nothing may stop its exit
+            log.warning("Lagom's session could not be closed at exit: %s", err)
 
 
 
