@@ -145,3 +145,23 @@ def test_a_drift_re_tune_moves_only_the_keys_that_drifted() -> None:
     everything = LiveSearch(problem, Simulator(problem.graph), reference, budget_steps=10_000, budget_s=1e9)
     drive(everything, truth, seed=0)
     assert any(set(t.changed) - {moved} for t in everything.trials), "the full search does try the other keys"
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_each_trials_note_states_the_figures_its_row_prints(seed: int) -> None:
+    """The report's row prints a trial's measured step and its reference; the note's figures and percentage are
+    those two numbers, whatever the decision (kept, rejected within or beyond the noise, reverted, final)."""
+    import re
+
+    problem = two_all_reduces_one_gemm()
+    truth = simulated(problem)
+    live = LiveSearch(problem, Simulator(problem.graph), nccl_configs(problem), budget_steps=10_000, budget_s=1e9)
+    drive(live, truth, seed, drift=0.002)
+    assert len(live.trials) >= 3
+    for t in live.trials:
+        found = re.search(r"([\d.]+) ms against ([\d.]+) ms, ([\d.]+)% (faster|slower)", t.note)
+        assert found, t.note
+        step_ms, reference_ms = t.measured["step_s"] * 1e3, t.measured["reference_step_s"] * 1e3
+        assert found[1] == f"{step_ms:.2f}" and found[2] == f"{reference_ms:.2f}", t.note
+        change = step_ms / reference_ms - 1
+        assert found[4] == ("faster" if change < 0 else "slower") and found[3] == f"{abs(change) * 100:.1f}", t.note

@@ -79,6 +79,7 @@ def build(session: TuningSession) -> dict[str, Any]:
         "steps": [asdict(s) for s in session.steps],
         "plan": json.loads(plan.to_json()) if plan is not None else None,
         "live": session.live_summary, "trials": [asdict(t) for t in session.trials],
+        "nccl_plugin": session.plugin_calls(),
         "switched_off": {"why": session.off, "at_step": session.off_at} if session.off else None,
         "details": session.framework_report(),
     }
@@ -94,6 +95,12 @@ def markdown(report: dict[str, Any]) -> str:
     if report["hardware_reason"]:
         lines.append(f"- hardware: {report['hardware_reason']}")
     lines.append(f"- plan: {report['plan_source']}")
+    calls = report.get("nccl_plugin")
+    if calls is not None:
+        lines.append(f"- NCCL tuner plugin: {calls['coll_infos_per_step']:.3g} calls from NCCL per step "
+                     f"({calls['applied_per_step']:.3g} with a rule applied), {calls['communicators']} communicators"
+                     + (" (NCCL never consulted it while calibrating: NCCL's settings were not tried live)"
+                        if calls["consulted_while_calibrating"] is False else ""))
     if report["why_untuned"]:
         lines.append(f"- not tuned: {report['why_untuned']}")
     cap = report["capability"]

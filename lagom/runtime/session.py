@@ -265,6 +265,7 @@ class TuningSession:
         # whether NCCL consulted the tuner plugin on every rank while calibrating (None: the backend is not NCCL)
         self.nccl_listens: bool | None = None
         self._counters_at: Any = None  # the plugin's counters when calibration began (PluginCounters)
+        self._counters_start: Any = None  # ... when this session's plan was put in force
         self._algorithms_run: set[tuple[str, str]] = set()  # (algorithm, protocol) put in force so far in the job
         self._first_steps: set[int] = set()  # steps that pay one-time costs of a new algorithm: never judged
         self._unagreed: StartPlan | None = None  # this rank's own start plan, before rank 0's is agreed
@@ -366,6 +367,7 @@ class TuningSession:
                                     recorder=recorder)
         if self.options.mode == "online":
             self.live_table = self._open_live_table()
+        self._counters_start = _plugin_counters()
         self._restore_start_rules()
         if start.plan is not None:
             message = registration_message(start.plan)
@@ -381,11 +383,21 @@ class TuningSession:
         """A live table an earlier session of this process left in force (it closed mid-tuning, or switched
         off without an agreement) would override this session's rules: every rank puts the start rules back,
         agreed, before this session's first step."""
-        global _live_table_published
+        from lagom.nccl_tuner.live import LiveTable, LiveTableError
+
         if not self.control.any([_live_table_published], "whether a live tuner table is in force")[0]:
             return
-        if self._switch_table(None, "the start rules in place of an earlier session's live table"):
-            self.event("an earlier session's live tuner table was still in force: the start rules are back")
+        table = self.live_table
+        try:
+            table = table or LiveTable.create(self.world_size)
+        except (LiveTableError, OSError):
+            table = None  # no plugin in this process: no table was ever in force here; the peers stage alone
+        try:
+            if self._switch_table(None, "the start rules in place of an earlier session's live table", table):
+                self.event("an earlier session's live tuner table was still in force: the start rules are back")
+        finally:
+            if table is not None and table is not self.live_table:
+                table.close()
     def _explore_channels(self) -> int | None:
         """Online mode with the tuner plugin: the most channels the live search may give a call (communicators
         are made with room for it). Without the plugin, channels cannot change live: the plan's range stays."""
@@ -689,6 +701,16 @@ class TuningSession:
         now = _plugin_counters()
         return now is not None and self._counters_at is not None and now.since(self._counters_at).coll_infos > 0
 
+    def plugin_calls(self) -> dict[str, Any] | None:
+        """What NCCL asked the tuner plugin in this process since the plan was put in force, per step, for the
+        report (None without the plugin)."""
+        now = _plugin_counters()
+        if now is None or self._counters_start is None:
+            return None
+        since, steps = now.since(self._counters_start), max(1, self.steps_seen)
+        return {"communicators": since.inits, "coll_infos_per_step": since.coll_infos / steps,
+                "applied_per_step": since.applied / steps, "consulted_while_calibrating": self.nccl_listens}
+
     def _drop_live_table(self, why: str) -> None:
         if self.live_table is not None:
             self.live_table.close()
@@ -805,19 +827,20 @@ class TuningSession:
         self._algorithms_run |= pairs
         return True
 
-    def _switch_table(self, rules: str | None, what: str) -> bool:
+    def _switch_table(self, rules: str | None, what: str, table: Any = None) -> bool:
         """Put ``rules`` (None: the start rules) in force in the tuner plugin on every rank, or on none.
 
         Two phases: every rank stages the table (writes it, has the plugin parse and hold it), the ranks agree
         that every one of them staged it, then each publishes it, a pointer swap that cannot fail. A rank that
         cannot stage makes every rank discard and switch Lagom off together (back to the start rules, which
         cannot be refused); an agreement that fails leaves every rank on the table it had, which is the same.
-        Every rank calls it at the same point, with or without a table of its own.
+        Every rank calls it at the same point, with or without a table of its own (``table``: another than
+        the session's, to put the start rules back with).
         """
         global _live_table_published
         from lagom.nccl_tuner.live import LiveTableError
 
-        table, refusal = self.live_table, ""
+        table, refusal = table or self.live_table, ""
         if table is not None:
             try:
                 table.stage(rules)
