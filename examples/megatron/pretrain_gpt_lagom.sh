@@ -34,7 +34,7 @@ MODEL=(
 )
 # Plans Lagom makes and its report go to $OUT; the online cache to $OUT/cache.
 LAGOM=(
-  --lagom --lagom-mode "$MODE" --lagom-hardware "$HARDWARE" --lagom-tune-iters 10
+  --lagom --lagom-mode "$MODE" --lagom-hardware "$HARDWARE" --lagom-tune-steps 60
   --lagom-report "$OUT" --lagom-out "$OUT" --lagom-cache-dir "$OUT/cache"
 )
 if [[ "$MODE" == offline && -f "$OUT/lagom-plan.json" ]]; then
