@@ -13,7 +13,9 @@ that fails writes its exact error (``<part>.error``) and the driver goes on with
 2. ``cuda``: Lagom's CUDA paths: the recorder's device events against a timed kernel;
    ``ProcessGroupNCCL.Options`` from a plan read back from the communicator; the tuner plugin loaded by
    the real NCCL (``NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=TUNING``), its log lines checked against the rules;
-   a live table switched between steps on two ranks, NCCL's TUNING lines showing the new protocol after it.
+   a live table switched between steps on two ranks in two phases, NCCL's TUNING lines showing the new
+   protocol and channel count after it, an LL chunk above LL's cap run, and the plugin's counters of NCCL's
+   calls checked.
 3. ``window``: a layer's FFN GEMMs beside the next layer's parameter all-gather (emulated on one GPU): the
    makespan at every (channels, chunk) pair, and at the pairs the ``nccl``, ``autoccl`` and ``lagom``
    strategies pick on the calibrated model. Targets: Lagom >= 1.15x faster than AutoCCL's pick and within
@@ -246,9 +248,12 @@ def _tuner_plugin_loaded(out: Path) -> str:
     return "; ".join(lagom_lines[:3])
 
 
-# Two NCCL ranks on one GPU (as ``two_ranks``) with Lagom's plugin: each rank puts a live table in force,
-# runs three 16 MiB all-reduces, then (after a barrier, as the session's agreed step) a table with another
-# protocol and three more. NCCL's TUNING log says which protocol each call got (proto 2 Simple, 0 LL).
+# Two NCCL ranks on one GPU (as ``two_ranks``) with Lagom's plugin: each rank stages a live table, the ranks agree
+# (a barrier, as the session's acknowledgement), each publishes it, and runs three 16 MiB all-reduces; then a table
+# with another protocol and channel count, and three more. The LL rule asks for a 64 KiB chunk, above LL's 32 KiB
+# cap, which NCCL clamps (its log does not print chunks: the calls must run and the rule must apply). NCCL's TUNING
+# log says which protocol and channels each call got (proto 2 Simple, 0 LL); the plugin's counters say how often
+# NCCL consulted it and how many calls a rule applied to.
 LIVE_SWITCH = """
 import datetime, os, sys, torch, torch.distributed as dist
 from lagom.nccl_tuner.live import LiveTable
@@ -260,37 +265,47 @@ dist.init_process_group("nccl", init_method="file://" + sys.argv[2], rank=rank, 
                         timeout=datetime.timedelta(seconds=60))
 torch.cuda.set_device(0)
 t = torch.ones(1 << 22, device="cuda")
-for proto, chunk in (("simple", 131072), ("ll", 32768)):
-    rules = "".join(f"allreduce 1048576 1099511627776 2 {n} ring {proto} 2 {chunk}\\n" for n in (1, 2))
-    table.put(f"lagom-nccl-tuner 1\\nworld 2\\n{rules}")
+before = table.counters()
+for proto, channels, chunk in (("simple", 2, 131072), ("ll", 1, 65536)):
+    rules = "".join(f"allreduce 1048576 1099511627776 2 {n} ring {proto} {channels} {chunk}\\n" for n in (1, 2))
+    table.stage(f"lagom-nccl-tuner 1\\nworld 2\\n{rules}")
     dist.barrier()
+    table.publish()
     torch.cuda.synchronize()
     for _ in range(3):
         dist.all_reduce(t)
     torch.cuda.synchronize()
-print("switched", flush=True)
+calls = table.counters().since(before)
+print(f"switched counters {calls.inits} {calls.coll_infos} {calls.applied}", flush=True)
 table.close()
 dist.destroy_process_group()
 """
-PROTO_LINE = r"AllReduce: 16777216 Bytes -> Algo (\d+) proto (\d+)"
+PROTO_LINE = r"AllReduce: 16777216 Bytes -> Algo \w+ proto (\w+) channel\{Lo\.\.Hi\}=\{(\d+)\.\.(\d+)\}"
+COUNTERS_LINE = r"switched counters (\d+) (\d+) (\d+)"
 
 
 def _live_switch_reaches_nccl(out: Path) -> str:
-    """The live table changed between steps reaches NCCL: the calls after the switch run the new protocol."""
+    """The live table changed between steps, in two phases, reaches NCCL: the calls after the switch run the new
+    protocol and channel count, and the plugin's counters saw NCCL consult it for each call."""
     import re
 
     log = out / "live_switch_nccl.log"
     env = {**_plugin_env(out / "live_start.lagom", "lagom-nccl-tuner 1\nworld 2\n"), "LAGOM_SUITE_LOG": str(log)}
     codes, outputs = _run_pair(LIVE_SWITCH, env, out / "rendezvous-live")
-    protos = []
-    for rank in range(2):
-        text = Path(f"{log}.{rank}").read_text() if Path(f"{log}.{rank}").exists() else ""
-        protos.append([int(m.group(2)) for m in re.finditer(PROTO_LINE, text)])
-    log.write_text("\n---\n".join(outputs) + "\n" + "\n".join(f"rank {r} protocols: {p}" for r, p in enumerate(protos)))
-    if codes != [0, 0] or protos[0] != [2, 2, 2, 0, 0, 0] or protos[1] != protos[0]:
-        raise AssertionError(f"exit codes {codes}; protocols per call by rank {protos} (want Simple x3 then LL x3 "
-                             f"on both); see {log.name}")
-    return f"both ranks: protocols {protos[0]} (2 Simple, 0 LL) across the live switch"
+    text = Path(f"{log}.0").read_text() if Path(f"{log}.0").exists() else ""  # NCCL logs TUNING lines on rank 0
+    names = {"0": "ll", "1": "ll128", "2": "simple"}  # NCCL releases that print the protocol's number
+    calls = [(names.get(m.group(1), m.group(1).lower()), int(m.group(3)) - int(m.group(2)) + 1)
+             for m in re.finditer(PROTO_LINE, text)]
+    counters = [tuple(int(g) for g in m.groups()) for o in outputs for m in re.finditer(COUNTERS_LINE, o)]
+    log.write_text("\n---\n".join(outputs) + f"\nrank 0 (protocol, channels) per call: {calls}\ncounters: {counters}")
+    want = [("simple", 2)] * 3 + [("ll", 1)] * 3
+    if codes != [0, 0] or calls != want:
+        raise AssertionError(f"exit codes {codes}; rank 0's (protocol, channels) per call {calls}, want {want}; "
+                             f"see {log.name}")
+    if len(counters) != 2 or any(coll_infos < 6 or applied < 6 for _, coll_infos, applied in counters):
+        raise AssertionError(f"the plugin's counters (inits, getCollInfo calls, applied) per rank: {counters}; want "
+                             f"at least 6 calls and 6 applied rules on each rank")
+    return f"rank 0: {calls} across the two-phase switch (LL at a 64 KiB chunk ran); counters {counters}"
 
 
 def part_cuda(out: Path, budget_s: float) -> None:
