@@ -14,6 +14,23 @@ and v6 (with ``getChunkSize``) from 2.30; a tuner cannot set threads, CTA policy
 (copy-engine all-gather and all-to-all on symmetric windows, one NVLink domain) in 2.28, hierarchical
 ZERO all-gather / all-to-all across nodes in 2.30.7. There is no copy-engine reduce-scatter or
 all-reduce. EFFICIENCY is skipped by NCCL when a tuner plugin is loaded or NCCL_ALGO/PROTO is set.
+
+NCCL's clamps (v2.30.7 ``src/enqueue.cc`` calcCollChunking and topoGetAlgoInfo, ``src/init.cc``
+computeBuffSizes, ``src/transport/nvls.cc``), which ``nccl_chunk`` and ``channel_cap`` restate so that
+the search, the cost model and the emitter plan the chunk and channels NCCL runs:
+
+- A tuner's chunk is cut to the protocol's buffer: one step (the buffer / NCCL_STEPS) times the chunk
+  steps, 4 for ring Simple all-reduce, all-gather and reduce-scatter and 1 otherwise (tree, NVLS,
+  broadcast, reduce), then rounded down to the protocol's grain. NCCL_BUFFSIZE sizes only Simple's
+  buffer: LL runs at most 32 KiB and LL128 576,000 B whatever the plan asks. NCCL reads NCCL_BUFFSIZE
+  once per process, so a chunk asked for later (live) is cut to the buffer the process started with.
+- NCCL sizes NVLS buffer slots by NCCL_NVLS_CHUNKSIZE (128 KiB) yet takes a tuner chunk up to
+  NCCL_BUFFSIZE / 8; until a GPU shows that is safe Lagom asks for at most NCCL_NVLS_CHUNKSIZE.
+- P2P operations (send/recv, all-to-all, Flash-Overlap's steps) never ask a tuner: their chunk is
+  NCCL_P2P_{NVL,PCI,NET}_CHUNKSIZE, cut to NCCL_BUFFSIZE / NCCL_STEPS.
+- A tuner's channel count replaces NCCL's small-message trimming as it is; the scheduler then cuts it to
+  the communicator's channels (NVLS on one node: its NVLS channels), but not on CollNet or multi-node
+  NVLS.
 """
 
 from __future__ import annotations
@@ -51,6 +68,101 @@ ZERO_COLLECTIVES = ("all_gather", "all_to_all")  # the copy-engine collectives (
 NVLS_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 DEFAULT_NCCL_VERSION = "2.30.7"
 
+NCCL_STEPS = 8  # slots of one connection's buffer
+DEFAULT_BUFFSIZE = 4 << 20  # NCCL_BUFFSIZE's default: the Simple protocol's buffer
+FIXED_BUFFSIZE = {"LL": 8 * 512 * NCCL_STEPS * 16,  # lines per thread x threads x steps x line: 512 KiB
+                  "LL128": 120 * 640 * NCCL_STEPS * 8}  # elements per thread x threads x steps x 8 B; Lagom sets neither
+PROTOCOL_GRAIN = {"LL": 16, "LL128": 1920, "Simple": 512}  # ncclProtoGrainSize: NCCL rounds a chunk down to it
+RING_CHUNK_STEPS = 4  # NCCL_STEPS / 2 for ring Simple all-reduce, all-gather, reduce-scatter
+RING_CHUNK_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+P2P_COLLECTIVES = ("send_recv", "all_to_all")  # no tuner call: NCCL's P2P chunk
+P2P_CHUNK = {"nvlink": 512 << 10, "pci": 128 << 10, "net": 128 << 10}  # NCCL_P2P_{NVL,PCI,NET}_CHUNKSIZE
+NVLS_CHUNK = 128 << 10  # NCCL_NVLS_CHUNKSIZE's default: the size of an NVLS buffer slot
+NVLS_CHUNK_ENV = "NCCL_NVLS_CHUNKSIZE"
+MAX_CHANNELS = 64  # NCCL's MAXCHANNELS
+ALGORITHMS = ("ring", "tree", "nvls")
+
+
+def _check_name(key: str, value: str, known: tuple[str, ...] | dict[str, int]) -> None:
+    if value not in known:
+        raise ConfigError(key, f"unknown '{value}'", f"use one of {', '.join(known)}")
+
+
+def chunk_steps(algorithm: str, protocol: str, collective: str) -> int:
+    """Buffer steps one chunk fills: 4 only for ring Simple all-reduce, all-gather and reduce-scatter."""
+    ring_simple = algorithm == "ring" and protocol == "Simple"
+    return RING_CHUNK_STEPS if ring_simple and collective in RING_CHUNK_COLLECTIVES else 1
+
+
+def chunk_ceiling(algorithm: str, protocol: str, collective: str, buffsize: int, nvls_chunk: int = NVLS_CHUNK) -> int:
+    """The largest chunk NCCL runs a collective at under NCCL_BUFFSIZE ``buffsize`` (NVLS: at most
+    ``nvls_chunk``, Lagom's own cap), on the protocol's grain."""
+    _check_name("algorithm", algorithm, ALGORITHMS)
+    _check_name("protocol", protocol, PROTOCOL_GRAIN)
+    if buffsize <= 0:
+        raise ConfigError("NCCL_BUFFSIZE", f"must be positive, got {buffsize}", "leave it unset or give a byte count")
+    if protocol == "LL":
+        ceiling = FIXED_BUFFSIZE["LL"] // NCCL_STEPS // 2  # half of an LL line is flags
+    elif protocol == "LL128":
+        ceiling = FIXED_BUFFSIZE["LL128"] // NCCL_STEPS // 16 * 15  # one 8-byte word in 16 is flags
+    else:
+        ceiling = buffsize // NCCL_STEPS * chunk_steps(algorithm, protocol, collective)
+    if algorithm == "nvls":
+        ceiling = min(ceiling, nvls_chunk)
+    grain = PROTOCOL_GRAIN[protocol]
+    return max(grain, ceiling // grain * grain)
+
+
+def p2p_link(nodes: int, nvlink: bool) -> str:
+    """Which P2P chunk NCCL gives a communicator: the network's across nodes, else NVLink's or PCIe's."""
+    return "net" if nodes > 1 else "nvlink" if nvlink else "pci"
+
+
+def nccl_chunk(algorithm: str, protocol: str, collective: str, requested: int | None, buffsize: int, *,
+               nvls_chunk: int = NVLS_CHUNK, link: str = "nvlink") -> int:
+    """The chunk NCCL runs for a call: a tuner's ``requested`` chunk (None: NCCL's own, its buffer's)
+    cut to ``chunk_ceiling`` and the protocol's grain; P2P operations run the P2P chunk of ``link``
+    whatever is requested. The one place Lagom's search, cost model and emitter learn it from."""
+    if collective in P2P_COLLECTIVES:
+        _check_name("link", link, P2P_CHUNK)
+        return max(1, min(P2P_CHUNK[link], buffsize // NCCL_STEPS))
+    ceiling = chunk_ceiling(algorithm, protocol, collective, buffsize, nvls_chunk)
+    if requested is None:
+        return ceiling
+    if requested <= 0:
+        raise ConfigError("chunk_bytes", f"must be positive, got {requested}", "give a byte count")
+    grain = PROTOCOL_GRAIN[protocol]
+    return max(grain, min(requested, ceiling) // grain * grain)
+
+
+def buffsize_for(algorithm: str, protocol: str, collective: str, chunk: int) -> int:
+    """The smallest NCCL_BUFFSIZE under which ``chunk`` runs uncut (0: NCCL_BUFFSIZE does not bound it)."""
+    if protocol != "Simple" or collective in P2P_COLLECTIVES:
+        return 0
+    return chunk * NCCL_STEPS // chunk_steps(algorithm, protocol, collective)
+
+
+def channel_cap(algorithm: str, nodes: int, max_channels: int, *, max_ctas: int | None = None,
+                nvls_ctas: int | None = None, nvls_channels: int = 16) -> int:
+    """The most channels NCCL runs a tuner's channel count at on one communicator.
+
+    Rules match communicators by rank and node counts only, so a rule also reaches communicators Lagom
+    never configured: bound its channels by the topology (``max_channels``, the hardware profile's),
+    the communicator's CTA range (``max_ctas``) and, for NVLS, its NVLS CTAs (``nvls_ctas``, else NCCL's
+    default ``nvls_channels``, which NCCL also clamps into the CTA range). NCCL clamps all of these on
+    one node; across nodes it does not clamp NVLS, so Lagom bounds it as NCCL's own pick does (by the
+    communicator's channels too)."""
+    _check_name("algorithm", algorithm, ALGORITHMS)
+    for key, value in (("nodes", nodes), ("max_channels", max_channels), ("max_ctas", max_ctas),
+                       ("nvls_ctas", nvls_ctas), ("nvls_channels", nvls_channels)):
+        if value is not None and value <= 0:
+            raise ConfigError(key, f"must be positive, got {value}", "give a count of at least 1")
+    channels = min(max_channels, MAX_CHANNELS, max_ctas or MAX_CHANNELS)
+    if algorithm != "nvls":
+        return channels
+    nvls = min(nvls_ctas or nvls_channels, max_ctas or MAX_CHANNELS)
+    return nvls if nodes == 1 else min(nvls, channels)
+
 
 def parse_version(text: str, key: str = "nccl version") -> tuple[int, int, int]:
     """'2.28' or '2.30.7' (or torch's (2, 30, 7)) as a comparable triple."""
@@ -69,9 +181,19 @@ class Capability:
     tuner_plugin: bool = True  # Lagom's tuner plugin is built (and this NCCL can load it: see ``tuner_interface``)
     nvls: bool = False  # NVSwitch nodes with NVLink SHARP
     nvlink_domain: bool = False  # a node's GPUs share one NVLink domain (copy-engine collectives need it)
+    # NCCL_BUFFSIZE the process has already read (a live search runs under the start plan's); None: the
+    # plan sets it, at least NCCL's default and as large as its chunks need (``SearchSpace`` bounds them)
+    buffsize: int | None = None
+    nvls_chunk: int = NVLS_CHUNK  # NCCL_NVLS_CHUNKSIZE: Lagom asks NVLS for no larger chunk
 
     def __post_init__(self) -> None:
         parse_version(self.nccl_version)
+        if self.buffsize is not None and self.buffsize < NCCL_STEPS * PROTOCOL_GRAIN["Simple"]:
+            raise ConfigError("capability.buffsize", f"{self.buffsize} B leaves no chunk of 512 B per step",
+                              f"give NCCL_BUFFSIZE of at least {NCCL_STEPS * PROTOCOL_GRAIN['Simple']} B, or none")
+        if self.nvls_chunk < PROTOCOL_GRAIN["Simple"]:
+            raise ConfigError("capability.nvls_chunk", f"{self.nvls_chunk} B is below Simple's grain of 512 B",
+                              f"set {NVLS_CHUNK_ENV} to at least 512, or leave it unset (128 KiB)")
 
     @property
     def version(self) -> tuple[int, int, int]:
@@ -129,6 +251,32 @@ class Capability:
         """NVLS (in-switch reduction) is offered for this collective: within one NVSwitch node."""
         return self.nvls and collective in NVLS_COLLECTIVES and nodes == 1
 
+    def run_chunk(self, algorithm: str, protocol: str, collective: str, chunk: int, nodes: int = 1,
+                  nvlink: bool = True, asked: bool = True) -> int:
+        """The chunk NCCL runs for a config of ``chunk`` bytes under this capability.
+
+        Where the plugin asks for it (``asked``: a rule covers the call, and getChunkSize exists) NCCL
+        cuts ``chunk`` to ``buffsize``, or to a buffer the plan sizes for it (never below NCCL's default,
+        which keeps P2P chunks whole). Otherwise NCCL runs its own chunk of the buffer, whatever the
+        algorithm: per process ``chunk`` is the ring Simple chunk NCCL_BUFFSIZE is sized for; per size
+        the buffer is the plan's, at least NCCL's default."""
+        link = p2p_link(nodes, nvlink)
+        per_process = self.scope("chunk") == Scope.PER_PROCESS
+        if not asked or per_process:
+            buffsize = self.buffsize or buffsize_for("ring", "Simple", "all_reduce", chunk)
+            if not per_process:  # a plan with per-size chunks never shrinks the buffer below NCCL's default
+                buffsize = max(buffsize, DEFAULT_BUFFSIZE)
+            return nccl_chunk(algorithm, protocol, collective, None, buffsize, nvls_chunk=self.nvls_chunk, link=link)
+        buffsize = self.buffsize or max(DEFAULT_BUFFSIZE, buffsize_for(algorithm, protocol, collective, chunk))
+        return nccl_chunk(algorithm, protocol, collective, chunk, buffsize, nvls_chunk=self.nvls_chunk, link=link)
+
+    def chunk_ceilings(self, buffsize: int | None = None) -> dict[str, int]:
+        """The largest chunk each (algorithm, protocol) runs for an all-reduce at ``buffsize`` (default:
+        this capability's, else NCCL's default): what reports and ``compare --json`` show."""
+        size = buffsize or self.buffsize or DEFAULT_BUFFSIZE
+        return {f"{a}/{p}": chunk_ceiling(a, p, "all_reduce", size, self.nvls_chunk)
+                for a in ALGORITHMS for p in PROTOCOL_GRAIN if a != "nvls" or p == "Simple"}
+
     def process_fields(self) -> tuple[str, ...]:
         """The CommConfig fields that are one value for the whole process under this capability."""
         return ("threads", "transport") + (("chunk_bytes",) if self.scope("chunk") == Scope.PER_PROCESS else ())
@@ -136,13 +284,15 @@ class Capability:
     def to_dict(self) -> dict[str, Any]:
         return {"nccl_version": self.nccl_version, "tuner_plugin": self.tuner_plugin, "nvls": self.nvls,
                 "nvlink_domain": self.nvlink_domain, "tuner_interface": self.tuner_interface,
-                "scopes": {k: str(v) for k, v in self.scopes().items()}, "cta_policies": list(self.cta_policies())}
+                "scopes": {k: str(v) for k, v in self.scopes().items()}, "cta_policies": list(self.cta_policies()),
+                "buffsize": self.buffsize, "nvls_chunk": self.nvls_chunk, "chunk_ceilings": self.chunk_ceilings()}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "capability") -> Capability:
         try:
             return cls(nccl_version=str(data["nccl_version"]), tuner_plugin=bool(data["tuner_plugin"]),
-                       nvls=bool(data["nvls"]), nvlink_domain=bool(data["nvlink_domain"]))
+                       nvls=bool(data["nvls"]), nvlink_domain=bool(data["nvlink_domain"]),
+                       buffsize=data.get("buffsize"), nvls_chunk=int(data.get("nvls_chunk", NVLS_CHUNK)))
         except KeyError as err:
             raise ConfigError(f"{where}.{err.args[0]}", "missing", "re-run `lagom tune` to make the plan again") from None
 

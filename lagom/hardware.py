@@ -113,7 +113,8 @@ class Nccl:
 
     version: str = "2.30.7"  # the NCCL a plan is made for: it decides which knobs can be applied
     default_channels: int = 0
-    max_channels: int = 0
+    max_channels: int = 0  # the topology's channels per communicator: no plan or rule asks for more
+    nvls_channels: int = 16  # NCCL's NVLS CTAs for a communicator that sets none (nvlsChannels)
     default_threads: int = 512
     default_chunk_bytes: int = 0
     buffsize_per_chunk: int = 2  # NCCL_BUFFSIZE = this many chunks
@@ -260,6 +261,7 @@ def _validate(hw: Hardware) -> None:
         "cluster.intra.gbps": hw.cluster.intra.gbps,
         "nccl.default_channels": hw.nccl.default_channels,
         "nccl.max_channels": hw.nccl.max_channels,
+        "nccl.nvls_channels": hw.nccl.nvls_channels,
         "nccl.default_chunk_bytes": hw.nccl.default_chunk_bytes,
     }
     if hw.cluster.nodes > 1:
@@ -267,6 +269,9 @@ def _validate(hw: Hardware) -> None:
     for key, value in positive.items():
         if not value or value <= 0:
             raise ConfigError(f"hardware {hw.name}: {key}", f"must be positive, got {value}")
+    if hw.nccl.max_channels > 64:
+        raise ConfigError(f"hardware {hw.name}: nccl.max_channels", f"{hw.nccl.max_channels} exceeds NCCL's 64 channels "
+                          "per communicator", "set it to the channels NCCL builds for this topology, at most 64")
     if hw.gpu.sm_smem_kb <= 0 or min(hw.gpu.gemm_cta.threads, hw.gpu.gemm_cta.registers, hw.gpu.gemm_cta.smem_kb) <= 0:
         raise ConfigError(f"hardware {hw.name}: gpu.gemm_cta", "the SM's shared memory and the GEMM CTA's threads, "
                           "registers and shared memory must be positive", "set gpu.sm_smem_kb and gpu.gemm_cta")
