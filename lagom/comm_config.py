@@ -7,10 +7,21 @@ from enum import StrEnum
 from itertools import product
 from typing import Any
 
-from lagom.capability import Capability, Scope, capability_for
+from lagom.capability import (
+    DEFAULT_BUFFSIZE,
+    PROTOCOL_GRAIN,
+    Capability,
+    Scope,
+    buffsize_for,
+    capability_for,
+    channel_cap,
+)
 from lagom.errors import ConfigError
 from lagom.hardware import Hardware
-from lagom.points import Collective, OverlapPoint
+from lagom.points import Collective, Group, OverlapPoint
+
+TUNER_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")  # what NCCL asks a tuner about, of Lagom's
+SMALL_CHUNK_STEPS = 2  # halvings offered below a protocol's largest chunk when every chunk of the space exceeds it
 
 
 class Algorithm(StrEnum):
@@ -61,7 +72,9 @@ class SearchSpace:
 
     channels: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     threads: tuple[int, ...] = (128, 256, 512)
-    chunks: tuple[int, ...] = tuple(64 * 1024 * 2**i for i in range(7))  # 64 KiB .. 4 MiB
+    # 64 KiB .. 4 MiB, as asked for: each (algorithm, protocol) is offered the distinct chunks NCCL runs for
+    # them (``chunk_choices``: LL 8-32 KiB, LL128 up to 576,000 B, tree and NVLS up to their buffer's)
+    chunks: tuple[int, ...] = tuple(64 * 1024 * 2**i for i in range(7))
     protocols: tuple[str, ...] = ("LL", "LL128", "Simple")
     splits: tuple[int, ...] = (1, 2, 4)  # Flash-Overlap chunks per peer step; () turns decomposition off
     priorities: tuple[int, ...] = (0, 1)  # 1: the communicator's high-priority stream
@@ -120,6 +133,10 @@ class CommConfig:
     decomposition: Decomposition = Decomposition.COLLECTIVE
     num_chunks: int = 1
     cta_policy: CTAPolicy = CTAPolicy.DEFAULT
+    # Lagom's tuner plugin has a rule for this call: NCCL runs its channels as given (its own count is
+    # trimmed for small messages) and, with getChunkSize, asks for its chunk. False: NCCL decides (its
+    # baseline, no plugin, P2P operations, copy engines)
+    by_tuner: bool = False
 
     def __post_init__(self) -> None:
         """Plain strings (plans read from JSON, tests) become the typed values; unknown ones stay for ``check``."""
@@ -191,7 +208,52 @@ def subspaces(point: OverlapPoint, hw: Hardware,
 
 
 def channel_choices(hw: Hardware, space: SearchSpace = SearchSpace()) -> list[int]:
-    return [c for c in space.channels if c <= hw.nccl.max_channels]
+    """Ring and tree channel counts the topology has (a rule asking for more runs fewer)."""
+    return [c for c in space.channels if c <= channel_cap("ring", 1, hw.nccl.max_channels)]
+
+
+def run_chunk(cfg: CommConfig, collective: str, group: Group, hw: Hardware, cap: Capability) -> int:
+    """The chunk NCCL runs for ``cfg`` on this collective and group (``Capability.run_chunk``, with the
+    group's P2P link): the cost model prices it."""
+    nvlink = hw.cluster.link_within_node(group.ranks_per_node).kind == "nvlink"
+    return cap.run_chunk(str(cfg.algorithm), str(cfg.protocol), str(collective), cfg.chunk_bytes, group.nodes, nvlink,
+                         asked=cfg.by_tuner)
+
+
+def plan_buffsize(space: SearchSpace, cap: Capability) -> int:
+    """The NCCL_BUFFSIZE a plan's chunks must fit in: the process's where it has read it already (a live
+    search), else room for the space's largest ring chunk and never below NCCL's default."""
+    return cap.buffsize or max(DEFAULT_BUFFSIZE, buffsize_for("ring", "Simple", "all_reduce", max(space.chunks)))
+
+
+def planned_chunk(cfg: CommConfig, collective: str, group: Group, hw: Hardware,
+                  space: SearchSpace = SearchSpace()) -> int:
+    """The chunk a plan keeps for ``cfg``: the one NCCL runs, within ``plan_buffsize`` (per process the
+    process's own chunk, which sizes NCCL_BUFFSIZE: ``run_chunk`` turns it into each call's)."""
+    cap = _capability(space, hw)
+    if cap.scope("chunk") == Scope.PER_PROCESS:
+        return cfg.chunk_bytes
+    return run_chunk(cfg, collective, group, hw, replace(cap, buffsize=plan_buffsize(space, cap)))
+
+
+def chunk_choices(point: OverlapPoint, algorithm: Algorithm, protocol: Protocol, hw: Hardware,
+                  space: SearchSpace = SearchSpace()) -> list[int]:
+    """The distinct chunks NCCL runs for the space's chunks on this point (no two that collapse to one),
+    and where every chunk of the space exceeds the protocol's largest (LL's 32 KiB), its halvings too."""
+    cfg = CommConfig(algorithm, protocol)
+    cfg = replace(cfg, by_tuner=tuner_sets_channels(point, cfg, _capability(space, hw)))
+    runs = {planned_chunk(replace(cfg, chunk_bytes=c), point.collective, point.group, hw, space) for c in space.chunks}
+    if cfg.by_tuner and len(space.chunks) > 1 and len(runs) == 1 and max(runs) < min(space.chunks):
+        grain, ceiling = PROTOCOL_GRAIN[str(protocol)], max(runs)
+        runs |= {max(grain, (ceiling >> k) // grain * grain) for k in range(1, SMALL_CHUNK_STEPS + 1)}
+    return sorted(runs)
+
+
+def tuner_sets_channels(point: OverlapPoint, cfg: CommConfig, cap: Capability) -> bool:
+    """Whether Lagom's plugin gives this call its channel count (a rule for it: a collective NCCL asks
+    a tuner about, not decomposed, not on copy engines)."""
+    return (cap.per_size and point.collective in TUNER_COLLECTIVES and cfg.decomposition == Decomposition.COLLECTIVE
+            and not _on_copy_engines(point, cfg, cap))
 
 
 def can_decompose(point: OverlapPoint) -> bool:
@@ -205,11 +267,13 @@ def default_config(hw: Hardware) -> CommConfig:
 
 
 def nccl_choice(point: OverlapPoint, hw: Hardware, base: CommConfig, model: Any = None) -> CommConfig:
-    """``base`` with the algorithm and protocol NCCL's own tuning picks for this point (by the cost model)."""
+    """``base`` with the algorithm and protocol NCCL's own tuning picks for this point (by the cost model);
+    NVLS on NCCL's own NVLS CTAs."""
     from lagom.cost_model import CostModel  # the model imports this module
 
     model = model if model is not None else CostModel(hw)
-    options = {(a, pr): replace(base, algorithm=a, protocol=pr)
+    options = {(a, pr): replace(base, algorithm=a, protocol=pr,
+                                channels=hw.nccl.nvls_channels if a == Algorithm.NVLS else base.channels)
                for a, pr, _ in subspaces(point, hw, replace(SearchSpace(), transports=(str(base.transport),)))}
     return min(options.values(), key=lambda c: model.comm_time(point.collective, point.group, point.bytes, c))
 
@@ -231,9 +295,10 @@ def nccl_pick(point: OverlapPoint, hw: Hardware, transport: Transport) -> tuple[
 
 def channels_for(algorithm: Algorithm, hw: Hardware, space: SearchSpace = SearchSpace()) -> list[int]:
     """Channel counts a config of this algorithm can have: NVLS takes the communicator's NVLS CTAs, or
-    NCCL's default (what NCCL runs when they are not set)."""
+    NCCL's default NVLS CTAs (what NCCL runs when they are not set), within the topology's channels."""
     if algorithm == Algorithm.NVLS:
-        return list(dict.fromkeys((*space.nvls_ctas, hw.nccl.default_channels)))
+        most = channel_cap("ring", 1, hw.nccl.max_channels)
+        return [c for c in dict.fromkeys((*space.nvls_ctas, hw.nccl.nvls_channels)) if c <= most]
     return channel_choices(hw, space)
 
 
@@ -249,19 +314,22 @@ def candidates(point: OverlapPoint, hw: Hardware, space: SearchSpace = SearchSpa
     policies = [CTAPolicy(p) for p in space.cta_policies if p != CTAPolicy.ZERO]
     out = []
     for algo, proto, transport in combos:
-        out += [CommConfig(algo, proto, transport, nc, nt, chunk, prio, cta_policy=policy)
-                for nc, nt, chunk, prio, policy in product(channels_for(algo, hw, space), space.threads, space.chunks, space.priorities, policies)]
+        tuned = tuner_sets_channels(point, CommConfig(algo, proto), cap)
+        out += [CommConfig(algo, proto, transport, nc, nt, chunk, prio, cta_policy=policy, by_tuner=tuned)
+                for nc, nt, chunk, prio, policy in product(channels_for(algo, hw, space), space.threads,
+                                                           chunk_choices(point, algo, proto, hw, space),
+                                                           space.priorities, policies)]
     base = default_config(hw)
+    # copy engines and P2P steps ask NCCL for no chunk: one value (the process's where it is per process)
+    inert_chunk = space.chunks[0] if cap.scope("chunk") == Scope.PER_PROCESS else base.chunk_bytes
     if CTAPolicy.ZERO in space.cta_policies and cap.zero_applies(point.collective, point.group.nodes):
         algo, proto, _ = combos[0]
-        out += [replace(base, algorithm=algo, protocol=proto, transport=transport, threads=nt, chunk_bytes=chunk,
+        out += [replace(base, algorithm=algo, protocol=proto, transport=transport, threads=nt, chunk_bytes=inert_chunk,
                         priority=prio, cta_policy=CTAPolicy.ZERO)
-                for transport, nt, chunk, prio in product(transports_for(point, hw, space), space.threads, space.chunks,
-                                                          space.priorities)]
+                for transport, nt, prio in product(transports_for(point, hw, space), space.threads, space.priorities)]
     if can_decompose(point):
-        chunk = base.chunk_bytes if base.chunk_bytes in space.chunks else space.chunks[0]
         out += [replace(base, decomposition=Decomposition.P2P, num_chunks=k, channels=nc, priority=prio, threads=nt,
-                        chunk_bytes=chunk, transport=transport)
+                        chunk_bytes=inert_chunk, transport=transport)
                 for k in space.splits for nc in channel_choices(hw, space) for prio in space.priorities
                 for nt in space.threads for transport in transports_for(point, hw, space)]
     return out
@@ -287,8 +355,8 @@ def under_process(cfg: CommConfig, point: OverlapPoint, hw: Hardware, process: P
     if cap.per_size or out.decomposition == Decomposition.P2P or out.transport == cfg.transport:
         return out
     algorithm, protocol = nccl_pick(point, hw, out.transport)
-    if (algorithm == Algorithm.NVLS) != (out.algorithm == Algorithm.NVLS):  # NVLS CTAs are not channels
-        out = replace(out, channels=hw.nccl.default_channels)
+    if (algorithm == Algorithm.NVLS) != (out.algorithm == Algorithm.NVLS):  # NVLS CTAs are not channels: NCCL's own
+        out = replace(out, channels=hw.nccl.nvls_channels if algorithm == Algorithm.NVLS else hw.nccl.default_channels)
     return replace(out, algorithm=algorithm, protocol=protocol)
 
 

@@ -20,7 +20,8 @@ import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from lagom.comm_config import Algorithm, CommConfig, CTAPolicy
+from lagom.capability import Capability, channel_cap
+from lagom.comm_config import Algorithm, CommConfig, CTAPolicy, run_chunk
 from lagom.errors import ConfigError
 from lagom.hardware import Hardware, Protocol
 from lagom.points import Collective, ComputeSegment, Group
@@ -58,8 +59,12 @@ def _by_nodes(values: list[float], nodes: int) -> float:
 
 
 class CostModel:
-    def __init__(self, hw: Hardware) -> None:
+    """Seconds for collectives and compute on ``hw``, for a target that can apply ``capability`` (it
+    decides which chunk NCCL runs: ``comm_config.run_chunk``; default: Lagom's own target)."""
+
+    def __init__(self, hw: Hardware, capability: Capability | None = None) -> None:
         self.hw = hw
+        self.capability = capability or Capability()
         self._comm = lru_cache(maxsize=200_000)(self._comm_time)
         self._lost = lru_cache(maxsize=1024)(self._slots_lost)
 
@@ -124,8 +129,9 @@ class CostModel:
         """(CTAs, threads per CTA) NCCL runs for this call.
 
         Like NCCL (``topoGetAlgoInfo``), a message smaller than channels x threads x the protocol's thread
-        threshold runs on fewer channels, then fewer threads; NVLS runs its configured CTAs; EFFICIENCY
-        keeps only the channels that still add bandwidth; copy engines run none."""
+        threshold runs on fewer channels, then fewer threads; a tuner plugin's channel count then replaces
+        the trimmed one as it is (``by_tuner``), within the topology's channels; NVLS runs its configured
+        CTAs; EFFICIENCY keeps only the channels that still add bandwidth; copy engines run none."""
         if self.uses_copy_engines(coll, cfg):
             return 0, 0
         channels, threads = cfg.channels, cfg.threads
@@ -135,6 +141,8 @@ class CostModel:
             channels = max(1, min(channels, int(nbytes) // (threads * per_thread)))
             while nbytes < channels * threads * per_thread and threads % 128 == 0:
                 threads //= 2
+            if cfg.by_tuner:
+                channels = min(cfg.channels, channel_cap(str(cfg.algorithm), group.nodes, self.hw.nccl.max_channels))
         if cfg.cta_policy == CTAPolicy.EFFICIENCY:
             link_bw, _, kind = self._links(group, cfg.transport)
             per_channel = self.hw.nccl.channel_gbps[kind] * GB * min(1.0, threads / self.hw.nccl.threads_saturation)
@@ -200,8 +208,9 @@ class CostModel:
             return latency + self._nvls_time(coll, group, nbytes, run, link_bw, slow)
         steps, factor = ring_shape(coll, n, str(cfg.algorithm))
         bus = nbytes * factor
-        # A channel carries 1/channels of each step's slice; small messages use smaller chunks.
-        chunk = max(1024.0, min(float(cfg.chunk_bytes), bus / max(1, steps) / channels))
+        # A channel carries 1/channels of each step's slice; small messages use smaller chunks. The chunk
+        # is the one NCCL runs: cut to its buffer, its protocol's, or the P2P chunk.
+        chunk = max(1024.0, min(float(self.run_chunk(coll, group, cfg)), bus / max(1, steps) / channels))
         ch_bw = self.channel_bandwidth(group, run, chunk, bus, steps) / slow
         # A network chunk is forwarded whole through each stage of the proxy path: the first one fills it
         # (its transmission only: the steps' latencies are NCCL's latency above).
@@ -246,6 +255,10 @@ class CostModel:
                               "set nccl.ce_gbps or leave the zero policy out of the search space")
         n = group.size
         return (n - 1) * nccl.ce_launch_us * US + nbytes * (n - 1) / n / min(link_bw, nccl.ce_gbps * GB)
+
+    def run_chunk(self, coll: Collective, group: Group, cfg: CommConfig) -> int:
+        """The chunk NCCL runs for ``cfg`` here (``comm_config.run_chunk`` under the model's capability)."""
+        return run_chunk(cfg, coll, group, self.hw, self.capability)
 
     def comm_time(self, coll: Collective, group: Group, nbytes: int, cfg: CommConfig, compute_hbm_util: float = 0.0,
                   nic_share: float = 1.0) -> float:

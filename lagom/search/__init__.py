@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from lagom.comm_config import CommConfig, Decomposition, ProcessSettings, under_process
+from lagom.comm_config import CommConfig, Decomposition, ProcessSettings, planned_chunk, under_process
 from lagom.errors import ConfigError
 from lagom.points import OverlapPoint
 from lagom.search import autoccl, exhaustive, nccl, priority
@@ -100,9 +100,15 @@ def search_process(strategy: Strategy, problem: Problem, evaluator: Evaluator,
 
 def _step_wide(cfg: CommConfig, point: OverlapPoint, problem: Problem, process: ProcessSettings,
                uniform: dict[str, Any]) -> CommConfig:
-    """A key's config with the per-process values and, on the collectives NCCL runs, the step-wide ones."""
+    """A key's config with the per-process values and, on the collectives NCCL runs, the step-wide ones
+    (a step-wide chunk as NCCL runs it for each: LL's is at most 32 KiB)."""
     out = under_process(cfg, point, problem.hw, process, problem.cap)
-    return replace(out, **uniform) if uniform and out.decomposition == Decomposition.COLLECTIVE else out
+    if not uniform or out.decomposition != Decomposition.COLLECTIVE:
+        return out
+    out = replace(out, **uniform)
+    if "chunk_bytes" in uniform:
+        out = replace(out, chunk_bytes=planned_chunk(out, point.collective, point.group, problem.hw, problem.open_space))
+    return out
 
 
 __all__ = ["STRATEGIES", "Evaluator", "Problem", "SearchResult", "SimulatedEvaluator", "run_strategy"]

@@ -12,7 +12,14 @@ from __future__ import annotations
 from collections.abc import Generator
 from dataclasses import replace
 
-from lagom.comm_config import CommConfig, channels_for, default_config, settable_subspaces
+from lagom.comm_config import (
+    CommConfig,
+    channels_for,
+    chunk_choices,
+    default_config,
+    settable_subspaces,
+    tuner_sets_channels,
+)
 from lagom.points import OverlapPoint
 from lagom.search.base import Evaluator, Problem, SearchResult
 
@@ -53,8 +60,10 @@ def _tune(point: OverlapPoint, problem: Problem) -> Tuner:
     base = default_config(hw)
     starts = []
     for algo, proto, transport in settable_subspaces(point, hw, space):
-        dims = {"channels": channels_for(algo, hw, space), "threads": list(space.threads), "chunk_bytes": list(space.chunks)}
-        cfg = _on_grid(replace(base, algorithm=algo, protocol=proto, transport=transport), dims)
+        dims = {"channels": channels_for(algo, hw, space), "threads": list(space.threads),
+                "chunk_bytes": chunk_choices(point, algo, proto, hw, space)}
+        cfg = replace(base, algorithm=algo, protocol=proto, transport=transport)
+        cfg = _on_grid(replace(cfg, by_tuner=tuner_sets_channels(point, cfg, problem.cap)), dims)
         starts.append(((yield cfg), cfg, dims))
     best_start = min(t for t, _, _ in starts)
     best, best_t = None, float("inf")

@@ -101,7 +101,7 @@ class Problem:
 
     @cached_property
     def model(self) -> CostModel:
-        return CostModel(self.hw)
+        return CostModel(self.hw, self.cap)
 
     @cached_property
     def keys(self) -> dict[str, list[OverlapPoint]]:
