@@ -13,6 +13,7 @@ import yaml
 
 from lagom import nccl_tuner
 from lagom.calls import SIZE_TOLERANCE  # a tuner row covers the sizes the runtime matches to its key
+from lagom.capability import DEFAULT_BUFFSIZE, Scope, buffsize_for
 from lagom.comm_config import Algorithm, CTAPolicy
 from lagom.errors import ConfigError
 from lagom.hardware import Hardware
@@ -40,9 +41,10 @@ def communicator_configs(plan: Plan) -> dict[str, dict[str, Any]]:
     (``ncclConfig_t`` fields, torch ``ProcessGroupNCCL.Options().config``).
 
     A communicator has one CTA range; where its sizes want different channel counts (the tuner plugin
-    sets them per size) the range spans them. CTA policy and NVLS CTAs are one value per communicator
-    in every plan the search makes.
+    sets them per size) the range spans them, and its NVLS CTAs too (NCCL clamps NVLS CTAs into the
+    range). CTA policy and NVLS CTAs are one value per communicator in every plan the search makes.
     """
+    per_size = plan.capability_record().per_size
     out: dict[str, dict[str, Any]] = {}
     for group, entries in plan.by_group().items():
         collectives = [e for e in entries if e.config.decomposition == "collective"] or entries
@@ -61,6 +63,8 @@ def communicator_configs(plan: Plan) -> dict[str, dict[str, Any]]:
         nvls = {e.config.channels for e in collectives if e.config.algorithm == Algorithm.NVLS}
         if nvls:
             cfg["nvls_ctas"] = max(nvls)
+            if per_size:  # the rules set every planned size's channels: the range only has to admit them
+                cfg["max_ctas"] = max(cfg["max_ctas"], cfg["nvls_ctas"])
         out[group] = cfg
     return out
 
@@ -73,16 +77,28 @@ def megatron_nccl_yaml(plan: Plan) -> str:
     return yaml.safe_dump(cfgs, sort_keys=True)
 
 
+def buffsize(plan: Plan) -> int:
+    """NCCL_BUFFSIZE for the plan: where it sets the chunk (per process), room for two of its ring
+    chunks; else NCCL's default, or more where a rule's chunk needs it (never less: a smaller buffer
+    would shrink the P2P chunk and NCCL's own chunks for sizes no rule covers)."""
+    chunk = plan.process.get("chunk_bytes")
+    if chunk is not None and plan.capability_record().scope("chunk") == Scope.PER_PROCESS:
+        return buffsize_for("ring", "Simple", "all_reduce", int(chunk))
+    needed = [DEFAULT_BUFFSIZE]
+    for e in tuner_entries(plan):
+        algorithm, protocol, _, chunk = _tuner_settings(e, plan)
+        needed.append(buffsize_for(algorithm, protocol, e.collective, chunk))
+    return max(needed)
+
+
 def nccl_env(plan: Plan, hw: Hardware) -> dict[str, str]:
     """Process-wide NCCL variables, read at communicator creation, from the plan's per-process values:
     threads, the intra-node transport (NCCL_P2P_DISABLE=1 sends it through host shared memory) and the
-    buffer: the planned chunk where NCCL_BUFFSIZE sets it, else room for the largest per-size chunk the
-    tuner plugin asks for."""
+    buffer (``buffsize``)."""
     if not plan.entries:
         return {}
     process = plan.process
-    chunk = process.get("chunk_bytes") or max(e.config.chunk_bytes for e in plan.entries)
-    env = {"NCCL_BUFFSIZE": str(chunk * hw.nccl.buffsize_per_chunk), "NCCL_NTHREADS": str(process["threads"])}
+    env = {"NCCL_BUFFSIZE": str(buffsize(plan)), "NCCL_NTHREADS": str(process["threads"])}
     if process.get("transport") == "shm":
         env["NCCL_P2P_DISABLE"] = "1"
     return env
@@ -144,10 +160,13 @@ def tuner_entries(plan: Plan) -> list[PlanEntry]:
                      and plan.capability_record().zero_applies(e.collective, e.group_nodes))]
 
 
-def _tuner_settings(entry: PlanEntry) -> tuple[str, str, int, int]:
-    """algorithm, protocol, channels, chunk_bytes as the plugin spells them."""
+def _tuner_settings(entry: PlanEntry, plan: Plan) -> tuple[str, str, int, int]:
+    """algorithm, protocol, channels, and the chunk NCCL runs for the planned one (LL's at most 32 KiB,
+    NVLS's at most NCCL_NVLS_CHUNKSIZE: ``Capability.run_chunk``), as the plugin reads them."""
     c = entry.config
-    return (str(c.algorithm), str(c.protocol).lower(), c.channels, c.chunk_bytes)
+    chunk = plan.capability_record().run_chunk(str(c.algorithm), str(c.protocol), entry.collective, c.chunk_bytes,
+                                               entry.group_nodes)
+    return (str(c.algorithm), str(c.protocol), c.channels, chunk)
 
 
 @dataclass
@@ -157,14 +176,17 @@ class _TunerRule:
     entry: PlanEntry
     low: int
     high: int
+    settings: tuple[str, str, int, int]
 
     def line(self) -> str:
         e = self.entry
-        fields = (TUNER_COLL[e.collective], self.low, self.high, e.group_size, e.group_nodes, *_tuner_settings(e))
+        algorithm, protocol, channels, chunk = self.settings
+        fields = (TUNER_COLL[e.collective], self.low, self.high, e.group_size, e.group_nodes, algorithm,
+                  protocol.lower(), channels, chunk)
         return " ".join(str(v) for v in fields) + f"  # {e.key}"
 
 
-def _tuner_rules_for(entries: list[PlanEntry]) -> tuple[list[_TunerRule], list[str]]:
+def _tuner_rules_for(entries: list[PlanEntry], plan: Plan) -> tuple[list[_TunerRule], list[str]]:
     """Non-overlapping rules for one (ranks, nodes, collective), and a note per conflict resolved.
 
     Each size gets the byte range ``lagom.calls.KeyIndex`` matches to it; where two ranges overlap they
@@ -178,11 +200,12 @@ def _tuner_rules_for(entries: list[PlanEntry]) -> tuple[list[_TunerRule], list[s
     notes: list[str] = []
     for size in sorted(by_size):
         heaviest, *others = sorted(by_size[size], key=lambda e: -(e.predicted_comm_s or e.count))
-        differing = [e.key for e in others if _tuner_settings(e) != _tuner_settings(heaviest)]
+        settings = _tuner_settings(heaviest, plan)
+        differing = [e.key for e in others if _tuner_settings(e, plan) != settings]
         if differing:
             notes.append(f"{', '.join(differing)}: settings of {heaviest.key} used (same size and counts, more time)")
         reach = math.floor(SIZE_TOLERANCE * max(size, 1))  # the integer form of TuningKey.within
-        rule = _TunerRule(heaviest, max(0, size - reach), size + reach)
+        rule = _TunerRule(heaviest, max(0, size - reach), size + reach, settings)
         if rules and rules[-1].high >= rule.low:
             cut = (rules[-1].entry.bytes + size) // 2
             rules[-1].high = min(rules[-1].high, cut)
@@ -212,7 +235,7 @@ def tuner_rules(plan: Plan) -> str:
                          "them apart, they share these rules")
     lines.append("# collective min_bytes max_bytes ranks nodes algorithm protocol channels chunk_bytes")
     for group in sorted(groups):
-        rules, notes = _tuner_rules_for(groups[group])
+        rules, notes = _tuner_rules_for(groups[group], plan)
         lines += [f"# {note}" for note in notes] + [rule.line() for rule in rules]
     return "\n".join(lines) + "\n"
 

@@ -16,6 +16,8 @@
 #define MAX_LINE 1024
 #define MAX_TOKENS 10 /* one more than a rule has, to notice extra fields */
 #define MAX_RULES 1000000
+#define NVLS_CHUNK_ENV "NCCL_NVLS_CHUNKSIZE"
+#define NVLS_CHUNK_DEFAULT (128 * 1024) /* NCCL's default NCCL_NVLS_CHUNKSIZE */
 
 typedef struct {
   const char* name;
@@ -89,6 +91,13 @@ static int split(char* line, char** tokens) {
   return count;
 }
 
+uint64_t lagom_rules_nvls_chunk(void) {
+  const char* text = getenv(NVLS_CHUNK_ENV);
+  uint64_t chunk = 0;
+  if (text == NULL || parse_count(text, &chunk) != 0 || chunk == 0) return NVLS_CHUNK_DEFAULT;
+  return chunk;
+}
+
 static int parse_rule(reader* rd, char** tok, int ntok, lagom_rule* rule) {
   if (ntok != 9) {
     return fail(rd, "a rule has 9 fields (collective min_bytes max_bytes ranks nodes algorithm protocol channels "
@@ -120,6 +129,12 @@ static int parse_rule(reader* rd, char** tok, int ntok, lagom_rule* rule) {
   if (rule->chunk_bytes < GRAIN[rule->protocol]) {
     return fail(rd, "chunk_bytes %s is below %s's grain of %llu bytes", tok[8], tok[6],
                 (unsigned long long)GRAIN[rule->protocol]);
+  }
+  /* NCCL takes an NVLS chunk up to NCCL_BUFFSIZE / 8 but sizes the NVLS buffer slots by NCCL_NVLS_CHUNKSIZE:
+   * ask for no more than a slot until a GPU shows a larger chunk is safe */
+  if (rule->algorithm == LAGOM_NCCL_ALGO_NVLS || rule->algorithm == LAGOM_NCCL_ALGO_NVLS_TREE) {
+    uint64_t slot = lagom_rules_nvls_chunk();
+    if (rule->chunk_bytes > slot) rule->chunk_bytes = slot;
   }
   return 0;
 }

@@ -12,7 +12,9 @@
  * included, counted as NCCL counts them: the whole buffer). algorithm is one of tree, ring,
  * collnet_direct, collnet_chain, nvls, nvls_tree, pat; protocol one of ll, ll128, simple (any case).
  * `world` is the job's rank count the plan was made for. The first rule that covers a call wins;
- * the files Lagom writes never overlap.
+ * the files Lagom writes never overlap. An nvls or nvls_tree rule's chunk is read as at most
+ * NCCL_NVLS_CHUNKSIZE (128 KiB when unset, or not a positive count): NCCL sizes NVLS buffer slots by
+ * it yet would take a tuner chunk up to NCCL_BUFFSIZE / 8.
  */
 #ifndef LAGOM_NCCL_TUNER_RULES_H
 #define LAGOM_NCCL_TUNER_RULES_H
@@ -50,6 +52,9 @@ int lagom_rules_read_file(FILE* file, const char* name, lagom_rule_set* out, cha
  * n_bytes, or NULL. getCollInfo and lagom_tuner_lookup both pick with it. */
 const lagom_rule* lagom_rules_pick(const lagom_rule* rules, size_t count, int collective, uint64_t n_bytes,
                                    uint64_t n_ranks, uint64_t n_nodes);
+
+/* The largest NVLS chunk a rule may ask for: NCCL_NVLS_CHUNKSIZE, else NCCL's default of 128 KiB. */
+uint64_t lagom_rules_nvls_chunk(void);
 
 void lagom_rules_free(lagom_rule_set* set);
 
