@@ -102,7 +102,8 @@ def test_candidates_offer_cta_policies_and_nvls_only_where_allowed():
     assert {c.cta_policy for c in offered(ag, old)} == {CTAPolicy.DEFAULT}  # ZERO needs 2.28; EFFICIENCY no plugin
     assert CTAPolicy.EFFICIENCY in {c.cta_policy for c in offered(rs, replace(old, tuner_plugin=False))}
     nvls = [c for c in offered(rs, new) if c.algorithm == Algorithm.NVLS]
-    assert {c.channels for c in nvls} == {4, 16, hw.nccl.default_channels} and {c.protocol for c in nvls} == {"Simple"}
+    # NCCL runs its own NVLS CTAs (16 on Hopper) where the communicator sets none, not its ring channels
+    assert {c.channels for c in nvls} == {4, hw.nccl.nvls_channels} == {4, 16} and {c.protocol for c in nvls} == {"Simple"}
     assert not any(c.algorithm == Algorithm.NVLS for c in offered(rs, replace(new, nvls=False)))
     no_plugin = replace(SPACE, transports=("p2p",)).under(replace(new, tuner_plugin=False))
     own = nccl_choice(rs, hw, default_config(hw))  # without the plugin NCCL picks algorithm and protocol itself

@@ -101,7 +101,7 @@ def test_tree_all_reduce_halves_what_the_nic_carries_on_two_nodes():
     model, group, nbytes = CostModel(A100X2), Group("dp", 16, 8, 2), GIB
     ring = model.comm_time(AR, group, nbytes, CommConfig(channels=16))
     tree = model.comm_time(AR, group, nbytes, CommConfig(algorithm=Algorithm.TREE, channels=16))
-    chunk = 2 * 2**20
+    chunk = 512 * 2**10  # NCCL's own tree chunk: one step of the 4 MiB buffer a 2 MiB ring chunk sizes
     fill = 2 * chunk / 6e9  # three store-and-forward stages: two chunks' transmission on a 6 GB/s IB channel
     # each node's NIC carries 2 (N-1)/N = 1 buffer per direction at 12.5 GB/s
     latency = (8.4 + 2 * (7 * 4.0 + 14.0)) * 1e-6
@@ -133,7 +133,7 @@ def test_copy_engines_take_no_sms_but_still_move_hbm():
 
 def test_chunks_after_the_first_of_each_step_pay_the_step_overhead():
     model, group = CostModel(A40), Group("tp", 2, 2, 1)
-    cfg = CommConfig(channels=1, chunk_bytes=64 * 1024)
+    cfg = CommConfig(channels=1, chunk_bytes=64 * 1024, by_tuner=True)  # the plugin asks for the chunk
     nbytes = 2**20  # one step of 512 KiB: 8 chunks, the first covered by NCCL's step latency
     rate = nbytes / 2 / (nbytes / 2 / 15e9 + 7 * 3e-6)
     assert model.comm_time(AG, group, nbytes, cfg) == pytest.approx((8.4 + 3.4) * 1e-6 + nbytes / 2 / rate, rel=1e-12)
@@ -141,7 +141,7 @@ def test_chunks_after_the_first_of_each_step_pay_the_step_overhead():
 
 def test_chunk_size_costs_both_ways():
     model, group = CostModel(A40), Group("dp", 16, 8, 2)
-    times = {c: model.comm_time(AG, group, 64 * 2**20, CommConfig(channels=2, chunk_bytes=c))
+    times = {c: model.comm_time(AG, group, 64 * 2**20, CommConfig(channels=2, chunk_bytes=c, by_tuner=True))
              for c in (64 * 1024, 512 * 1024, 4 * 2**20)}
     # small chunks: the 3 us step overhead per chunk dominates one channel; large: the network fill grows
     assert times[64 * 1024] > times[512 * 1024] < times[4 * 2**20]
@@ -174,7 +174,7 @@ def test_a40_fsdp_all_gather_two_channels_fill_the_bridge_and_more_only_take_sms
     for channels, chunk in ((2, 684 * 1024), (8, 2 * 2**20), (61, 2 * 2**20)):
         # a chunk is at most a channel's share of one step's slice; it is staged through 3 proxy stages
         fill = 2 * min(chunk, bus / 15 / channels) / 20e9
-        got = model.comm_time(AG, group, nbytes, CommConfig(channels=channels, chunk_bytes=chunk))
+        got = model.comm_time(AG, group, nbytes, CommConfig(channels=channels, chunk_bytes=chunk, by_tuner=True))
         assert got == pytest.approx(latency + fill + bus / 31.5e9, rel=1e-12), channels
     assert model.comm_time(AG, group, nbytes, CommConfig(channels=1)) > bus / 20e9
     # what the extra channels cost: one GEMM CTA slot (a whole A40 SM: 80 KiB + 80.3 KiB > 100 KiB) each

@@ -136,10 +136,10 @@ def make_plan(entries: list[PlanEntry], world_size: int = 16) -> Plan:
 
 # dp: 16 ranks on 2 nodes; tp: 8 ranks on 1 node; two dp all-reduce sizes close enough for their ranges to overlap.
 PLAN_ENTRIES = [
-    entry("dp", 16, 2, "all_reduce", 1_000_000, "tree", "LL128", channels=4, chunk=1 << 18),
-    entry("dp", 16, 2, "all_reduce", 1_060_000, "ring", "LL", channels=2, chunk=1 << 17),
+    entry("dp", 16, 2, "all_reduce", 1_000_000, "tree", "LL128", channels=4, chunk=128 * 1920),  # LL128's grain
+    entry("dp", 16, 2, "all_reduce", 1_060_000, "ring", "LL", channels=2, chunk=1 << 15),  # LL's largest
     entry("dp", 16, 2, "reduce_scatter", 64 << 20, "ring", "Simple", channels=16, chunk=4 << 20),
-    entry("tp", 8, 1, "all_gather", 4 << 20, "ring", "LL128", channels=24, chunk=1 << 19),
+    entry("tp", 8, 1, "all_gather", 4 << 20, "ring", "LL128", channels=24, chunk=256 * 1920),
     entry("tp", 8, 1, "all_reduce", 1_000_000, "ring", "Simple", channels=32, chunk=2 << 20),
     entry("tp", 8, 1, "reduce_scatter", 8 << 20, "ring", "LL", channels=12, chunk=1 << 16, decomposition="p2p"),
     entry("ep", 8, 1, "all_to_all", 2 << 20),
@@ -177,8 +177,8 @@ def test_rules_cover_the_sizes_key_index_matches_and_only_collectives_nccl_tunes
     assert [r[0] for r in rules] == ["allgather", "allreduce", "allreduce", "allreduce", "reducescatter"]  # by ranks, nodes
     by_key = {line.split("#")[1].strip(): line.split("#")[0].split() for line in text.splitlines() if "  # " in line}
     # 5% of 1_000_000 = 50_000 around each size; the overlap with 1_060_000 is cut at 1_030_000 (nearest wins).
-    assert by_key["dp/all_reduce/1000000"] == ["allreduce", "950000", "1030000", "16", "2", "tree", "ll128", "4", "262144"]
-    assert by_key["dp/all_reduce/1060000"] == ["allreduce", "1030001", "1113000", "16", "2", "ring", "ll", "2", "131072"]
+    assert by_key["dp/all_reduce/1000000"] == ["allreduce", "950000", "1030000", "16", "2", "tree", "ll128", "4", "245760"]
+    assert by_key["dp/all_reduce/1060000"] == ["allreduce", "1030001", "1113000", "16", "2", "ring", "ll", "2", "32768"]
     assert by_key["tp/all_gather/4194304"][1:3] == [str((4 << 20) - 209715), str((4 << 20) + 209715)]
 
 
@@ -260,7 +260,7 @@ def test_two_communicators_with_different_rank_counts_keep_their_own_rules(v6, r
         tp_table, tp_channels = tp.coll_info("all_reduce", 1_000_000, cost_table())
         assert (nccl_choice(dp_table), dp_channels) == ((ALGO["tree"], PROTO["LL128"]), 4)
         assert (nccl_choice(tp_table), tp_channels) == ((ALGO["ring"], PROTO["Simple"]), 32)
-        assert dp.chunk("all_reduce", 250_000, ALGO["tree"], PROTO["LL128"]) == 1 << 18
+        assert dp.chunk("all_reduce", 250_000, ALGO["tree"], PROTO["LL128"]) == 128 * 1920
         assert tp.chunk("all_reduce", 31_250, ALGO["ring"], PROTO["Simple"]) == 2 << 20
     assert dp.log == [(LOG_INFO, f"Lagom tuner: {rules_file}: 3 of 5 rules are for this communicator (16 ranks, 2 nodes)")]
     # No rule for 4 ranks: nothing changes; nor for the tp all-gather asked of the dp communicator.
