@@ -13,6 +13,7 @@ naming it. The adapters' sessions re-plan instead (they have the workload).
 
 from __future__ import annotations
 
+import atexit
 import inspect
 import logging
 import os
@@ -466,3 +467,11 @@ def init(plan: Plan | str | Path | None = None, *, strict_env: bool = True,
     # every torch.distributed collective between the recorder's begin_step and end_step is recorded
     _current.tap = torch_tap.subscribe(_current.group_name, _current.recorder)
     return _current
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """``init``'s runtime when the script never closed it: its tap, ``new_group`` hook, NCCL variables and rules
+    file go before the interpreter finalises (a hook left on a group crashes the exit, see torch_tap)."""
+    if _current is not None:
+        _current.close()

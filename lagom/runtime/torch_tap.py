@@ -18,6 +18,18 @@ registered afterwards (``distributed_c10d._register_pg_in_world``, the one place
 new group: ``init_process_group``, ``new_group``, ``split_group``); the last subscription out
 removes them all and puts the registration function back.
 
+[Note: hooks never outlive Python] A hook is a Python function held by the C++ group. torch's C++
+registry of groups outlives the interpreter, so a group still hooked when Python finalises is freed
+by C++ later, and dropping the hook then takes the GIL of a finalised interpreter: SIGSEGV or abort at
+exit, after a run that passed (Megatron's ``pretrain`` never destroys its groups). So the tap takes
+its hooks off (1) when the last subscription leaves, (2) at ``atexit``, before finalisation, whether
+or not a session is still open, and (3) from a group torch destroys itself: every path
+(``destroy_process_group`` of one group or of all, ``_abort_process_group``, shrinking) ends in
+``_unregister_process_group`` or ``_unregister_all_process_groups``, looked up in
+``distributed_c10d`` at call time, and the tap observes both. It holds each hooked group strongly
+until then: the default group's destruction clears torch's map before unregistering, and a group
+known only weakly could lose its Python object there while C++ keeps it, hooks and all.
+
 Which layer records a call (never two): the adapters' own layers (megatron-core's mappings and DDP
 bucket groups in ``lagom_megatron.intercept``, ``deepspeed.comm`` in ``lagom_deepspeed.comm``) keep
 recording what passes through them, because they know more there (a DDP bucket group's one
@@ -41,6 +53,7 @@ left out rather than recorded as taking no time; not checked on a GPU yet).
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
@@ -206,13 +219,14 @@ class TorchTap:
                 self._kinds[int(getattr(HookOpName, op).value)] = kind
         self.subscriptions: list[Subscription] = []
         self.active: list[Subscription] = []  # innermost last
-        # id -> group carrying this tap's hooks; weak: a destroyed group goes, and its hooks with it
-        self._hooked: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+        # id -> group carrying this tap's hooks, held until they are taken off (see [Note: hooks never outlive Python])
+        self._hooked: dict[int, Any] = {}
         self._issued = _Pending()
-        self._register_original: Callable[..., Any] | None = None
-        self._register_wrapper: Callable[..., Any] | None = None
+        # distributed_c10d name -> (torch's function, the tap's wrapper) while installed
+        self._wrapped: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {}
         self._failed = False
         self._install()
+        atexit.register(self._uninstall)
 
     # -- subscriptions ----------------------------------------------------------------------------
     def add(self, subscription: Subscription) -> None:
@@ -233,31 +247,59 @@ class TorchTap:
     def _install(self) -> None:
         for group in list(distributed_c10d._world.pg_map):
             self._hook(group)
-        original = distributed_c10d._register_pg_in_world
+        self._wrap("_register_pg_in_world", lambda original: self._registering(original))
+        self._wrap("_unregister_process_group", lambda original: self._unregistering_one(original))
+        self._wrap("_unregister_all_process_groups", lambda original: self._unregistering_all(original))
 
+    def _wrap(self, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+        original = getattr(distributed_c10d, name)
+        wrapper = make(original)
+        wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+        self._wrapped[name] = (original, wrapper)
+        setattr(distributed_c10d, name, wrapper)
+
+    def _registering(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def register_pg_in_world(pg: Any, *args: Any, **kwargs: Any) -> Any:
             out = original(pg, *args, **kwargs)
             self._hook(pg)
             return out
+        return register_pg_in_world
 
-        register_pg_in_world.__wrapped__ = original  # type: ignore[attr-defined]
-        self._register_original, self._register_wrapper = original, register_pg_in_world
-        distributed_c10d._register_pg_in_world = register_pg_in_world
+    def _unregistering_one(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """A group torch destroys loses its hooks before torch lets it go (it is shut down already)."""
+        def unregister_process_group(group_name: str) -> Any:
+            for group in [g for g in self._hooked.values() if g.group_name == group_name]:
+                self._unhook(group)
+            return original(group_name)
+        return unregister_process_group
+
+    def _unregistering_all(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """The default group's destruction: every group loses its hooks (torch's map is already cleared)."""
+        def unregister_all_process_groups() -> Any:
+            for group in list(self._hooked.values()):
+                self._unhook(group)
+            return original()
+        return unregister_all_process_groups
 
     def _uninstall(self) -> None:
-        if self._register_original is not None:
-            if distributed_c10d._register_pg_in_world is self._register_wrapper:
-                distributed_c10d._register_pg_in_world = self._register_original
+        """Put torch's functions back and take every hook off (idempotent; also run at ``atexit``)."""
+        atexit.unregister(self._uninstall)
+        for name, (original, wrapper) in self._wrapped.items():
+            if getattr(distributed_c10d, name) is wrapper:
+                setattr(distributed_c10d, name, original)
             else:
-                log.warning("torch.distributed's group registration was replaced after Lagom wrapped it; left as it is")
-            self._register_original = self._register_wrapper = None
+                log.warning("torch.distributed's %s was replaced after Lagom wrapped it; left as it is", name)
+        self._wrapped.clear()
         for group in list(self._hooked.values()):
-            try:
-                group.unregister_pre_hook(HOOK_ID)
-                group.unregister_post_hook(HOOK_ID)
-            except RuntimeError:  # a group destroyed since: its hooks went with it
-                pass
-        self._hooked.clear()
+            self._unhook(group)
+
+    def _unhook(self, group: Any) -> None:
+        self._hooked.pop(id(group), None)
+        try:
+            group.unregister_pre_hook(HOOK_ID)
+            group.unregister_post_hook(HOOK_ID)
+        except RuntimeError as err:  # not expected: torch keeps a destroyed group's hooks until it frees it
+            log.debug("could not unhook group %s: %s", getattr(group, "group_name", "?"), err)
 
     def _hook(self, group: Any) -> None:
         if id(group) in self._hooked or not isinstance(group, dist.ProcessGroup):
@@ -271,8 +313,9 @@ class TorchTap:
     def hooked(self, group: Any) -> bool:
         return id(group) in self._hooked
 
-    # The hooks hold their group weakly: torch keeps them inside the group, so a strong reference
-    # would be a cycle through C++ that Python's collector cannot see, and the group would never go.
+    # The hooks hold their group weakly: torch keeps them inside the group, so a strong reference would be
+    # a cycle through C++ that Python's collector cannot see. The tap's own reference (``_hooked``) is
+    # dropped whenever the hooks come off, which every destruction of the group does first.
     def _pre_hook(self, group: Any) -> Callable[[Any], None]:
         issued, subscriptions, active, kinds = self._issued, self.subscriptions, self.active, self._kinds
         group_ref = weakref.ref(group)
