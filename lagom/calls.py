@@ -9,7 +9,7 @@ and the NCCL tuner rules all match through this rule. Nothing here imports torch
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from lagom.errors import ConfigError
@@ -48,7 +48,8 @@ class CallRecord:
     """One collective call: times in seconds from the start of the step it was issued in.
 
     ``exact`` is False when the work had no completion callback, so ``end_s`` is when its caller
-    waited for it or the step ended: an upper bound.
+    waited for it or the step ended: an upper bound. ``tensors``: how many tensors of one coalesced
+    operation NCCL runs as this one call (``nccl_aggregates``); ``nbytes`` is their total.
     """
 
     group: str
@@ -59,6 +60,7 @@ class CallRecord:
     start_s: float
     end_s: float
     exact: bool = True
+    tensors: int = 1
 
     @property
     def tuning_key(self) -> TuningKey:
@@ -71,6 +73,30 @@ class CallRecord:
     @property
     def duration_s(self) -> float:
         return self.end_s - self.start_s
+
+
+AGGREGATE_RATIO = 4  # NCCL joins a call to an aggregate while it is under this many times the smallest's bytes
+
+
+def nccl_aggregates(sizes: Sequence[int]) -> list[tuple[int, int]]:
+    """The calls NCCL makes of collectives issued in one group (one ncclGroupStart/End: a coalesced
+    operation) that share function, reduction and data type: (total bytes, how many), smallest first.
+
+    NCCL (2.30, ``src/enqueue.cc``) takes a group's tasks of one function, op and type smallest
+    first and joins to the smallest not yet joined every next one of under 4x its bytes; it plans,
+    and asks the tuner's getCollInfo, once per aggregate at its total size. Its order is by bins of a
+    quarter power of two, so a call within 25% of the 4x edge may land on the other side there.
+    """
+    out: list[tuple[int, int]] = []
+    ordered = sorted(int(s) for s in sizes)
+    i = 0
+    while i < len(ordered):
+        first, j = ordered[i], i + 1
+        while j < len(ordered) and ordered[j] < AGGREGATE_RATIO * first:
+            j += 1
+        out.append((sum(ordered[i:j]), j - i))
+        i = j
+    return out
 
 
 class KeyIndex:

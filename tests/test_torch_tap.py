@@ -59,9 +59,9 @@ def _all_kinds(rank: int, pair: Any, solo: Any) -> dict[str, Any]:
                                     dist.P2POp(dist.irecv, torch.zeros(4), group_peer=peer, group=pair)])
     for work in works:
         work.wait()  # tp/send_recv/16, tp/recv/16
-    with _coalescing_manager(pair, async_ops=True) as coalesced:  # one operation, a record per tensor
-        dist.all_reduce(torch.ones(4), group=pair, async_op=True)  # tp/all_reduce/16
-        dist.all_reduce(torch.ones(6), group=pair, async_op=True)  # tp/all_reduce/24
+    with _coalescing_manager(pair, async_ops=True) as coalesced:  # one operation, one NCCL call: tp/all_reduce/40
+        dist.all_reduce(torch.ones(4), group=pair, async_op=True)
+        dist.all_reduce(torch.ones(6), group=pair, async_op=True)
     coalesced.wait()
     dist.all_reduce(t, group=solo)  # one rank: moves nothing, not recorded
     with claimed:
@@ -75,7 +75,7 @@ def expected_all_kinds(rank: int) -> list[tuple[str, str, int]]:
             ("dp", "all_gather", 32), ("dp", "reduce_scatter", 16), ("dp", "reduce_scatter", 16),
             ("dp", "reduce_scatter", 16), ("dp", "all_to_all", 16), ("dp", "all_to_all", 16),
             ("dp", "broadcast", 16), ("dp", "reduce", 16), ("dp", first, 16), ("dp", second, 16),
-            ("tp", "send_recv", 16), ("tp", "recv", 16), ("tp", "all_reduce", 16), ("tp", "all_reduce", 24)]
+            ("tp", "send_recv", 16), ("tp", "recv", 16), ("tp", "all_reduce", 40)]
 
 
 def _calls(records: list) -> list[tuple[str, str, int]]:
@@ -239,25 +239,26 @@ def test_megatron_mappings_once_and_transformer_engine_style_calls_by_the_tap(ra
 
 
 @pytest.mark.parametrize("kind,inputs,outputs,sizes", [
-    ("ALLREDUCE", [4], [], [16]),
-    ("ALLREDUCE", [4, 6], [], [16, 24]),  # coalesced: a record per tensor
-    ("ALLGATHER", [4], [8], [32]),
-    ("ALLGATHER", [4], [4, 4], [32]),  # list form: one call, the gathered bytes
-    ("ALLGATHER", [2, 3], [4, 6], [16, 24]),  # coalesced all_gather_single
-    ("REDUCE_SCATTER", [2, 2], [2], [16]),  # list form: the unreduced input
-    ("REDUCE_SCATTER", [8, 4], [4, 2], [32, 16]),  # coalesced reduce_scatter_single
-    ("ALLTOALL", [2, 2], [2, 2], [16]),  # list form is one call
-    ("BROADCAST", [], [4], [16]),  # the buffer, on whichever side it comes
-    ("SEND", [4], [], [16]),
-    ("RECV", [], [4], [16]),
+    ("ALLREDUCE", [4], [], [(16, 1)]),
+    ("ALLREDUCE", [4, 6], [], [(40, 2)]),  # coalesced: one NCCL aggregate of both
+    ("ALLGATHER", [4], [8], [(32, 1)]),
+    ("ALLGATHER", [4], [4, 4], [(32, 1)]),  # list form: one call, the gathered bytes
+    ("ALLGATHER", [2, 3], [4, 6], [(40, 2)]),  # coalesced all_gather_single: one NCCL aggregate
+    ("REDUCE_SCATTER", [2, 2], [2], [(16, 1)]),  # list form: the unreduced input
+    ("REDUCE_SCATTER", [8, 4], [4, 2], [(48, 2)]),  # coalesced reduce_scatter_single
+    ("ALLTOALL", [2, 2], [2, 2], [(16, 1)]),  # list form is one call
+    ("BROADCAST", [], [4], [(16, 1)]),  # the buffer, on whichever side it comes
+    ("SEND", [4], [], [(16, 1)]),
+    ("RECV", [], [4], [(16, 1)]),
     # torch 2.15's own names for the tensor and coalesced forms
-    ("ALLGATHER_BASE", [4], [8], [32]),
-    ("ALLGATHER_INTO_TENSOR_COALESCED", [2, 3], [4, 6], [16, 24]),
-    ("REDUCE_SCATTER_BASE", [4], [2], [16]),
-    ("REDUCE_SCATTER_TENSOR_COALESCED", [8, 4], [4, 2], [32, 16]),
-    ("ALLREDUCE_COALESCED", [3, 5], [], [12, 20]),
-    ("ALLTOALL_BASE", [4], [4], [16]),
+    ("ALLGATHER_BASE", [4], [8], [(32, 1)]),
+    ("ALLGATHER_INTO_TENSOR_COALESCED", [2, 3], [4, 6], [(40, 2)]),
+    ("REDUCE_SCATTER_BASE", [4], [2], [(16, 1)]),
+    ("REDUCE_SCATTER_TENSOR_COALESCED", [8, 4], [4, 2], [(48, 2)]),
+    ("ALLREDUCE_COALESCED", [1, 3, 16], [], [(16, 2), (64, 1)]),  # 64 B: over 4x the smallest, a call of its own
+    ("ALLREDUCE_COALESCED", [3, 5], [], [(32, 2)]),
+    ("ALLTOALL_BASE", [4], [4], [(16, 1)]),
 ])
-def test_call_sizes(kind: str, inputs: list[int], outputs: list[int], sizes: list[int]) -> None:
+def test_call_sizes(kind: str, inputs: list[int], outputs: list[int], sizes: list[tuple[int, int]]) -> None:
     as_tensors = [torch.zeros(n) for n in inputs], [torch.zeros(n) for n in outputs]
     assert call_sizes(KINDS[kind], *as_tensors) == sizes

@@ -24,11 +24,12 @@ STALE_STEPS = 100  # a call still open this many steps after its own was never c
 class _Open:
     """A call whose end is not known yet. ``t0``/``start``/``end``: floats on CPU, CUDA events on GPU."""
 
-    __slots__ = ("group", "collective", "nbytes", "seq", "step", "t0", "start", "end", "future", "exact")
+    __slots__ = ("group", "collective", "nbytes", "seq", "step", "t0", "start", "end", "future", "exact", "tensors")
 
-    def __init__(self, group: str, collective: str, nbytes: int, seq: int, step: int, t0: Any, start: Any) -> None:
+    def __init__(self, group: str, collective: str, nbytes: int, seq: int, step: int, t0: Any, start: Any,
+                 tensors: int = 1) -> None:
         self.group, self.collective, self.nbytes, self.seq, self.step = group, collective, nbytes, seq, step
-        self.t0, self.start = t0, start
+        self.t0, self.start, self.tensors = t0, start, tensors
         self.end: Any = None
         self.future: Any = None
         self.exact = True
@@ -104,15 +105,16 @@ class Recorder:
         self.step, self._seq, self._t0 = step, 0, self._now()
         self.in_step = True
 
-    def track(self, group: str, collective: str, nbytes: int, work: Any = None) -> Any:
-        """Start timing a call now; it ends when ``work`` completes (now if there is no work).
+    def track(self, group: str, collective: str, nbytes: int, work: Any = None, tensors: int = 1) -> Any:
+        """Start timing a call now; it ends when ``work`` completes (now if there is no work). ``tensors``:
+        how many coalesced tensors NCCL runs as this call of ``nbytes`` in all (``calls.nccl_aggregates``).
 
         Returns what the caller should hand on instead of ``work``: the work itself, or, for a
         work without a completion future, a proxy that takes the end time when it is waited on.
         """
         if self._t0 is None:
             self._t0 = self._now()
-        op = _Open(group, collective, int(nbytes), self._seq, self.step, self._t0, self._now())
+        op = _Open(group, collective, int(nbytes), self._seq, self.step, self._t0, self._now(), tensors)
         self._seq += 1
         self._open.append(op)
         if work is None:
@@ -126,12 +128,12 @@ class Recorder:
         op.future.add_done_callback(op.finish_cuda if self.cuda else op.finish_cpu)
         return work
 
-    def ended(self, group: str, collective: str, nbytes: int, start: float, end: float) -> None:
+    def ended(self, group: str, collective: str, nbytes: int, start: float, end: float, tensors: int = 1) -> None:
         """A call timed by its caller on the host clock (``time.perf_counter``): it ran from ``start`` to ``end``.
         Host recorders only (a CUDA recorder's times are events)."""
         if self._t0 is None:
             self._t0 = self._now()
-        op = _Open(group, collective, int(nbytes), self._seq, self.step, self._t0, start)
+        op = _Open(group, collective, int(nbytes), self._seq, self.step, self._t0, start, tensors)
         op.end = end
         self._seq += 1
         self._open.append(op)
@@ -181,7 +183,8 @@ class Recorder:
             start, end = op.t0.elapsed_time(op.start) / 1e3, op.t0.elapsed_time(op.end) / 1e3
         else:
             start, end = op.start - op.t0, op.end - op.t0
-        return CallRecord(op.group, op.collective, op.nbytes, op.seq, op.step, start, max(start, end), op.exact)
+        return CallRecord(op.group, op.collective, op.nbytes, op.seq, op.step, start, max(start, end), op.exact,
+                          op.tensors)
 
     def summary(self) -> dict[str, dict[str, float]]:
         """Per key over every resolved call: how many, and their total seconds."""

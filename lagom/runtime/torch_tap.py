@@ -41,8 +41,10 @@ agreement all-reduce and plan broadcasts, made between steps, are not the job's 
 Bytes follow Lagom's point convention: the gathered output of an all-gather, the unreduced input of
 a reduce-scatter, the buffer of an all-reduce, broadcast and reduce, what this rank sends for
 all-to-all and send; a receive is ``recv``. A coalesced all-reduce, all-gather or reduce-scatter
-(one operation over several tensors, as ``_coalescing_manager`` issues it) is one record per tensor,
-all ending with the one work. Calls on groups of one rank move nothing and are not recorded.
+(one operation over several tensors, as ``_coalescing_manager`` issues it) is recorded as NCCL runs
+it: one record per aggregate of ``calls.nccl_aggregates`` (tensors of one data type, any type for an
+all-gather, which NCCL counts in bytes), with their total bytes and how many tensors, all ending with
+the one work. Calls on groups of one rank move nothing and are not recorded.
 
 torch's functional collectives (``torch.distributed._functional_collectives``) run on the same
 groups and are seen too. Not seen: Transformer Engine's userbuffers (``--tp-comm-overlap``), which
@@ -58,7 +60,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -66,6 +68,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
+
+from lagom.calls import nccl_aggregates
 
 log = logging.getLogger("lagom.runtime")
 
@@ -101,7 +105,7 @@ class Kind:
 
     collective: str
     counted: str  # "input_tensors" or "output_tensors": the tensors whose bytes the record carries
-    per_tensor: bool = False  # a coalesced operation: one record per counted tensor (when they pair up)
+    per_tensor: bool = False  # a coalesced operation: one record per NCCL aggregate (when the sides pair up)
 
 
 # Keyed by torch's ``HookOpName`` names. torch 2.15 names the single-tensor and coalesced forms apart
@@ -126,27 +130,36 @@ KINDS: dict[str, Kind] = {
 }
 
 
-def call_sizes(kind: Kind, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> list[int]:
-    """Bytes of each call one hooked operation stands for.
+def call_sizes(kind: Kind, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """(bytes, tensors) of each call NCCL makes of one hooked operation.
 
     All-gather and reduce-scatter in list form have one side per rank (one call); coalesced, they
-    have one input per output (one call each). A coalesced all-reduce has inputs only.
+    have one input per output (one call per NCCL aggregate). A coalesced all-reduce has inputs only.
     """
     return _sizes(kind, lambda side: inputs if side == "input_tensors" else outputs)
 
 
-def _sizes(kind: Kind, side: Callable[[str], list[torch.Tensor]]) -> list[int]:
+def _sizes(kind: Kind, side: Callable[[str], list[torch.Tensor]]) -> list[tuple[int, int]]:
     """``call_sizes`` reading each side only when needed: every side read from a hook's arguments
     builds a Python list of tensors, and this runs on every recorded call."""
     counted = side(kind.counted)
     if len(counted) == 1:  # the usual case
-        return [counted[0].nbytes]
+        return [(counted[0].nbytes, 1)]
     other = side("output_tensors" if kind.counted == "input_tensors" else "input_tensors")
     if not counted:  # broadcast and reduce carry the buffer on whichever side the backend fills
         counted, other = other, counted
     if kind.per_tensor and (not other or len(counted) == len(other)):
-        return [nbytes(t) for t in counted]
-    return [sum(nbytes(t) for t in counted)]
+        return coalesced(kind.collective, counted)
+    return [(sum(nbytes(t) for t in counted), 1)]
+
+
+def coalesced(collective: str, tensors: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
+    """(bytes, tensors) of each call NCCL makes of one coalesced operation: aggregates per data type,
+    except all-gather, which NCCL runs as bytes whatever the type."""
+    by_type: dict[Any, list[int]] = {}
+    for t in tensors:
+        by_type.setdefault(None if collective == "all_gather" else t.dtype, []).append(nbytes(t))
+    return [call for sizes in by_type.values() for call in nccl_aggregates(sizes)]
 
 
 def available() -> bool:
@@ -197,7 +210,7 @@ class Subscription:
 
 # What a pre-hook saw, for the post-hook of the same operation: op id, group, collective, sizes,
 # receivers (a plain tuple: built on every recorded call).
-_Issued = tuple[int, Any, str, list[int], tuple[Subscription, ...]]
+_Issued = tuple[int, Any, str, list[tuple[int, int]], tuple[Subscription, ...]]
 
 
 class _Pending(threading.local):
@@ -367,14 +380,14 @@ class TorchTap:
                     for sub in receivers:
                         name = sub.name(group)
                         if name is not None:
-                            for size in sizes:
-                                sub.recorder.ended(name, collective, size, start, end)
+                            for size, tensors in sizes:
+                                sub.recorder.ended(name, collective, size, start, end, tensors)
                     return
                 for sub in receivers:
                     name = sub.name(group)
                     if name is not None:
-                        for size in sizes:  # a work without a future ends with the step (exact=False)
-                            sub.recorder.track(name, collective, size, work)
+                        for size, tensors in sizes:  # a work without a future ends with the step (exact=False)
+                            sub.recorder.track(name, collective, size, work, tensors)
             except Exception as err:  # noqa: BLE001 - recording must never fail the job's call
                 self._fail(err)
 
