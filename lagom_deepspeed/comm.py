@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from lagom.runtime import torch_tap
-from lagom.runtime.torch_tap import nbytes
+from lagom.runtime.torch_tap import coalesced, nbytes
 from lagom_deepspeed.groups import GroupNames
 
 log = logging.getLogger("lagom.deepspeed")
@@ -48,6 +48,11 @@ log = logging.getLogger("lagom.deepspeed")
 
 def total(ts: Sequence[torch.Tensor]) -> int:
     return sum(nbytes(t) for t in ts)
+
+
+def aggregates(collective: str) -> Callable[[Sequence[torch.Tensor]], list[tuple[int, int]]]:
+    """(bytes, tensors) of each call NCCL makes of a coalesced operation over these tensors (``torch_tap.coalesced``)."""
+    return lambda ts: coalesced(collective, ts)
 
 
 @dataclass(frozen=True)
@@ -59,11 +64,14 @@ class Spec:
     data: str  # the parameter whose bytes are counted
     count: Callable[[Any], int] = nbytes
     async_param: bool = True  # has async_op; False: a blocking point-to-point call
+    # a coalesced operation: NCCL makes one call per aggregate of its tensors, each recorded on its own
+    calls: Callable[[Any], list[tuple[int, int]]] | None = None
 
 
 SPECS: dict[str, Spec] = {
     "all_reduce": Spec("all_reduce", ("tensor", "op", "group", "async_op"), "tensor"),
-    "all_reduce_coalesced": Spec("all_reduce", ("tensors", "op", "group", "async_op"), "tensors", total),
+    "all_reduce_coalesced": Spec("all_reduce", ("tensors", "op", "group", "async_op"), "tensors", total,
+                                 calls=aggregates("all_reduce")),
     "reduce": Spec("reduce", ("tensor", "dst", "op", "group", "async_op"), "tensor"),
     "reduce_scatter": Spec("reduce_scatter", ("output", "input_list", "op", "group", "async_op"), "input_list", total),
     "reduce_scatter_tensor": Spec("reduce_scatter", ("output_tensor", "input_tensor", "op", "group", "async_op"),
@@ -72,7 +80,7 @@ SPECS: dict[str, Spec] = {
     "all_gather_into_tensor": Spec("all_gather", ("output_tensor", "input_tensor", "group", "async_op"), "output_tensor"),
     "all_gather_base": Spec("all_gather", ("output_tensor", "input_tensor", "group", "async_op"), "output_tensor"),
     "all_gather_coalesced": Spec("all_gather", ("output_tensors", "input_tensors", "group", "async_op"),
-                                 "output_tensors", total),
+                                 "output_tensors", total, calls=aggregates("all_gather")),
     "broadcast": Spec("broadcast", ("tensor", "src", "group", "async_op"), "tensor"),
     "all_to_all_single": Spec("all_to_all", ("output", "input", "output_split_sizes", "input_split_sizes", "group",
                                              "async_op"), "input"),
@@ -261,11 +269,13 @@ class BackendTap:
     # -- recording --------------------------------------------------------------------------------
     @staticmethod
     def _track(receivers: tuple[Subscription, ...], group: Any, collective: str, size: int, work: Any,
-               p2p: bool = False) -> Any:
-        """Hand the call to each receiver's recorder; returns the work the caller gets (maybe a timing proxy)."""
+               p2p: bool = False, calls: list[tuple[int, int]] | None = None) -> Any:
+        """Hand the call to each receiver's recorder; returns the work the caller gets (maybe a timing proxy).
+        ``calls``: the (bytes, tensors) of each call NCCL makes of a coalesced operation (default: one of ``size``)."""
         for sub in receivers:
             name = sub.names.p2p if p2p and group is None else sub.names(group)
-            work = sub.recorder.track(name, collective, size, work)
+            for call_bytes, tensors in calls or [(size, 1)]:
+                work = sub.recorder.track(name, collective, call_bytes, work, tensors)
         return work
 
     @staticmethod
@@ -281,7 +291,7 @@ class BackendTap:
     def _collective(self, method: str, original: Callable[..., Any]) -> Callable[..., Any]:
         """A call with ``async_op``: synchronous calls are issued async, tracked, then waited for."""
         spec = SPECS[method]
-        coll, count, data = spec.collective, spec.count, spec.data
+        coll, count, data, split = spec.collective, spec.count, spec.data, spec.calls
         data_at, group_at, async_at = (spec.params.index(n) for n in (data, "group", "async_op"))
         receivers, track, decomposed = self.receivers, self._track, self._decomposed
 
@@ -290,7 +300,9 @@ class BackendTap:
             if not now:
                 return original(*args, **kwargs)
             group = _get(args, kwargs, "group", group_at)
-            size = count(_get(args, kwargs, data, data_at))
+            tensors = _get(args, kwargs, data, data_at)
+            size = count(tensors)
+            calls = split(tensors) if split is not None else None
             is_async = _get(args, kwargs, "async_op", async_at, False)
             run = decomposed(now, method, group, size, args, kwargs)
             if run is not None:
@@ -304,9 +316,9 @@ class BackendTap:
                 args = args[:async_at]
             work = original(*args, **kwargs)
             if not hasattr(work, "wait"):  # DeepSpeed's comm-off switches return Noop, other ranks None
-                track(now, group, coll, size, None)
+                track(now, group, coll, size, None, calls=calls)
                 return work
-            work = track(now, group, coll, size, work)  # the work, or a proxy that times its wait()
+            work = track(now, group, coll, size, work, calls=calls)  # the work, or a proxy that times its wait()
             if is_async:
                 return work
             work.wait()

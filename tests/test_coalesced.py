@@ -63,3 +63,37 @@ def test_a_coalesced_operation_is_recorded_per_nccl_aggregate() -> None:
         assert sorted(out["calls"][:2]) == [("all_reduce", 160, 2), ("all_reduce", 800, 1)]
         assert out["calls"][2:] == [("all_gather", 80 + 160, 2)]
         assert out["sums"] == [2.0, 4.0, 2.0]  # the job's results, as torch computed them
+
+
+def deepspeed_coalesced(rank: int, world: int) -> dict[str, Any]:
+    """DeepSpeed's own coalesced all-reduce, through Lagom's tap on its comm backend."""
+    import os
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    import deepspeed.comm.comm as ds_comm
+
+    from lagom.runtime.recorder import Recorder
+    from lagom_deepspeed.comm import subscribe
+    from lagom_deepspeed.groups import GroupNames
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    sub = subscribe(GroupNames.for_job(torch.nn.Linear(2, 2), None, world))
+    rec = Recorder(cuda=False)
+    sub.attach(rec)
+    tensors = [torch.ones(200), torch.ones(10), torch.full((30,), 2.0)]
+    rec.begin_step(0)
+    work = ds_comm.cdb.all_reduce_coalesced(tensors, async_op=True)
+    if work is not None:
+        work.wait()
+    records = rec.end_step()
+    sub.close()
+    return {"calls": sorted((r.collective, r.nbytes, r.tensors) for r in records),
+            "sums": [t[0].item() for t in tensors]}
+
+
+def test_deepspeeds_coalesced_all_reduce_is_recorded_per_nccl_aggregate() -> None:
+    pytest.importorskip("deepspeed")
+    for out in run_ranks(deepspeed_coalesced, 2):
+        assert out["calls"] == [("all_reduce", 160, 2), ("all_reduce", 800, 1)]
+        assert out["sums"] == [2.0, 2.0, 4.0]

@@ -35,11 +35,11 @@ HW = "base: a100-8x-100g\ncluster: {gpus_per_node: 2, nodes: 1}\n"
 
 
 def job(tmp: str) -> tuple[Any, Any]:
-    hw_file = Path(tmp) / "hw.yaml"
-    if not hw_file.exists():
-        hw_file.write_text(HW)
-    wl = load_workload(write_yaml(Path(tmp) / "w.yaml", gpt_workload(parallel={"tp": 1, "dp": 2,
-                                                                                "sequence_parallel": False})))
+    """A 2-rank data-parallel job on two A100s; each process writes its own files (ranks start together)."""
+    hw_file = Path(tmp) / f"hw-{os.getpid()}.yaml"
+    hw_file.write_text(HW)
+    wl = load_workload(write_yaml(Path(tmp) / f"w-{os.getpid()}.yaml",
+                                  gpt_workload(parallel={"tp": 1, "dp": 2, "sequence_parallel": False})))
     return wl, load_hardware(str(hw_file))
 
 
