@@ -7,13 +7,14 @@ noise; the search ranks candidates with its own model and accepts only what the 
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Callable
 
 import pytest
 
-from lagom.runtime.live import GUARD, NOISE_STEPS, WINDOW, LiveSearch
+from lagom.runtime.live import ALPHA, GUARD, NOISE_STEPS, LiveSearch
 from lagom.search import run_strategy
 from lagom.search.base import Problem, nccl_configs
 from lagom.search.priority import max_checks_per_key
@@ -23,7 +24,8 @@ from tests.helpers import two_all_reduces_one_gemm
 NOISE = 0.01  # relative standard deviation of one step
 
 
-def drive(live: LiveSearch, truth: Callable[[Configs], float], seed: int, drift: float = 0.0) -> list[Configs]:
+def drive(live: LiveSearch, truth: Callable[[Configs], float], seed: int, drift: float = 0.0, noise: float = NOISE,
+          called: bool = True) -> list[Configs]:
     """Run the plant until the search ends; every step's settings in force, in order. A step takes a millisecond
     of wall time, as a job's step takes time: the search thinks beside the steps, never holding one up."""
     rng = random.Random(seed)
@@ -33,9 +35,10 @@ def drive(live: LiveSearch, truth: Callable[[Configs], float], seed: int, drift:
     while not live.done:
         step += 1
         history.append(in_force)
-        seconds = truth(in_force) * (1 + drift * step) * (1 + rng.gauss(0, NOISE))
+        seconds = truth(in_force) * (1 + drift * step) * (1 + rng.gauss(0, noise))
         time.sleep(1e-3)
-        decision = live.after_step(step, seconds, {})
+        keys = {key: 1e-3 for key in in_force} if called else {}  # every key called, or none
+        decision = live.after_step(step, seconds, keys)
         if decision.configs is not None:
             in_force = decision.configs
         assert step < 10_000, "the live search did not end"
@@ -60,7 +63,7 @@ def test_finds_the_plants_optimum_within_the_noise_in_linear_steps(seed: int) ->
     bound = 1 + max_checks_per_key(problem) * len(problem.keys)
     assert live.evaluations <= bound
     # each distinct setting costs a candidate window and a reference window; plus the noise steps and the final check
-    assert len(history) <= NOISE_STEPS + 2 * WINDOW * (live.evaluations + 1) + live.waited
+    assert len(history) <= NOISE_STEPS + 2 * live.max_window * (live.evaluations + 1) + live.waited
     assert live.trials and live.trials[-1].decision == "kept"
 
 
@@ -99,7 +102,7 @@ def test_the_step_budget_ends_the_search_with_what_it_measured() -> None:
     live = LiveSearch(problem, Simulator(problem.graph), reference, budget_steps=12, budget_s=1e9)
     history = drive(live, simulated(problem), seed=5)
     # once spent, the window under way ends and the final check runs: at most two more windows each
-    assert len(history) <= 12 + 4 * WINDOW
+    assert len(history) <= 12 + 4 * live.max_window
     assert len(live.trials) <= 3
 
 
@@ -165,3 +168,33 @@ def test_each_trials_note_states_the_figures_its_row_prints(seed: int) -> None:
         assert found[1] == f"{step_ms:.2f}" and found[2] == f"{reference_ms:.2f}", t.note
         change = step_ms / reference_ms - 1
         assert found[4] == ("faster" if change < 0 else "slower") and found[3] == f"{abs(change) * 100:.1f}", t.note
+
+
+def test_on_a_null_effect_the_false_accept_rate_is_the_tests_alpha() -> None:
+    """A plant on which no setting changes anything, with 2% noise per step: a trial is accepted only when the test
+    rejects "no faster" by chance, at most ALPHA of the time (binomial bound over the trials run)."""
+    problem = two_all_reduces_one_gemm()
+    base = simulated(problem)(nccl_configs(problem))
+    trials = accepted = 0
+    for seed in range(12):
+        live = LiveSearch(problem, Simulator(problem.graph), nccl_configs(problem), budget_steps=10_000, budget_s=1e9)
+        drive(live, lambda configs: base * 1.0, seed=100 + seed, noise=0.02)
+        trials += len([t for t in live.trials if not t.note.startswith("final check")])
+        accepted += live.accepted
+    assert trials >= 60
+    assert accepted <= ALPHA * trials + 3 * math.sqrt(ALPHA * trials), (accepted, trials)
+
+
+def test_a_noisy_job_gets_longer_windows_and_a_trial_nobody_called_is_refused() -> None:
+    problem = two_all_reduces_one_gemm()
+    truth = simulated(problem)
+    quiet = LiveSearch(problem, Simulator(problem.graph), nccl_configs(problem), budget_steps=400, budget_s=1e9)
+    drive(quiet, truth, seed=7, noise=0.002)
+    noisy = LiveSearch(problem, Simulator(problem.graph), nccl_configs(problem), budget_steps=400, budget_s=1e9)
+    drive(noisy, truth, seed=7, noise=0.05)
+    assert quiet.window < noisy.window <= noisy.max_window
+    silent = LiveSearch(problem, Simulator(problem.graph), nccl_configs(problem), budget_steps=400, budget_s=1e9)
+    drive(silent, truth, seed=8, called=False)
+    assert silent.refused and silent.accepted == 0 and silent.final == silent.reference
+    assert all(t.decision == "refused" for t in silent.trials if not t.note.startswith("final check"))
+    assert not silent.observations  # nothing measured: nothing for the refit either

@@ -11,11 +11,17 @@ every rank through Lagom's agreement channel before the next step is issued (the
 
 Measuring:
 - noise: the reference (the settings in force when tuning began) runs ``noise_steps`` steps first; the
-  spread of its steps gives the noise of a window's mean;
+  spread of its steps about their window's mean, pooled with every later reference window's, is the
+  step-to-step noise (drift between windows does not count);
+- windows: each window has as many steps as a gain of ``DETECT`` needs to be found with ``POWER`` under
+  that noise (at least ``window``, at most a twelfth of the step budget): more steps on a noisy job;
 - drift: reference windows alternate with candidate windows (A/B/A); a candidate is judged against the
   mean of the reference windows before and after it, and reported on the first reference's scale;
-- acceptance: a candidate is reported faster only when its gain exceeds ``z`` times the noise of the
-  difference; otherwise it is reported no faster than the best so far, so the search does not take it;
+- acceptance: a candidate is reported faster only when a one-sided t-test of its gain against the pooled
+  noise rejects "no faster" at ``alpha`` (``ALPHA``, 2%): a setting that changes nothing is accepted in at
+  most that share of its trials. Otherwise it is reported no faster than the best so far, so the search
+  does not take it;
+- calls: a trial whose changed keys had no calls in its window measured nothing, and is refused unscored;
 - guard: a candidate step slower than ``GUARD`` times the reference ends its window at once;
 - budget: once ``budget_steps`` steps or ``budget_s`` seconds are spent, every further candidate is
   answered "no gain" without running, so the search ends with what it has measured; a step the loop
@@ -35,7 +41,10 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass, field, fields, replace
+from statistics import NormalDist
 from typing import Any
+
+from scipy.special import stdtr, stdtrit
 
 from lagom.comm_config import CommConfig
 from lagom.runtime.online import Observation
@@ -48,8 +57,10 @@ log = logging.getLogger("lagom.online")
 LIVE_FIELDS = ("algorithm", "protocol", "channels", "chunk_bytes", "decomposition", "num_chunks")
 ROUTED_FIELDS = ("decomposition", "num_chunks")  # what Lagom routes itself: live even where NCCL ignores the plugin
 GUARD = 2.0  # a candidate step this many times the reference's is switched back at once
-Z = 2.0  # a gain counts when it exceeds this many standard deviations of the measured difference
-WINDOW = 2  # steps per candidate window and per reference window
+ALPHA = 0.02  # false-accept rate of one trial of a setting no faster than the reference (one-sided t-test)
+DETECT = 0.03  # the gain (a share of the step) a window is sized to find ...
+POWER = 0.8  # ... with this probability
+WINDOW = 2  # the fewest steps per candidate window and per reference window
 NOISE_STEPS = 4  # reference steps measured before the first candidate
 DEFAULT_BUDGET_S = 300.0  # wall-clock budget of the live search (steps: the tune_steps option)
 ANSWER_TIMEOUT_S = 600.0  # the search thread's longest think between two candidates (the job runs on meanwhile)
@@ -83,24 +94,64 @@ def describe_live(configs: Configs, reference: Configs) -> list[str]:
     return out
 
 
-def trial_note(decision: str, step_s: float, reference_s: float, noise: float, z: float, *, final: bool = False) -> str:
+def trial_note(decision: str, step_s: float, reference_s: float, p: float, alpha: float, *,
+               final: bool = False) -> str:
     """The sentence a trial's decision is reported with, built from the figures its row prints (the window's mean
-    step and the reference it was judged against) and the noise of their difference."""
+    step and the reference it was judged against) and the test's p-value of "no faster"."""
     change = step_s / reference_s - 1 if reference_s > 0 else 0.0
     figures = (f"{step_s * 1e3:.2f} ms against {reference_s * 1e3:.2f} ms, "
                f"{-change:.1%} faster" if change < 0 else
                f"{step_s * 1e3:.2f} ms against {reference_s * 1e3:.2f} ms, {change:.1%} slower")
+    if decision == "refused":
+        return f"{figures}: refused unscored, its changed keys had no calls in its window"
     if decision == "reverted" and not final:
         return f"a step took over {GUARD:g}x the reference: switched back at once ({figures})"
     if final:
         return figures + ("" if decision == "kept" else ": not faster, the reference stays")
     if decision == "kept":
-        return f"{figures}: over {z:g}x the noise ({noise:.1%})"
+        return f"{figures}: significant (p {p:.2g} < {alpha:g})"
     if change >= 0:
         return figures
-    if -change <= z * noise:
-        return f"{figures}: within {z:g}x the noise ({noise:.1%})"
+    if p >= alpha:
+        return f"{figures}: within the noise (p {p:.2g}, needs < {alpha:g})"
     return f"{figures}: not faster than the best setting so far"
+
+
+class Noise:
+    """The reference's step-to-step spread, relative to each window's own mean, pooled over its windows: drift
+    between windows does not count. ``sd`` is one step's relative standard deviation, with ``dof`` degrees of
+    freedom."""
+
+    def __init__(self) -> None:
+        self.squares, self.dof = 0.0, 0
+
+    def add(self, window: Window) -> None:
+        mean = window.mean if window.step_s else 0.0
+        if len(window.step_s) < 2 or mean <= 0:
+            return
+        self.squares += sum((x / mean - 1) ** 2 for x in window.step_s)
+        self.dof += len(window.step_s) - 1
+
+    @property
+    def sd(self) -> float:
+        return math.sqrt(self.squares / self.dof) if self.dof else 0.0
+
+    def p_no_gain(self, gain: float, candidate: int, reference: float) -> float:
+        """One-sided p-value of "the candidate is no faster" for a measured relative ``gain`` of a candidate window
+        of ``candidate`` steps against a reference of ``reference`` steps (the mean of two windows of b and a
+        steps counts as 4 / (1/b + 1/a))."""
+        se = self.sd * math.sqrt(1 / candidate + 1 / reference)
+        if self.dof == 0 or se == 0:
+            return 0.0 if gain > 0 else 1.0
+        return float(stdtr(self.dof, -gain / se))
+
+    def steps_to_find(self, gain: float, alpha: float, power: float) -> int:
+        """Steps per window for a candidate window and two reference windows of as many steps to find ``gain``
+        with probability ``power`` at false-accept rate ``alpha``."""
+        if self.dof == 0 or self.sd == 0:
+            return 1
+        quantiles = float(stdtrit(self.dof, 1 - alpha)) + NormalDist().inv_cdf(power)
+        return math.ceil(1.5 * (self.sd * quantiles / gain) ** 2)
 
 
 @dataclass
@@ -182,7 +233,7 @@ class LiveSearch:
     def __init__(self, problem: Problem, simulator: Simulator, reference: Configs, *,
                  max_channels: dict[str, int] | None = None, budget_steps: int = 100,
                  budget_s: float = DEFAULT_BUDGET_S, window: int = WINDOW, noise_steps: int = NOISE_STEPS,
-                 z: float = Z, only: set[str] | None = None, first_trial: int = 1,
+                 alpha: float = ALPHA, only: set[str] | None = None, first_trial: int = 1,
                  fields: tuple[str, ...] | None = None) -> None:
         self.problem, self.simulator = problem, simulator
         self.only = only  # the keys searched (those that drifted); None: every key
@@ -192,7 +243,11 @@ class LiveSearch:
         # the chunk is live only where the plugin sets it per size; else it is NCCL_BUFFSIZE, per process.
         # ``fields``: fewer (only what Lagom routes, where NCCL does not consult the plugin)
         self.fields = tuple(f for f in fields or LIVE_FIELDS if f not in problem.cap.process_fields())
-        self.budget_steps, self.budget_s, self.window, self.noise_steps, self.z = budget_steps, budget_s, window, noise_steps, z
+        self.budget_steps, self.budget_s, self.noise_steps, self.alpha = budget_steps, budget_s, noise_steps, alpha
+        self.min_window, self.max_window = window, max(window, budget_steps // 12)
+        self.window = window  # steps per window now: sized from the noise measured so far (``_size_windows``)
+        self.refused = 0  # trials whose changed keys had no calls in their window
+        self.accepted = 0  # trials the test found faster (some are superseded later)
         self.evaluations = 0
         self.trials: list[Trial] = []
         self.observations: list[Observation] = []  # every window measured: what ``online.refit`` fits to
@@ -210,7 +265,7 @@ class LiveSearch:
         self._cache: dict[tuple, tuple[float, dict[str, float]]] = {}
         self._floor = math.inf  # the smallest step reported to the search so far (its best)
         self._ref0 = 0.0  # the reference's mean over the noise steps: the scale every report is on
-        self._noise = 0.0  # relative standard deviation of one window's mean
+        self._noise = Noise()
         self._state = "noise"
         self._window = Window()
         self._before: Window | None = None  # the reference window before the candidate
@@ -304,8 +359,8 @@ class LiveSearch:
 
     def _noise_measured(self, window: Window) -> None:
         self._ref0 = window.mean
-        spread = statistics.stdev(window.step_s) if len(window.step_s) > 1 else 0.0
-        self._noise = spread / self._ref0 / math.sqrt(self.window) if self._ref0 > 0 else 0.0
+        self._noise.add(window)
+        self._size_windows()
         self._floor = self._ref0
         self._cache[tuple(sorted((k, tuple(getattr(c, n) for n in LIVE_FIELDS)) for k, c in self.reference.items()))] = \
             (self._ref0, window.key_means())
@@ -313,6 +368,10 @@ class LiveSearch:
         self._window = Window()
         self._thread = threading.Thread(target=self._search, name="lagom-live-search", daemon=True)
         self._thread.start()
+
+    def _size_windows(self) -> None:
+        """Steps per window from the noise measured so far: a gain of ``DETECT`` found with ``POWER``."""
+        self.window = max(self.min_window, min(self.max_window, self._noise.steps_to_find(DETECT, self.alpha, POWER)))
 
     def _ref_mean(self) -> float:
         return self._before.mean if self._before is not None else self._ref0
@@ -343,33 +402,40 @@ class LiveSearch:
         return Decision(configs=dict(self._candidate))
 
     def _judge(self, after: Window) -> tuple[float, dict[str, float]]:
-        """The candidate's step on the first reference's scale, thresholded by the noise; its trial recorded."""
+        """The candidate's step on the first reference's scale, if the test finds it faster; its trial recorded."""
         window, candidate = self._candidate_window, self._candidate
         assert window is not None and candidate is not None and self._before is not None
+        self._noise.add(after)
         reference = (self._before.mean + after.mean) / 2  # the reference windows before and after: drift cancels
         ratio = window.mean / reference if reference > 0 else 1.0
         value = self._ref0 * ratio
-        sigma = self._noise * math.sqrt(2)
         gain = 1 - ratio
-        confidence = 0.5 * (1 + math.erf(gain / sigma / math.sqrt(2))) if sigma > 0 else float(gain > 0)
-        if self._reverted:
+        p = self._noise.p_no_gain(gain, len(window.step_s), 4 / (1 / len(self._before.step_s) + 1 / len(after.step_s)))
+        moved = set(changed(candidate, self.reference))
+        if moved and not moved & set(window.key_means()):
+            decision = "refused"  # none of its keys was called: the window measured nothing of it
+            self.refused += 1
+        elif self._reverted:
             decision = "reverted"
-        elif gain > self.z * sigma and value < self._floor:
+        elif p < self.alpha and value < self._floor:
             decision = "kept"
+            self.accepted += 1
         else:
             decision = "rejected"
         reported = value if decision == "kept" else max(value, self._floor)
         self._floor = min(self._floor, reported)
-        note = trial_note(decision, window.mean, reference, sigma, self.z)
-        self._record(window, candidate, after, reference, decision, confidence, note)
+        note = trial_note(decision, window.mean, reference, p, self.alpha)
+        self._record(window, candidate, after, reference, decision, 1 - p, note, observed=decision != "refused")
+        self._size_windows()
         return reported, window.key_means()
 
     def _record(self, window: Window, configs: Configs, after: Window, reference_s: float, decision: str,
-                confidence: float, note: str) -> None:
+                confidence: float, note: str, observed: bool = True) -> None:
         predicted = self.simulator.run(configs, self.problem.model)
         per_key = predicted.per_key()
-        self.observations += [Observation(dict(configs), window.mean, window.key_means()),
-                              Observation(dict(self.reference), after.mean, after.key_means())]
+        if observed:
+            self.observations += [Observation(dict(configs), window.mean, window.key_means()),
+                                  Observation(dict(self.reference), after.mean, after.key_means())]
         self.trials.append(Trial(
             f"t{self.first_trial + len(self.trials)}", window.steps, changed(configs, self.reference),
             {"step_s": predicted.step_s,
@@ -383,10 +449,10 @@ class LiveSearch:
         assert window is not None and candidate is not None
         faster = not self._reverted and window.mean < after.mean
         decision = "kept" if faster else "reverted"
-        sigma = self._noise * math.sqrt(2)
-        self._record(window, candidate, after, after.mean, decision,
-                     0.5 * (1 + math.erf((1 - window.mean / after.mean) / max(sigma, 1e-12) / math.sqrt(2))),
-                     "final check: " + trial_note(decision, window.mean, after.mean, sigma, self.z, final=True))
+        gain = 1 - window.mean / after.mean
+        p = self._noise.p_no_gain(gain, len(window.step_s), len(after.step_s))
+        self._record(window, candidate, after, after.mean, decision, 1 - p,
+                     "final check: " + trial_note(decision, window.mean, after.mean, p, self.alpha, final=True))
         return self._end(candidate if faster else self.reference,
                          "the search's settings confirmed faster" if faster else "the reference was faster")
 
@@ -415,7 +481,7 @@ class LiveSearch:
     @property
     def noise(self) -> float:
         """Relative standard deviation of one window's mean step, as measured under the reference."""
-        return self._noise
+        return self._noise.sd / math.sqrt(self.window)
 
     @property
     def reference_step_s(self) -> float:

@@ -875,7 +875,8 @@ class TuningSession:
                        "noise": self.live.noise, "reference_step_s": self.live.reference_step_s,
                        "steps_s": self.live.steps_s, "cost_s": self.live.cost_s(),
                        "steps": self.live.steps_used, "confidence": self.live.confidence(),
-                       "clamped": sorted(self.live.clamped),
+                       "clamped": sorted(self.live.clamped), "accepted": self.live.accepted,
+                       "refused": self.live.refused, "window_steps": self.live.window, "alpha": self.live.alpha,
                        "trials": [asdict(t) for t in self.live.trials], "refit": self._refit()}
         summary = self.control.broadcast(summary, "the live tuning summary")
         trials = [Trial(**t) for t in summary.pop("trials", [])]
