@@ -5,7 +5,8 @@ Where each point is caught, and why there:
 - DDP gradient buckets and parameter all-gather (``param_and_grad_buffer``): the methods
   ``_ParamAndGradBucketGroup.start_grad_sync`` / ``start_param_sync``. Their collectives run inside
   ``torch.distributed._coalescing_manager``, which issues one work for the whole bucket group when
-  the block ends, so only the method sees the work to time; it also covers the all-reduce that is
+  the block ends, so only the method sees the work to time; NCCL runs the buckets of a group as one
+  call per aggregate (``calls.nccl_aggregates``), and so they are recorded; it also covers the all-reduce that is
   called as ``torch.distributed.all_reduce`` and the reduce-scatter that megatron swaps for its
   fp32-accumulating variant by reassigning the module global.
 - Tensor parallel (``tensor_parallel.mappings`` and ``.layers``): the module globals
@@ -35,6 +36,7 @@ from typing import Any
 
 import torch
 
+from lagom.calls import nccl_aggregates
 from lagom.flash_overlap import all_gather_matmul, matmul_reduce_scatter
 from lagom.runtime import torch_tap
 from lagom.runtime.session import FlashRouter
@@ -108,12 +110,18 @@ class Interceptor:
         self._torch_tap: torch_tap.Subscription | None = None
 
     # -- recording
-    def _start(self, group: Any, collective: str, size: int) -> _Pending:
-        """A pending record for a call about to be issued; a size-1 group moves nothing and is not recorded."""
+    def _start(self, group: Any, collective: str, size: int, tensors: int = 1) -> _Pending:
+        """A pending record for a call about to be issued; a size-1 group moves nothing and is not recorded.
+        ``tensors``: how many coalesced tensors NCCL runs as this one call of ``size`` bytes."""
         pending = _Pending()
         if not self.names.trivial(group):
-            self.recorder.track(self.names.name(group), collective, size, pending)
+            self.recorder.track(self.names.name(group), collective, size, pending, tensors)
         return pending
+
+    def _start_coalesced(self, group: Any, collective: str, tensors: list[torch.Tensor]) -> list[_Pending]:
+        """Pending records for a bucket group's collectives, issued in one coalescing block: one per call NCCL
+        makes of them (``torch_tap.coalesced``), as its tuner and the plan's sizes see them."""
+        return [self._start(group, collective, size, count) for size, count in torch_tap.coalesced(collective, tensors)]
 
     def _sync(self, group: Any, collective: str, size: int, call: Callable[[], Any]) -> Any:
         pending = self._start(group, collective, size)
@@ -167,12 +175,12 @@ class Interceptor:
             scatter = cfg.use_distributed_optimizer and not force_all_reduce
             group = (bucket_group.intra_distributed_optimizer_instance_group if cfg.use_distributed_optimizer
                      else bucket_group.data_parallel_group)
-            pendings = [self._start(group, "reduce_scatter" if scatter else "all_reduce", nbytes(b.grad_data))
-                        for b in bucket_group.buckets]
-            if cfg.use_distributed_optimizer and cfg.num_distributed_optimizer_instances > 1:
-                pendings += [self._start(bucket_group.inter_distributed_optimizer_instance_group, "all_reduce",
-                                         nbytes(b.grad_data) // bucket_group.intra_distributed_optimizer_instance_size)
-                             for b in bucket_group.buckets]
+            grads = [b.grad_data for b in bucket_group.buckets]
+            pendings = self._start_coalesced(group, "reduce_scatter" if scatter else "all_reduce", grads)
+            if cfg.use_distributed_optimizer and cfg.num_distributed_optimizer_instances > 1:  # each rank's shard
+                shards = [nbytes(g) // bucket_group.intra_distributed_optimizer_instance_size for g in grads]
+                pendings += [self._start(bucket_group.inter_distributed_optimizer_instance_group, "all_reduce", size,
+                                         count) for size, count in nccl_aggregates(shards)]
             with torch_tap.claimed:
                 original(bucket_group, force_all_reduce=force_all_reduce)
             self._settle(pendings, bucket_group, "grad_reduce_handle")
@@ -186,11 +194,11 @@ class Interceptor:
                 return original(bucket_group, force_sync=force_sync)
             group = bucket_group.intra_distributed_optimizer_instance_group
             if cfg.use_distributed_optimizer:
-                sizes = [nbytes(b.param_data) for b in bucket_group.buckets]
+                pendings = self._start_coalesced(group, "all_gather", [b.param_data for b in bucket_group.buckets])
             else:  # layer-wise optimizer: variable-size all_gather of each rank's parameters
                 sizes = [sum(b.layerwise_param_flat_sizes) * b.params_list[0].element_size()
                          for b in bucket_group.buckets if max(b.layerwise_param_flat_sizes) > 0]
-            pendings = [self._start(group, "all_gather", size) for size in sizes]
+                pendings = [self._start(group, "all_gather", size, count) for size, count in nccl_aggregates(sizes)]
             with torch_tap.claimed:
                 original(bucket_group, force_sync=force_sync)
             self._settle(pendings, bucket_group, "param_gather_handle")
