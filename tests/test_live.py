@@ -198,3 +198,22 @@ def test_a_noisy_job_gets_longer_windows_and_a_trial_nobody_called_is_refused() 
     assert silent.refused and silent.accepted == 0 and silent.final == silent.reference
     assert all(t.decision == "refused" for t in silent.trials if not t.note.startswith("final check"))
     assert not silent.observations  # nothing measured: nothing for the refit either
+
+
+def test_live_channels_are_clamped_to_what_nccl_runs_on_the_communicator() -> None:
+    """A live rule reaches every communicator of its rank and node counts: its channels are bound by the topology
+    (the profile's max_channels), the CTA range the communicator was made with, and for NVLS its NVLS CTAs."""
+    from dataclasses import replace
+
+    problem = two_all_reduces_one_gemm()
+    reference = nccl_configs(problem)
+    key = next(iter(reference))
+    group = problem.keys[key][0].group
+    topology = problem.hw.nccl.max_channels
+    free = LiveSearch(problem, Simulator(problem.graph), reference)
+    assert free.live_configs({key: replace(reference[key], channels=64)})[key].channels == min(64, topology)
+    bound = LiveSearch(problem, Simulator(problem.graph), reference, max_channels={group.name: 4})
+    assert bound.live_configs({key: replace(reference[key], channels=16)})[key].channels == 4
+    assert bound.clamped == {key}
+    nvls = replace(reference[key], algorithm="nvls", channels=48)
+    assert free.live_configs({key: nvls})[key].channels == problem.hw.nccl.nvls_channels

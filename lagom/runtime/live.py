@@ -46,6 +46,7 @@ from typing import Any
 
 from scipy.special import stdtr, stdtrit
 
+from lagom.capability import channel_cap
 from lagom.comm_config import CommConfig
 from lagom.runtime.online import Observation
 from lagom.search.base import Problem, SearchResult
@@ -54,7 +55,7 @@ from lagom.simulator import Configs, Simulator, StepResult
 
 log = logging.getLogger("lagom.online")
 
-LIVE_FIELDS = ("algorithm", "protocol", "channels", "chunk_bytes", "decomposition", "num_chunks")
+LIVE_FIELDS = ("algorithm", "protocol", "channels", "chunk_bytes", "decomposition", "num_chunks", "by_tuner")
 ROUTED_FIELDS = ("decomposition", "num_chunks")  # what Lagom routes itself: live even where NCCL ignores the plugin
 GUARD = 2.0  # a candidate step this many times the reference's is switched back at once
 ALPHA = 0.02  # false-accept rate of one trial of a setting no faster than the reference (one-sided t-test)
@@ -69,7 +70,8 @@ ANSWER_TIMEOUT_S = 600.0  # the search thread's longest think between two candid
 def live_part(cfg: CommConfig, running: CommConfig, max_channels: int | None,
               live_fields: tuple[str, ...] = LIVE_FIELDS) -> tuple[CommConfig, bool]:
     """``cfg``'s live-settable fields on ``running``'s fixed ones (threads, buffer, priority, CTA policy
-    wait for the next start); channels above the communicator's maximum are clamped (the bool says so)."""
+    wait for the next start); channels above ``max_channels`` (what NCCL runs on the communicator:
+    ``capability.channel_cap``) are clamped (the bool says so)."""
     live = replace(running, **{name: getattr(cfg, name) for name in live_fields})
     if max_channels is not None and live.channels > max_channels:
         return replace(live, channels=max_channels), True
@@ -276,10 +278,15 @@ class LiveSearch:
 
     # -- the search thread's side --------------------------------------------------------------------------
     def live_configs(self, configs: Configs) -> Configs:
-        out = {}
+        """What of ``configs`` runs live: their live fields, channels clamped to what NCCL runs on the key's
+        communicator (the topology, the CTA range it was made with, NVLS CTAs)."""
+        out, nccl = {}, self.problem.hw.nccl
         for key, cfg in configs.items():
-            group = self.problem.keys[key][0].group.name if key in self.problem.keys else ""
-            out[key], clamped = live_part(cfg, self.reference.get(key, cfg), self.max_channels.get(group), self.fields)
+            group = self.problem.keys[key][0].group if key in self.problem.keys else None
+            most = None if group is None else channel_cap(
+                str(cfg.algorithm), group.nodes, nccl.max_channels, max_ctas=self.max_channels.get(group.name),
+                nvls_channels=nccl.nvls_channels)
+            out[key], clamped = live_part(cfg, self.reference.get(key, cfg), most, self.fields)
             if clamped:
                 self.clamped.add(key)
         return out

@@ -63,8 +63,8 @@ class CalibratedModel(CostModel):
     The physical bound (``comm_peak_time``) is not scaled.
     """
 
-    def __init__(self, hw: Hardware) -> None:
-        super().__init__(hw)
+    def __init__(self, hw: Hardware, capability: Capability | None = None) -> None:
+        super().__init__(hw, capability)
         self.comm_scale: dict[str, float] = {}
         self.compute_scale = 1.0
         self._group_scale: dict[str, float] = {}
@@ -115,6 +115,15 @@ class Calibration:
     @property
     def model(self) -> CalibratedModel:
         return self.problem.model  # type: ignore[return-value]
+
+    def under_buffsize(self, buffsize: int) -> Problem:
+        """The calibrated problem under the NCCL_BUFFSIZE the running processes read once (a live trial cannot
+        change it): its search never offers a chunk NCCL would cut, and its model prices the chunks NCCL runs."""
+        capability = replace(self.problem.cap, buffsize=buffsize)
+        problem = Problem(self.problem.graph, self.problem.hw, self.problem.open_space, capability,
+                          self.problem.process)
+        problem.model = _rescaled(self.model, self.model.hw, capability)  # type: ignore[misc]
+        return problem
 
 
 def service_times(records: Iterable[CallRecord]) -> list[tuple[CallRecord, float]]:
@@ -188,7 +197,7 @@ def calibrate(problem: Problem, configs: Configs, records: list[CallRecord], ste
         calls[key] = calls.get(key, 0) + 1
         bounded += not r.exact
     measured = {k: total[k] / calls[k] for k in total}
-    model = CalibratedModel(problem.hw)
+    model = CalibratedModel(problem.hw, problem.capability)
     simulator = simulator or Simulator(problem.graph)
     cal = Problem(problem.graph, problem.hw, problem.open_space, problem.capability, problem.process)
     cal.model = model  # type: ignore[misc]  # the search and its evaluator both read problem.model
@@ -291,7 +300,12 @@ def _with_slots(cal: Calibration, slots: float | None) -> CalibratedModel:
     """The calibration's model on hardware whose residency is ``slots`` (None: the profile's), scales kept."""
     old = cal.model
     hw = old.hw if slots is None else replace(old.hw, contention=replace(old.hw.contention, gemm_slots_per_comm_cta=slots))
-    model = CalibratedModel(hw)
+    return _rescaled(old, hw, old.capability)
+
+
+def _rescaled(old: CalibratedModel, hw: Hardware, capability: Capability) -> CalibratedModel:
+    """A calibrated model on ``hw`` under ``capability`` with ``old``'s scales."""
+    model = CalibratedModel(hw, capability)
     model.set_comm_scale(old.comm_scale)
     model.compute_scale = old.compute_scale
     return model

@@ -68,6 +68,15 @@ def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def _buffsize_in_force() -> int:
+    """The NCCL_BUFFSIZE this process's NCCL read (once, at its first communicator): the environment's, else
+    NCCL's default."""
+    from lagom.capability import DEFAULT_BUFFSIZE
+
+    value = os.environ.get("NCCL_BUFFSIZE", "")
+    return int(value) if value.isdigit() and int(value) > 0 else DEFAULT_BUFFSIZE
+
+
 def _launched_ranks() -> int:
     """The rank count the launcher gave this process (torchrun's, DeepSpeed's WORLD_SIZE), 1 when it says none."""
     size = os.environ.get("WORLD_SIZE", "")
@@ -747,7 +756,8 @@ class TuningSession:
             reference = {k: cfg for k, cfg in plan.configs().items() if k in cal.problem.keys}
             # where NCCL never consults the plugin, its settings are not tried: a trial of them would be noise
             fields = ROUTED_FIELDS if self.nccl_listens is False else None
-            self.live = LiveSearch(cal.problem, cal.simulator, reference, max_channels=self._max_channels(),
+            problem = cal.under_buffsize(_buffsize_in_force())  # chunks NCCL would cut are never tried
+            self.live = LiveSearch(problem, cal.simulator, reference, max_channels=self._max_channels(),
                                    budget_steps=budget, budget_s=self.options.tune_seconds, only=only,
                                    first_trial=len(self.trials) + 1, fields=fields)
         self.event(f"step {self.iteration}: trying settings on live steps (at most {budget} steps or "
