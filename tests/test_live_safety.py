@@ -94,6 +94,7 @@ def one_rank_cannot_open_a_table(rank: int, world: int, tmp: str) -> dict[str, A
         reader.close()
 
 
+@pytest.mark.slow  # a pair of ranks through the whole live loop (about 18 s): CI's slower tier
 def test_a_rank_without_a_live_table_turns_live_switching_off_on_every_rank(tmp_path: Path) -> None:
     r0, r1 = run_ranks(one_rank_cannot_open_a_table, 2, str(tmp_path))
     assert r0["seen"] == r1["seen"], "the ranks' plugins gave different rules at some step"
@@ -207,6 +208,7 @@ def different_caches(rank: int, world: int, tmp: str, port: int) -> dict[str, An
     return out
 
 
+@pytest.mark.slow  # a pair of ranks that re-form their group (about 12 s): CI's slower tier
 def test_ranks_with_different_cached_plans_start_on_rank_0s(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING)
     r0, r1 = run_ranks(different_caches, 2, str(tmp_path), free_port())

@@ -128,6 +128,12 @@ PARSE = textwrap.dedent("""
     args = A.parse_and_validate_args()  # the patch's second hunk starts Lagom here
     from lagom_megatron.hooks import current
     session = current()
+    assert session.plan is None  # WORLD_SIZE 2, no process group yet: nothing in force before the ranks agree
+    from megatron.core import parallel_state
+    try:  # megatron's initialize_model_parallel agrees on rank 0's plan first (here it then fails: no group)
+        parallel_state.initialize_model_parallel()
+    except Exception:
+        pass
     started = {"session": session is not None and session.args is args, "plan_keys": len(session.plan.entries),
                "bucket": args.ddp_bucket_size == session.plan.framework["megatron"]["bucket_size"]}
     session.close()

@@ -33,14 +33,15 @@ def presets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return folder
 
 
-def test_shipped_data_lives_in_the_packages_and_the_checkouts_configs_is_a_link_to_it() -> None:
+def test_shipped_data_lives_in_the_packages_and_the_checkouts_configs_and_patches_link_to_it() -> None:
     assert resources.CONFIGS == Path(lagom.__file__).parent / "configs"
     for folder in (resources.HARDWARE_DIR, resources.WORKLOAD_DIR, resources.FIDELITY_DIR):
         assert any(folder.glob("*.yaml")), folder
     assert resources.PUBLISHED_FILE.is_file()
     assert resources.megatron_patch().read_text().startswith("Lagom hooks for megatron/training")
     assert (ROOT / "configs").is_symlink() and (ROOT / "configs").resolve() == resources.CONFIGS.resolve()
-    assert not (ROOT / "patches").exists()  # one copy of the patch, in lagom_megatron/patches
+    # one copy of the patch, in lagom_megatron/patches (package data); the checkout's top-level patches links to it
+    assert (ROOT / "patches").is_symlink() and (ROOT / "patches").resolve() == resources.megatron_patch().parent.resolve()
 
 
 def test_without_user_presets_only_the_shipped_ones_are_searched(monkeypatch: pytest.MonkeyPatch) -> None:
