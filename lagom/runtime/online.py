@@ -31,6 +31,7 @@ from lagom.errors import ConfigError, LagomError
 from lagom.hardware import Hardware, load_hardware
 from lagom.plan import Plan
 from lagom.points import Collective, ComputeSegment, Group
+from lagom.reconcile import reconcile
 from lagom.runtime import apply as runtime
 from lagom.runtime.control import Control
 from lagom.search import STRATEGIES, Problem, SearchResult, run_strategy
@@ -438,7 +439,9 @@ class OnlineTuner:
         self.applies_now: list[str] = []
         self.next_start: list[str] = []
         self._steps: list[float] = []
+        self._step_ids: list[int | None] = []  # each measured step's number (None: it issued no call)
         self._records: list[CallRecord] = []
+        self.reconciled: dict[str, Any] = {}  # what reconciling the model with the measured steps did (rank 0's)
         self._built: tuple[str, Problem, Simulator] | None = None  # see _problem
 
     # -- cache
@@ -468,6 +471,7 @@ class OnlineTuner:
     def reset(self) -> None:
         """Measure again from the next step (after the monitor asks for a re-tune)."""
         self._steps.clear()
+        self._step_ids.clear()
         self._records.clear()
         self.plan = None
 
@@ -482,7 +486,9 @@ class OnlineTuner:
             return
         if not step_s > 0:
             raise ConfigError("OnlineTuner.observe step_s", f"must be positive, got {step_s}")
+        records = list(records)
         self._steps.append(step_s)
+        self._step_ids.append(records[0].step if records else None)
         self._records.extend(records)
 
     def observe(self, step_s: float, records: Iterable[CallRecord], control: Control | None = None) -> Plan | None:
@@ -549,6 +555,7 @@ class OnlineTuner:
             raise LagomError(f"online tuning failed on rank 0: {payload['error']}")
         plan = Plan.from_dict(json.loads(payload["plan"]), "online plan")
         self.applies_now, self.next_start = payload["now"], payload["next"]
+        self.reconciled = payload.get("reconciled", {})
         self._save(plan)
         self.plan = plan
         return plan
@@ -562,9 +569,28 @@ class OnlineTuner:
             self._built = (fingerprint, problem, Simulator(problem.graph))
         return self._built[1], self._built[2]
 
+    def _reconciled(self) -> tuple[Problem, Simulator]:
+        """The modelled problem made to match the measured steps (``lagom.reconcile``): calls no key matched become
+        keys, keys nothing called are dropped; the modelled one, unchanged, where it matches already."""
+        problem, simulator = self._problem()
+        measured = [(t, step) for t, step in zip(self._steps, self._step_ids) if step is not None]
+        if not measured:
+            return problem, simulator
+        step_s, step = sorted(measured)[len(measured) // 2]  # the median step's calls are placed
+        done = reconcile(problem.graph, self.hw, self._records, step, step_s, self.size_tolerance)
+        self.reconciled = done.summary()
+        log.info("keys reconciled with the measured steps: coverage %s -> %s; %d keys from measured calls, %d "
+                 "modelled keys never called dropped%s", done.before.describe(), done.after.describe(),
+                 len(done.added), len(done.dropped),
+                 f"; still unplanned: {', '.join(done.unplanned)}" if done.unplanned else "")
+        if not done.added and not done.dropped:
+            return problem, simulator
+        reconciled = Problem(done.graph, problem.hw, problem.open_space, problem.capability, problem.process)
+        return reconciled, Simulator(reconciled.graph)
+
     def _search(self) -> dict[str, Any]:
         started = time.perf_counter()
-        problem, simulator = self._problem()
+        problem, simulator = self._reconciled()
         in_force, running = self._running_configs(problem)
         step_s = sum(self._steps) / len(self._steps)
         cal = calibrate(in_force, running, self._records, step_s, self.size_tolerance, simulator)
@@ -583,7 +609,7 @@ class OnlineTuner:
                          {"nccl": nccl, self.strategy: result.result.step_s})
         now, later = describe_changes(running, plan.configs())
         self._log_plan(result.result, step_s, now, later, time.perf_counter() - started, result.evaluations)
-        return {"plan": plan.to_json(), "now": now, "next": later}
+        return {"plan": plan.to_json(), "now": now, "next": later, "reconciled": self.reconciled}
 
     def _log_calibration(self, cal: Calibration) -> None:
         scales = cal.model.comm_scale

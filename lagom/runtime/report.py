@@ -80,6 +80,7 @@ def build(session: TuningSession) -> dict[str, Any]:
         "plan": json.loads(plan.to_json()) if plan is not None else None,
         "live": session.live_summary, "trials": [asdict(t) for t in session.trials],
         "nccl_plugin": session.plugin_calls(),
+        "coverage": session.reconciled,
         "switched_off": {"why": session.off, "at_step": session.off_at} if session.off else None,
         "details": session.framework_report(),
     }
@@ -95,6 +96,14 @@ def markdown(report: dict[str, Any]) -> str:
     if report["hardware_reason"]:
         lines.append(f"- hardware: {report['hardware_reason']}")
     lines.append(f"- plan: {report['plan_source']}")
+    covered = report.get("coverage") or {}
+    if covered:
+        before, after = covered["before"], covered["after"]
+        lines.append(f"- keys: the model's covered {before['calls']:.0%} of the measured calls and {before['bytes']:.0%} "
+                     f"of their bytes per step; reconciled with the measured steps, the plan covers {after['calls']:.0%} "
+                     f"and {after['bytes']:.0%} ({len(covered['added'])} keys from measured calls, "
+                     f"{len(covered['dropped'])} never called dropped"
+                     + (f"; still unplanned: {', '.join(covered['unplanned'])})" if covered["unplanned"] else ")"))
     calls = report.get("nccl_plugin")
     if calls is not None:
         lines.append(f"- NCCL tuner plugin: {calls['coll_infos_per_step']:.3g} calls from NCCL per step "

@@ -279,6 +279,7 @@ class TuningSession:
         self._first_steps: set[int] = set()  # steps that pay one-time costs of a new algorithm: never judged
         self._unagreed: StartPlan | None = None  # this rank's own start plan, before rank 0's is agreed
         self.searching = False  # online: rank 0 searches the calibrated model beside the job's steps
+        self.reconciled: dict[str, Any] = {}  # the model's keys against the measured calls (``lagom.reconcile``)
         self._search: SearchThread | None = None  # rank 0's
         self.trials: list[Trial] = []
         self.live_summary: dict[str, Any] = {}
@@ -695,6 +696,7 @@ class TuningSession:
         payload = self.control.broadcast(payload, "the online plan")
         self.searching, self._search = False, None
         plan = self.tuner.take(payload)
+        self.reconciled = self.tuner.reconciled
         self._next_agreement = self.steps_seen + self.options.drift_check_steps
         self.adopt(plan, self.iteration, (self.tuner.applies_now, self.tuner.next_start))
         if self.options.tune_steps > self.calibration_steps:
