@@ -185,6 +185,9 @@ class Capability:
     # plan sets it, at least NCCL's default and as large as its chunks need (``SearchSpace`` bounds them)
     buffsize: int | None = None
     nvls_chunk: int = NVLS_CHUNK  # NCCL_NVLS_CHUNKSIZE: Lagom asks NVLS for no larger chunk
+    # groups whose collective buffers the job registers symmetrically (NCCL windows, e.g. megatron-core's
+    # --use-nccl-ub): the ZERO policy runs on copy engines there only, so it is planned there only
+    symmetric_groups: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         parse_version(self.nccl_version)
@@ -241,9 +244,12 @@ class Capability:
             return ("default",)
         return ("default",) + (() if self.per_size else ("efficiency",)) + (("zero",) if self.version >= ZERO_SINCE else ())
 
-    def zero_applies(self, collective: str, nodes: int) -> bool:
-        """Whether the ZERO policy runs this collective on copy engines (else it runs as under DEFAULT)."""
+    def zero_applies(self, collective: str, nodes: int, group: str) -> bool:
+        """Whether the ZERO policy runs this collective of ``group`` on copy engines (else it runs as under
+        DEFAULT): a copy-engine collective, one NVLink domain, and the group's buffers registered symmetrically."""
         if "zero" not in self.cta_policies() or collective not in ZERO_COLLECTIVES or not self.nvlink_domain:
+            return False
+        if group not in self.symmetric_groups:
             return False
         return nodes == 1 or self.version >= ZERO_ACROSS_NODES_SINCE
 
@@ -285,14 +291,16 @@ class Capability:
         return {"nccl_version": self.nccl_version, "tuner_plugin": self.tuner_plugin, "nvls": self.nvls,
                 "nvlink_domain": self.nvlink_domain, "tuner_interface": self.tuner_interface,
                 "scopes": {k: str(v) for k, v in self.scopes().items()}, "cta_policies": list(self.cta_policies()),
-                "buffsize": self.buffsize, "nvls_chunk": self.nvls_chunk, "chunk_ceilings": self.chunk_ceilings()}
+                "buffsize": self.buffsize, "nvls_chunk": self.nvls_chunk, "chunk_ceilings": self.chunk_ceilings(),
+                "symmetric_groups": list(self.symmetric_groups)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "capability") -> Capability:
         try:
             return cls(nccl_version=str(data["nccl_version"]), tuner_plugin=bool(data["tuner_plugin"]),
                        nvls=bool(data["nvls"]), nvlink_domain=bool(data["nvlink_domain"]),
-                       buffsize=data.get("buffsize"), nvls_chunk=int(data.get("nvls_chunk", NVLS_CHUNK)))
+                       buffsize=data.get("buffsize"), nvls_chunk=int(data.get("nvls_chunk", NVLS_CHUNK)),
+                       symmetric_groups=tuple(str(g) for g in data.get("symmetric_groups", ())))
         except KeyError as err:
             raise ConfigError(f"{where}.{err.args[0]}", "missing", "re-run `lagom tune` to make the plan again") from None
 
@@ -301,8 +309,10 @@ class Capability:
         plugin = f"tuner plugin v{self.tuner_interface}" if self.per_size else (
             "tuner plugin not usable with this NCCL" if self.tuner_plugin else "no tuner plugin")
         scopes = "; ".join(f"{k} {v}" for k, v in self.scopes().items())
+        registered = (f", buffers registered symmetrically for {', '.join(self.symmetric_groups)}"
+                      if self.symmetric_groups else ", no buffers registered symmetrically (no ZERO policy)")
         return (f"NCCL {self.nccl_version}, {plugin}, NVLS {'on' if self.nvls else 'off'}, "
-                f"CTA policies {', '.join(self.cta_policies())}: {scopes}")
+                f"CTA policies {', '.join(self.cta_policies())}{registered}: {scopes}")
 
 
 def capability_for(hw: Hardware, nccl_version: str | None = None, tuner_plugin: bool | None = None) -> Capability:

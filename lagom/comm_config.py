@@ -322,7 +322,7 @@ def candidates(point: OverlapPoint, hw: Hardware, space: SearchSpace = SearchSpa
     base = default_config(hw)
     # copy engines and P2P steps ask NCCL for no chunk: one value (the process's where it is per process)
     inert_chunk = space.chunks[0] if cap.scope("chunk") == Scope.PER_PROCESS else base.chunk_bytes
-    if CTAPolicy.ZERO in space.cta_policies and cap.zero_applies(point.collective, point.group.nodes):
+    if CTAPolicy.ZERO in space.cta_policies and cap.zero_applies(point.collective, point.group.nodes, point.group.name):
         algo, proto, _ = combos[0]
         out += [replace(base, algorithm=algo, protocol=proto, transport=transport, threads=nt, chunk_bytes=inert_chunk,
                         priority=prio, cta_policy=CTAPolicy.ZERO)
@@ -369,7 +369,7 @@ def communicator_knobs(cap: Capability) -> tuple[str, ...]:
 
 
 def _on_copy_engines(point: OverlapPoint, cfg: CommConfig, cap: Capability) -> bool:
-    return cfg.cta_policy == CTAPolicy.ZERO and cap.zero_applies(point.collective, point.group.nodes)
+    return cfg.cta_policy == CTAPolicy.ZERO and cap.zero_applies(point.collective, point.group.nodes, point.group.name)
 
 
 def _affected(knob: str, point: OverlapPoint, cfg: CommConfig, cap: Capability) -> bool:
@@ -394,7 +394,7 @@ def with_communicator_value(knob: str, value: Any, point: OverlapPoint, cfg: Com
     if not _affected(knob, point, cfg, cap):
         return cfg
     if knob == "cta_policy":
-        if value == CTAPolicy.ZERO and not cap.zero_applies(point.collective, point.group.nodes):
+        if value == CTAPolicy.ZERO and not cap.zero_applies(point.collective, point.group.nodes, point.group.name):
             value = CTAPolicy.DEFAULT
         return replace(cfg, cta_policy=CTAPolicy(value))
     return replace(cfg, **{"priority" if knob == "priority" else "channels": value})

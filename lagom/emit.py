@@ -32,7 +32,8 @@ def _on_ctas(entry: PlanEntry, plan: Plan) -> bool:
     """Whether the communicator's CTA range bounds this entry (NVLS takes NVLS CTAs, copy engines none)."""
     c = entry.config
     on_copy_engines = c.cta_policy == CTAPolicy.ZERO and plan.capability_record().zero_applies(entry.collective,
-                                                                                              entry.group_nodes)
+                                                                                              entry.group_nodes,
+                                                                                              entry.group)
     return c.decomposition == "collective" and c.algorithm != Algorithm.NVLS and not on_copy_engines
 
 
@@ -157,7 +158,7 @@ def tuner_entries(plan: Plan) -> list[PlanEntry]:
         return []
     return [e for e in plan.entries if e.collective in TUNER_COLL and e.config.decomposition == "collective"
             and not (e.config.cta_policy == CTAPolicy.ZERO
-                     and plan.capability_record().zero_applies(e.collective, e.group_nodes))]
+                     and plan.capability_record().zero_applies(e.collective, e.group_nodes, e.group))]
 
 
 def _tuner_settings(entry: PlanEntry, plan: Plan) -> tuple[str, str, int, int]:

@@ -115,10 +115,11 @@ def _segment_at(timeline: list[tuple[float, str]], share: float) -> int:
     return len(timeline) - 1
 
 
-def reconcile(graph: StepGraph, hw: Hardware, records: list[CallRecord], step: int, step_s: float,
+def reconcile(graph: StepGraph, hw: Hardware, records: list[CallRecord], steps: dict[int, float],
               tolerance: float = SIZE_TOLERANCE) -> Reconciled:
-    """``graph`` made to match the measured steps: ``records`` of all of them decide which modelled keys are
-    called and what the coverage is; the calls of ``step`` (one of them, ``step_s`` long) are placed."""
+    """``graph`` made to match the measured steps: ``records`` of all of them (``steps``: each step's number and
+    time, the one to place calls from first) decide which modelled keys are called and what the coverage is. A
+    key no modelled one matches is placed from the first of ``steps`` that called it, once per call there."""
     modelled = list(graph.keys())
     index = KeyIndex(modelled, tolerance)
     called = {index.match(r.key) for r in records} - {None}
@@ -126,19 +127,25 @@ def reconcile(graph: StepGraph, hw: Hardware, records: list[CallRecord], step: i
     timeline = _placement(phase, CostModel(hw)) if phase is not None else []
     added: list[OverlapPoint] = []
     unplanned: set[str] = set()
-    for n, r in enumerate(sorted((r for r in records if r.step == step), key=lambda r: (r.start_s, r.seq))):
-        if index.match(r.key) is not None:
-            continue
-        group, collective = _group(r.group, graph, hw), COLLECTIVES.get(r.collective)
-        if group is None or collective is None or phase is None or not timeline or step_s <= 0:
-            unplanned.add(r.key)
-            continue
-        first = _segment_at(timeline, min(1.0, max(0.0, r.start_s / step_s)))
-        last = _segment_at(timeline, min(1.0, max(0.0, r.end_s / step_s)))
-        before = timeline[last + 1][1] if r.exact and last + 1 < len(timeline) else None
-        added.append(OverlapPoint(f"{phase.name}.measured{n}.{r.collective}", collective, group, r.nbytes,
-                                  after=timeline[first][1] if first > 0 or r.start_s > 0 else None, before=before,
-                                  phase=phase.name))
+    placed: set[str] = set()
+    for step, step_s in steps.items():
+        calls = sorted((r for r in records if r.step == step and index.match(r.key) is None),
+                       key=lambda r: (r.start_s, r.seq))
+        new_keys = {r.key for r in calls} - placed - unplanned
+        for r in calls:
+            if r.key not in new_keys:
+                continue
+            group, collective = _group(r.group, graph, hw), COLLECTIVES.get(r.collective)
+            if group is None or collective is None or phase is None or not timeline or step_s <= 0:
+                unplanned.add(r.key)
+                continue
+            first = _segment_at(timeline, min(1.0, max(0.0, r.start_s / step_s)))
+            last = _segment_at(timeline, min(1.0, max(0.0, r.end_s / step_s)))
+            before = timeline[last + 1][1] if r.exact and last + 1 < len(timeline) else None
+            added.append(OverlapPoint(f"{phase.name}.measured{len(added)}.{r.collective}", collective, group, r.nbytes,
+                                      after=timeline[first][1] if first > 0 or r.start_s > 0 else None, before=before,
+                                      phase=phase.name))
+        placed |= new_keys - unplanned
     dropped = [k for k in modelled if k not in called]
     gone = set(dropped)
     phases = []

@@ -190,7 +190,7 @@ def registration(problem: Problem, result: SearchResult) -> list[dict]:
     by_group: dict[str, dict] = {}
     for key, points in problem.keys.items():
         p = points[0]
-        if result.configs[key].cta_policy == CTAPolicy.ZERO and problem.cap.zero_applies(p.collective, p.group.nodes):
+        if result.configs[key].cta_policy == CTAPolicy.ZERO and problem.cap.zero_applies(p.collective, p.group.nodes, p.group.name):
             row = by_group.setdefault(p.group.name, {"group": p.group.name, "collectives": [], "max_bytes": 0})
             row["collectives"] = sorted({*row["collectives"], p.collective.value})
             row["max_bytes"] = max(row["max_bytes"], p.bytes)

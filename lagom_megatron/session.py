@@ -102,6 +102,13 @@ class Session(TuningSession):
         session._install()
         return session
 
+    def symmetric_groups(self) -> tuple[str, ...]:
+        """--use-nccl-ub registers the data-parallel parameter and gradient buffers in symmetric NCCL windows
+        (unless --disable-symmetric-registration): the parameter all-gather may run on copy engines."""
+        if getattr(self.args, "nccl_ub", False) and not getattr(self.args, "disable_symmetric_registration", False):
+            return ("dp", "dp_cp")
+        return ()
+
     # -- start-up knobs
     def apply_at_startup(self, plan: Plan) -> None:
         """Everything Megatron fixes at start-up: buckets, communicator options, TE userbuffers."""

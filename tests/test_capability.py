@@ -63,12 +63,15 @@ def test_scopes_follow_the_nccl_version_and_the_plugin(version, plugin, interfac
 
 
 def test_copy_engines_and_nvls_depend_on_the_topology():
-    one_domain = Capability("2.28", nvlink_domain=True)
-    assert one_domain.zero_applies("all_gather", 1) and one_domain.zero_applies("all_to_all", 1)
-    assert not one_domain.zero_applies("reduce_scatter", 1) and not one_domain.zero_applies("all_reduce", 1)
-    assert not one_domain.zero_applies("all_gather", 2)  # hierarchical across nodes only from 2.30.7
-    assert Capability("2.30.7", nvlink_domain=True).zero_applies("all_gather", 2)
-    assert not Capability("2.30.7", nvlink_domain=False).zero_applies("all_gather", 1)  # PCIe: no copy-engine path
+    one_domain = Capability("2.28", nvlink_domain=True, symmetric_groups=("dp",))
+    assert one_domain.zero_applies("all_gather", 1, "dp") and one_domain.zero_applies("all_to_all", 1, "dp")
+    assert not one_domain.zero_applies("reduce_scatter", 1, "dp") and not one_domain.zero_applies("all_reduce", 1, "dp")
+    assert not one_domain.zero_applies("all_gather", 2, "dp")  # hierarchical across nodes only from 2.30.7
+    assert not one_domain.zero_applies("all_gather", 1, "tp")  # nobody registers tp's buffers: they run on SMs
+    assert not Capability("2.28", nvlink_domain=True).zero_applies("all_gather", 1, "dp")  # none registered
+    assert Capability("2.30.7", nvlink_domain=True, symmetric_groups=("dp",)).zero_applies("all_gather", 2, "dp")
+    assert not Capability("2.30.7", nvlink_domain=False,  # PCIe: no copy-engine path
+                          symmetric_groups=("dp",)).zero_applies("all_gather", 1, "dp")
     assert Capability(nvls=True).scope("nvls_ctas") == Scope.PER_COMMUNICATOR
     assert Capability(nvls=False).scope("nvls_ctas") == Capability("2.26", nvls=True).scope("nvls_ctas") == Scope.NOT_SETTABLE
     assert Capability(nvls=True).nvls_applies("all_reduce", 1) and not Capability(nvls=True).nvls_applies("all_reduce", 2)
@@ -77,7 +80,7 @@ def test_copy_engines_and_nvls_depend_on_the_topology():
     assert capability_for(a40, "2.27", tuner_plugin=False) == Capability("2.27", False, nvls=False, nvlink_domain=False)
     # A40 NVLink bridges join pairs: the node is not one NVLink domain, so no copy-engine all-gather
     bridged = capability_for(load_hardware("a40-2x8-nvlink"), tuner_plugin=True)
-    assert not bridged.nvlink_domain and not bridged.zero_applies("all_gather", 2)
+    assert not bridged.nvlink_domain and not bridged.zero_applies("all_gather", 2, "dp")
     with pytest.raises(ConfigError, match="--nccl-version: 'x' is not an NCCL version"):
         capability_for(h100, "x")
 
@@ -96,8 +99,12 @@ def test_candidates_offer_cta_policies_and_nvls_only_where_allowed():
     def offered(point, cap):
         return candidates(point, hw, SPACE.under(cap))
 
-    new, old = Capability("2.30.7", nvls=True, nvlink_domain=True), Capability("2.27", nvls=True, nvlink_domain=True)
+    registered = (ag.group.name, rs.group.name)
+    new = Capability("2.30.7", nvls=True, nvlink_domain=True, symmetric_groups=registered)
+    old = Capability("2.27", nvls=True, nvlink_domain=True, symmetric_groups=registered)
     assert {c.cta_policy for c in offered(ag, new)} == {CTAPolicy.DEFAULT, CTAPolicy.ZERO}
+    # ZERO only where the job registers the buffers symmetrically: elsewhere it is never offered
+    assert {c.cta_policy for c in offered(ag, replace(new, symmetric_groups=()))} == {CTAPolicy.DEFAULT}
     assert {c.cta_policy for c in offered(rs, new)} == {CTAPolicy.DEFAULT}  # no copy-engine reduce-scatter
     assert {c.cta_policy for c in offered(ag, old)} == {CTAPolicy.DEFAULT}  # ZERO needs 2.28; EFFICIENCY no plugin
     assert CTAPolicy.EFFICIENCY in {c.cta_policy for c in offered(rs, replace(old, tuner_plugin=False))}
@@ -212,7 +219,8 @@ def test_zero_policy_and_nvls_reach_the_communicator_config_and_the_registration
     problem = synthetic_problem(_segments(2), [{"collective": "all_gather", "mb": 64.0, "after": 0, "before": 2},
                                                {"collective": "all_reduce", "mb": 8.0, "after": 1, "before": 3}],
                                 hardware="h100-sxm-8x-400g")
-    problem = Problem(problem.graph, problem.hw, SPACE, capability=Capability("2.30.7", True, True, True))
+    problem = Problem(problem.graph, problem.hw, SPACE,
+                      capability=Capability("2.30.7", True, True, True, symmetric_groups=("g0",)))
     ag, ar = problem.keys
     configs = {ag: replace(default_config(problem.hw), cta_policy=CTAPolicy.ZERO),
                ar: CommConfig(algorithm=Algorithm.NVLS, channels=16, cta_policy=CTAPolicy.ZERO)}

@@ -36,7 +36,7 @@ def test_unmatched_calls_become_keys_placed_by_their_times_and_uncalled_keys_go(
                record("dp", "all_reduce", 3_000_000, 0.90, 0.99, 2),  # its second call of the step
                record("world", "all_gather", 1024, 0.05, 0.06, 3),  # a group the model lacks, named by its ranks
                record("dp", "gather", 64, 0.1, 0.2, 4)]  # a collective the model has no notion of
-    out = reconcile(graph, hw, records, step=3, step_s=1.0)
+    out = reconcile(graph, hw, records, {3: 1.0})
     keys = out.graph.keys()
     assert kept in keys and "dp/all_reduce/3000000" in keys and "world/all_gather/1024" in keys
     assert len(keys["dp/all_reduce/3000000"]) == 2  # once per call of the step
@@ -60,3 +60,14 @@ def test_coverage_counts_calls_and_bytes_within_the_size_tolerance() -> None:
     assert coverage(["dp/all_reduce/1020"], records).calls == 0.5
     assert coverage(["dp/all_reduce/1020"], records).bytes == 0.25
     assert coverage([], []).calls == 1.0
+
+
+def test_a_key_called_in_another_step_only_is_placed_from_that_step(tmp_path: Path) -> None:
+    graph, hw = graph_and_hw(tmp_path)
+    records = [record("dp", "all_reduce", 3_000_000, 0.5, 0.6, 0, step=3),
+               record("dp", "all_reduce", 3_000_000, 0.5, 0.6, 0, step=4),
+               record("dp", "all_gather", 777_000, 0.2, 0.3, 1, step=4)]  # a prefetch that step 3 did not issue
+    out = reconcile(graph, hw, records, {3: 1.0, 4: 1.0})
+    keys = out.graph.keys()
+    assert len(keys["dp/all_reduce/3000000"]) == 1 and len(keys["dp/all_gather/777000"]) == 1
+    assert out.after.calls == 1.0 and out.after.bytes == 1.0

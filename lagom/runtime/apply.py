@@ -114,14 +114,15 @@ def check_capability(plan: Plan, available: Capability | None) -> None:
 
 
 def registration_message(plan: Plan) -> str | None:
-    """What the framework must register symmetrically for the plan's ZERO CTA policy, once; None if nothing."""
+    """Which buffers the plan's ZERO CTA policy relies on, once; None if it has none. ZERO is planned only for
+    groups whose buffers the job registers symmetrically (``Capability.symmetric_groups``)."""
     if not plan.registration:
         return None
     needs = "; ".join(f"group {r['group']}: {', '.join(r['collectives'])} buffers up to {r['max_bytes']} bytes"
                       for r in plan.registration)
-    return (f"the plan's ZERO CTA policy runs on copy engines only on symmetrically registered buffers ({needs}). "
-            f"Lagom cannot register the framework's buffers itself; register them ({plan.registration[0]['how']}), "
-            "else NCCL runs these collectives with SMs as under the DEFAULT policy")
+    return (f"the plan's ZERO CTA policy runs on copy engines on the buffers this job registers symmetrically ({needs}); "
+            f"they must stay registered ({plan.registration[0]['how']}), else NCCL runs these collectives with SMs as "
+            "under the DEFAULT policy")
 
 
 _current: Runtime | None = None  # the runtime ``init`` made (the plain torch.distributed entry)

@@ -576,8 +576,9 @@ class OnlineTuner:
         measured = [(t, step) for t, step in zip(self._steps, self._step_ids) if step is not None]
         if not measured:
             return problem, simulator
-        step_s, step = sorted(measured)[len(measured) // 2]  # the median step's calls are placed
-        done = reconcile(problem.graph, self.hw, self._records, step, step_s, self.size_tolerance)
+        median = sorted(measured)[len(measured) // 2]  # its calls are placed first; other steps' only add keys
+        steps = {median[1]: median[0], **{step: t for t, step in measured}}
+        done = reconcile(problem.graph, self.hw, self._records, steps, self.size_tolerance)
         self.reconciled = done.summary()
         log.info("keys reconciled with the measured steps: coverage %s -> %s; %d keys from measured calls, %d "
                  "modelled keys never called dropped%s", done.before.describe(), done.after.describe(),

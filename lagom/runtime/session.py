@@ -323,7 +323,7 @@ class TuningSession:
             self.event(f"Lagom only records this job: {self.why_untuned}", level=logging.WARNING)
             return
         if self.capability is None:
-            self.capability = runtime_capability(self.hw)
+            self.capability = self._with_registration(runtime_capability(self.hw))
         if _launched_ranks() > 1 and not self.control.distributed:
             self.runtime = open_runtime(None)  # records only: NCCL's own settings until the plan is agreed
             self._unagreed = self.start_plan()
@@ -348,7 +348,7 @@ class TuningSession:
                             mine.source, rank0["source"])
             if self.hw is None or self.hw.fingerprint() != rank0["hardware"].fingerprint():
                 self.hw, self.hardware_reason = rank0["hardware"], rank0["hardware_reason"]
-                self.capability = runtime_capability(self.hw)
+                self.capability = self._with_registration(runtime_capability(self.hw))
                 if self.tuner is not None:
                     self.tuner = self._new_tuner()
             if rank0["tuning"] and plan is not None:
@@ -408,6 +408,15 @@ class TuningSession:
         finally:
             if table is not None and table is not self.live_table:
                 table.close()
+    def symmetric_groups(self) -> tuple[str, ...]:
+        """Plan groups whose collective buffers the framework registers symmetrically (the adapters know): the
+        ZERO CTA policy is planned there only. None by default."""
+        return ()
+
+    def _with_registration(self, capability: Capability | None) -> Capability | None:
+        groups = self.symmetric_groups()
+        return replace(capability, symmetric_groups=groups) if capability is not None and groups else capability
+
     def _explore_channels(self) -> int | None:
         """Online mode with the tuner plugin: the most channels the live search may give a call (communicators
         are made with room for it). Without the plugin, channels cannot change live: the plan's range stays."""
