@@ -26,7 +26,8 @@ from tests.test_long_lived import EXAMPLES, HW, _model, ds_config
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 needs_plugin = pytest.mark.skipif(nccl_tuner.path() is None, reason="needs the tuner plugin built (a C compiler)")
-STEPS = 70
+STEPS = 90
+TUNE_STEPS = 65  # the live loop ends within it: the steps after are the tuned plan's
 PLANT_MS = 80.0  # the plant's cost of one collective per channel doubling away from its best
 BEST_CHANNELS = 2  # the plant's optimum: the model (planning for an A100 pair) prefers 1 for these all-reduces
 NOISE_MS = 1.0
@@ -74,7 +75,7 @@ def live_rank(rank: int, world: int, tmp: str) -> dict[str, Any]:
     reference, _ = run(plain, STEPS, plant=False)
     plain.destroy()
     section = {"enabled": True, "hardware": f"{tmp}/hw.yaml", "cache_dir": f"{tmp}/cache", "mode": "online",
-               "tune_steps": STEPS - 5, "report": f"{tmp}/report-{rank}", "collective_timeout_s": 60,
+               "tune_steps": TUNE_STEPS, "report": f"{tmp}/report-{rank}", "collective_timeout_s": 60,
                "monitor_interval": 1000}  # a CPU step is nothing like the A100 the model plans: no drift checks here
     model = _model()
     engine, *_ = lagom_deepspeed.initialize(model=model, model_parameters=model.parameters(),
@@ -125,14 +126,16 @@ def test_live_search_finds_the_plants_optimum_and_every_rank_switches_together(
         assert out["seen"] == ranks[0]["seen"], f"rank {rank} ran other settings than rank 0 at some step"
     report = json.loads((tmp_path / "report-0.json").read_text())
     trials, live = report["trials"], report["live"]
-    assert trials and live["steps"] <= STEPS - 5 and live["evaluations"] >= len(trials)
+    assert trials and live["steps"] <= TUNE_STEPS - 5 and live["evaluations"] >= len(trials)
     seen = ranks[0]["seen"]
     keys = [e["key"] for e in report["plan"]["entries"]]
     for t in trials:  # what each trial put in the table is what the plugin's reader gave in its steps
         step = t["steps"][0]  # session steps count from 0, as the plant's list does
         for key, config in t["changed"].items():
             assert seen[step][keys.index(key)] in (config["channels"], 0), (t, seen[step])
-    reference, end = seen[5 + 1], seen[-1]  # in force when live tuning began (after 5 calibration steps), and at the end
+    # in force when live tuning began (the first step with a live table: after the calibration steps and rank 0's
+    # search beside them), and at the end
+    reference, end = next(s for s in seen if any(s)), seen[-1]
     if end != reference:  # it only moves to a setting measured faster than the reference, twice
         assert any(t["decision"] == "kept" for t in trials)
     gain = PLANT_MS / 1e3 / live["reference_step_s"]  # one channel doubling nearer the optimum, relative
@@ -140,8 +143,8 @@ def test_live_search_finds_the_plants_optimum_and_every_rank_switches_together(
           f"{cost(end):g}), {len(trials)} trials, {live['evaluations']} evaluations in {live['steps']} live steps of "
           f"{len(keys)} keys, noise {live['noise']:.1%}, one move's gain {gain:.1%}, reference step "
           f"{live['reference_step_s'] * 1e3:.0f} ms, decisions {[t['decision'] for t in trials]}")
-    # a quiet enough machine: a good move's gain clears the acceptance bar (2 sigma of a window difference,
-    # sigma = noise * sqrt(2)) by 2 sigma more, so a noisy window rejects it with odds of about 2%
+    # a quiet enough machine: a good move's gain is several times the noise of a window difference, so the
+    # t-test accepts it with high odds
     if live["noise"] * 4 * math.sqrt(2) < gain:
         assert cost(end) == 0, f"noise {live['noise']:.1%}, one move's gain {gain:.1%}: ended at {end}"
     # the model against this job's own measurements

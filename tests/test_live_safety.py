@@ -44,7 +44,7 @@ def job(tmp: str) -> tuple[Any, Any]:
 
 
 def options(tmp: str, rank: int, **overrides: Any) -> SessionOptions:
-    values: dict[str, Any] = dict(mode="online", tune_steps=16, cache_dir=Path(tmp) / f"cache-{rank}",
+    values: dict[str, Any] = dict(mode="online", tune_steps=24, cache_dir=Path(tmp) / f"cache-{rank}",
                                   collective_timeout_s=20, drift_check_steps=1000)
     return SessionOptions(**(values | overrides))
 

@@ -23,9 +23,10 @@ Measuring:
   does not take it;
 - calls: a trial whose changed keys had no calls in its window measured nothing, and is refused unscored;
 - guard: a candidate step slower than ``GUARD`` times the reference ends its window at once;
-- budget: once ``budget_steps`` steps or ``budget_s`` seconds are spent, every further candidate is
-  answered "no gain" without running, so the search ends with what it has measured; a step the loop
-  could not judge (a device clock further behind than budgeted) spends budget too;
+- budget: once ``budget_steps`` steps (less four windows: the windows under way and the final check) or
+  ``budget_s`` seconds are spent, every further candidate is answered "no gain" without running, so the
+  search ends with what it has measured, within its budget; a step the loop could not judge (a device
+  clock further behind than budgeted) spends budget too;
 - no wait: the step loop never waits for the search thread. While it thinks, the reference stays in
   force and its steps lengthen the reference window the next candidate is judged against;
 - last: the search's final settings run once more against the reference; if they are not faster, the
@@ -355,7 +356,9 @@ class LiveSearch:
         return self._next()
 
     def _spend(self) -> None:
-        self.spent = self.spent or self.steps_used >= self.budget_steps or \
+        """Spent once what is left of the step budget is what the windows under way and the final check may
+        still take (four windows): the loop ends within its budget."""
+        self.spent = self.spent or self.steps_used + 4 * self.window >= self.budget_steps or \
             time.perf_counter() - self._started >= self.budget_s
 
     def unjudged_step(self) -> None:
