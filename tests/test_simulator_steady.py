@@ -10,7 +10,6 @@ from dataclasses import replace
 
 import pytest
 
-from lagom import simulator
 from lagom.comm_config import CommConfig, CTAPolicy, Decomposition, default_config
 from lagom.hardware import load_hardware
 from lagom.points import Collective, ComputeSegment, Group, OverlapPoint, Phase, StepGraph
@@ -214,17 +213,16 @@ def test_a_drifting_backlog_is_extrapolated_exactly():
 
 
 @pytest.mark.slow  # an 80-layer 1,024-GPU step simulated in full beside the extrapolation: CI's slower tier
-def test_a_state_that_comes_back_after_many_periods_is_jumped_exactly(monkeypatch):
+def test_a_state_that_comes_back_after_many_periods_is_jumped_exactly():
     """Flash-Overlap P2P steps in two chunks on the tensor-parallel all-gather of a 1,024-GPU Llama: the
-    steps' length is no whole fraction of the pipeline's period, so the state comes back only after 19
-    periods and neither repeats nor converges over the few periods the geometric check looks at. Before
-    states were kept that far back, the step was simulated in full (2.9 M tasks at 256 micro-batches)."""
+    steps' length is no whole fraction of the pipeline's period, so the state comes back only after several
+    periods. Jumped, the step is the full one's. (Before send/recv ran NCCL's own P2P chunk in the model, this
+    case came back only after 19 periods and needed the 64 periods of history; since then it is caught within
+    three cycles, and no shipped case is known to need the longer history.)"""
     problem = job("llama3-70b-1024", 96)
     changes = {"tp/all_gather/134217728": {"decomposition": Decomposition.P2P, "num_chunks": 2, "channels": 16, "priority": 1},
-               "tp/reduce_scatter/134217728": {"channels": 16, "chunk_bytes": 262144, "priority": 1},
-               "pp/send_recv/16777216": {"channels": 16, "chunk_bytes": 65536}}
+               "tp/reduce_scatter/134217728": {"channels": 16, "priority": 1},
+               "pp/send_recv/16777216": {"channels": 8}}
     configs, full, fast = full_and_fast(problem, changes)
     assert sum(ph.periods_skipped for ph in fast.phases) >= 19 and fast.tasks_simulated < full.tasks_simulated
     assert_same_step(fast, full)
-    monkeypatch.setattr(simulator, "UNITS_KEPT", 3 * simulator.CYCLE_MOST + 1)  # three cycles of three back only
-    assert sum(ph.periods_skipped for ph in Simulator(problem.graph).run(configs, problem.model).phases) == 0

@@ -63,6 +63,7 @@ ALPHA = 0.02  # false-accept rate of one trial of a setting no faster than the r
 DETECT = 0.03  # the gain (a share of the step) a window is sized to find ...
 POWER = 0.8  # ... with this probability
 WINDOW = 2  # the fewest steps per candidate window and per reference window
+SEARCH_STEPS = 2  # steps a spent budget keeps for the search thread to answer its last request itself
 NOISE_STEPS = 4  # reference steps measured before the first candidate
 DEFAULT_BUDGET_S = 300.0  # wall-clock budget of the live search (steps: the tune_steps option)
 ANSWER_TIMEOUT_S = 600.0  # the search thread's longest think between two candidates (the job runs on meanwhile)
@@ -357,8 +358,9 @@ class LiveSearch:
 
     def _spend(self) -> None:
         """Spent once what is left of the step budget is what the windows under way and the final check may
-        still take (four windows): the loop ends within its budget."""
-        self.spent = self.spent or self.steps_used + 4 * self.window >= self.budget_steps or \
+        still take (four windows), and the steps the search thread may still think for: the loop ends within
+        its budget."""
+        self.spent = self.spent or self.steps_used + 4 * self.window + SEARCH_STEPS >= self.budget_steps or \
             time.perf_counter() - self._started >= self.budget_s
 
     def unjudged_step(self) -> None:
@@ -401,6 +403,10 @@ class LiveSearch:
             self.error = TimeoutError(f"the live search thought for over {ANSWER_TIMEOUT_S:g} s")
             request = None
         self._waiting_since = None
+        if request is not None and self.spent:  # asked before the budget ran out: answered "no gain", not run
+            self._answers.put((self._floor, {}))
+            self._state = "waiting"
+            return Decision()
         if request is not None:
             self._candidate, self._state = request, "candidate"
             return Decision(configs=dict(request))
