@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from tests.distributed import run_ranks
+from tests.test_long_lived import HW
 
 pytest.importorskip("transformers")
 CASES = [(arch, stage, overlap) for arch in ("gpt2", "llama") for stage in (1, 2, 3) for overlap in (True, False)]
@@ -89,7 +90,7 @@ def every_case(rank: int, world: int, tmp: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("coverage")
-    (tmp / "hw.yaml").write_text("base: a100-8x-100g\ncluster: {gpus_per_node: 2, nodes: 1}\n")
+    (tmp / "hw.yaml").write_text(HW)
     return run_ranks(every_case, 2, str(tmp))
 
 

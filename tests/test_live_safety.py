@@ -28,10 +28,10 @@ from lagom.tune import make_plan
 from lagom.workload import load_workload
 from tests.distributed import free_port, run_ranks
 from tests.helpers import gpt_workload, write_yaml
+from tests.test_long_lived import HW
 
 pytestmark = pytest.mark.skipif(nccl_tuner.path() is None, reason="needs the tuner plugin built (a C compiler)")
 STEP_S = 0.02
-HW = "base: a100-8x-100g\ncluster: {gpus_per_node: 2, nodes: 1}\n"
 
 
 def job(tmp: str) -> tuple[Any, Any]:
@@ -229,6 +229,12 @@ def one_process_session(tmp_path: Path, **overrides: Any) -> TuningSession:
     return session
 
 
+def until_live(session: TuningSession, reader: LiveTable) -> None:
+    """Steps until the calibration and rank 0's search are over (the live loop starts next)."""
+    while session.steps_seen < 5 or session.tuning or session.searching:
+        run(session, reader, 1)
+
+
 def test_where_nccl_never_consults_the_plugin_only_routing_is_tried_live_and_the_report_says_so(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A job on NCCL whose NCCL never called the plugin while calibrating (no NCCL here: the counters stay at 0)."""
@@ -238,8 +244,7 @@ def test_where_nccl_never_consults_the_plugin_only_routing_is_tried_live_and_the
     session = one_process_session(tmp_path)
     reader = reader_table(str(tmp_path))
     try:
-        while session.steps_seen < 5 or session.tuning or session.searching:
-            run(session, reader, 1)
+        until_live(session, reader)
         assert session.nccl_listens is False and session.live_on
         assert session.live is not None and session.live.fields == ROUTED_FIELDS
         assert any("did not consult Lagom's tuner plugin" in e for e in session.events)
@@ -264,8 +269,7 @@ def test_the_first_step_under_an_algorithm_new_to_the_job_is_not_judged(tmp_path
     session = one_process_session(tmp_path)
     reader = reader_table(str(tmp_path))
     try:
-        while session.steps_seen < 5 or session.tuning or session.searching:
-            run(session, reader, 1)
+        until_live(session, reader)
         assert session.live_on
         configs = session.plan.configs()  # type: ignore[union-attr]
         key = next(iter(configs))
@@ -289,8 +293,7 @@ def test_a_session_closed_mid_tuning_leaves_its_table_until_the_next_session_sta
     first = one_process_session(tmp_path)
     reader = reader_table(str(tmp_path))
     try:
-        while first.steps_seen < 5 or first.tuning or first.searching:
-            run(first, reader, 1)
+        until_live(first, reader)
         assert first.live_on
         in_force = rules_now(first, reader)
         assert any(rule is not None for rule in in_force)
