@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from lagom.calls import CallRecord
 from lagom.capability import capability_for
-from lagom.comm_config import CommConfig, ProcessSettings, SearchSpace, Transport, nccl_pick
+from lagom.comm_config import CommConfig, ProcessSettings, SearchSpace, Transport, candidates, nccl_pick
 from lagom.cost_model import CostModel, RunningComm
 from lagom.errors import ConfigError
 from lagom.hardware import load_hardware
@@ -164,9 +164,9 @@ def test_running_configs_carry_the_running_plans_process_values(tmp_path):
 
 
 def test_a_tuner_without_the_plugin_proposes_only_what_nccl_applies(tmp_path):
-    """On two A40s the calibrated search with the plugin runs the all-gather on LL where NCCL would pick
-    Simple; a tuner told there is no plugin leaves algorithm and protocol to NCCL, and its plan needs
-    nothing the process lacks."""
+    """On two A40s the calibrated search with the plugin may run a collective off NCCL's own algorithm and
+    protocol (its space offers them); a tuner told there is no plugin leaves algorithm and protocol to NCCL,
+    and its plan needs nothing the process lacks."""
     wl, hw = job(tmp_path, base="a40-2x8-nvlink")
     hardware = load_hardware(str(hw))
     problem = problem_for(load_workload(wl), hardware)
@@ -182,10 +182,15 @@ def test_a_tuner_without_the_plugin_proposes_only_what_nccl_applies(tmp_path):
         return [e.key for e in plan.entries if e.config.decomposition == "collective" and
                 (e.config.algorithm, e.config.protocol) != nccl_pick(problem.keys[e.key][0], hardware, e.config.transport)]
 
-    assert off_nccl_pick(plans[True]), "with the plugin some collective leaves NCCL's pick: the check below can fail"
-    assert off_nccl_pick(plans[False]) == []
-    channels = {e.config.channels for e in plans[False].entries if e.config.decomposition == "collective"}
-    assert len(channels) == 1  # one CTA range per communicator (one communicator here)
+    def offered_off_nccl_pick(plugin: bool) -> bool:
+        under = problem_for(load_workload(wl), hardware, capability_for(hardware, tuner_plugin=plugin))
+        return any((c.algorithm, c.protocol) != nccl_pick(p, hardware, c.transport)
+                   for points in under.keys.values() for p in points[:1] for c in candidates(p, hardware, under.space))
+
+    assert offered_off_nccl_pick(True), "with the plugin the search may leave NCCL's pick: the check below can fail"
+    assert not offered_off_nccl_pick(False) and off_nccl_pick(plans[False]) == []
+    channels = {e.config.channels for e in plans[False].entries}
+    assert len(channels) == 1  # one CTA range per communicator (one communicator here), decomposed or not
     assert plans[False].capability["tuner_plugin"] is False
 
 

@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from lagom import emit
+from lagom.capability import DEFAULT_BUFFSIZE, buffsize_for
 from lagom.comm_config import CommConfig
 from lagom.errors import ConfigError
 from lagom.hardware import load_hardware
@@ -77,9 +78,12 @@ def test_emitters_follow_the_plan(job):
                and r["coll"] == emit.TUNER_COLL[tp[0].collective])
     assert int(row["min_bytes"]) < tp[0].bytes < int(row["max_bytes"])  # padded buffers still match
     assert (row["channels"], row["nRanks"], row["proto"]) == ("3", "2", tp[0].config.protocol.lower())
-    env = emit.nccl_env(plan, hw)  # the per-process values, once; the buffer holds the largest per-size chunk
+    env = emit.nccl_env(plan, hw)  # the per-process values, once; the buffer holds every per-size chunk whole
     assert env["NCCL_NTHREADS"] == str(plan.process["threads"])
-    assert env["NCCL_BUFFSIZE"] == str(max(e.config.chunk_bytes for e in plan.entries) * hw.nccl.buffsize_per_chunk)
+    buffsize = int(env["NCCL_BUFFSIZE"])  # never below NCCL's default: that would shrink P2P and NCCL's own chunks
+    assert buffsize >= DEFAULT_BUFFSIZE and all(
+        buffsize >= buffsize_for(str(e.config.algorithm), str(e.config.protocol), e.collective, e.config.chunk_bytes)
+        for e in plan.entries if e.config.decomposition == "collective")
     assert "NCCL_P2P_DISABLE" not in env
     plan.process["transport"] = "shm"
     assert emit.nccl_env(plan, hw)["NCCL_P2P_DISABLE"] == "1"  # host shared memory for intra-node traffic
