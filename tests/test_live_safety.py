@@ -173,6 +173,7 @@ def a_receiver_times_out(rank: int, world: int, tmp: str) -> dict[str, Any]:
         reader.close()
 
 
+@pytest.mark.slow  # a pair of ranks through the live loop and a 5 s timeout (about 12 s): CI's slower tier
 def test_a_receiver_timeout_switches_no_rank_alone_and_no_hook_waits_for_a_search(tmp_path: Path) -> None:
     r0, r1 = run_ranks(a_receiver_times_out, 2, str(tmp_path))
     assert r0["seen"] == r1["seen"], "a rank switched alone"
