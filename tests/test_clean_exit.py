@@ -94,6 +94,7 @@ def _clean(run: subprocess.CompletedProcess) -> None:
     assert "Signal" not in run.stderr and "terminate called" not in run.stderr, output
 
 
+@pytest.mark.slow  # torchrun with 2 ranks of megatron-core (about 14 s): CI's slower tier
 def test_megatron_job_that_never_destroys_its_groups_exits_cleanly(tmp_path: Path) -> None:
     job = tmp_path / "pretrain_like.py"
     job.write_text(MEGATRON_JOB.format(train_tiny=str(ROOT / "examples/megatron/train_tiny.py")))
