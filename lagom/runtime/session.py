@@ -4,9 +4,13 @@ Both adapters run the same session; each subclasses it only for what its framewo
 (``apply_at_startup``) and what its report adds (``framework_report``). Data flows one way:
 
   start plan   online: the plan an earlier run cached; else the plan file (read only); else a search
-               with the cost model (on rank 0, every rank receives it when process groups exist).
+               with the cost model, on rank 0; every rank receives rank 0's (where no process group
+               exists yet, at ``agree_start``, before the framework makes its NCCL communicators).
                A plan that needs more than this process can apply (an older NCCL, no tuner plugin) is
                made again within what it has; the report says what was missing.
+  calibration  online: the first steps are measured; rank 0 reconciles the model with the calls they
+               issued (``lagom.reconcile``) and searches the calibrated model in a thread of its own;
+               the ranks adopt its plan at the first agreed step after it is ready.
   every step   the recorder's calls of the step go to the online tuner while it measures, then to
                the measured totals and the drift monitor. A tuned plan is adopted on every rank at
                the same step: the Flash-Overlap routing switches now, what is fixed when
@@ -21,7 +25,8 @@ rules, the ``new_group`` hook; the adapters' taps and wrappers; its agreement gr
 engine's garbage collection); Lagom holds the framework's objects only weakly, so a session never
 keeps an engine alive. Lagom's own collectives run only through ``control`` (every rank or none,
 under a timeout) and only at agreed steps: the steps every rank knows from the agreement before
-(``_next_agreement``). A rank whose Lagom step logic raised keeps counting steps and, at the next
+(``_next_agreement``). The tuner table every rank must share changes only there, in two phases
+(``_switch_table``: staged everywhere, then published everywhere, or discarded everywhere). A rank whose Lagom step logic raised keeps counting steps and, at the next
 agreed step, says so; every rank then switches Lagom off together (``switch_off``) and the framework
 runs on. A collective of Lagom's own that fails or times out switches Lagom off on the rank that saw
 it; its peers, waiting in the same collective, time out the same way.
