@@ -224,7 +224,8 @@ def megatron_live_rank(rank: int, world: int, tmp: str) -> dict[str, Any]:
     parallel_state.initialize_model_parallel(1, 1)
     params, seen = run(session)
     out = {"equal": all(torch.equal(a, b) for a, b in zip(params, reference)), "seen": seen,
-           "trials": len(session.trials), "off": session.off, "live_on": session.live_on}
+           "trials": len(session.trials), "off": session.off, "live_on": session.live_on,
+           "coverage": session.reconciled}
     session.close()
     parallel_state.destroy_model_parallel()
     return out
@@ -239,3 +240,6 @@ def test_megatron_core_model_tunes_live_with_every_rank_in_step(pair: tuple[Path
         assert out["off"] is None and not out["live_on"] and out["trials"] > 0, out
         assert out["seen"] == ranks[0]["seen"], f"rank {rank} ran other settings than rank 0 at some step"
     assert len(set(ranks[0]["seen"])) > 1  # the table changed while the job ran
+    for out in ranks:  # the plan's keys are the calls megatron-core issued (reconciled with the measured steps)
+        after = out["coverage"]["after"]
+        assert after["calls"] >= 0.95 and after["bytes"] >= 0.95, out["coverage"]
