@@ -50,6 +50,8 @@ def ring_shape(coll: Collective, n: int, algorithm: str) -> tuple[int, float]:
         return steps, 2 * (n - 1) / n
     if coll in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER, Collective.ALL_TO_ALL):
         return n - 1, (n - 1) / n
+    if coll == Collective.BROADCAST:  # a ring pipeline from the root: every rank receives the whole buffer once
+        return n - 1, 1.0
     return 1, 1.0  # send/recv
 
 

@@ -28,6 +28,7 @@ class Collective(StrEnum):
     ALL_GATHER = "all_gather"
     ALL_TO_ALL = "all_to_all"
     SEND_RECV = "send_recv"
+    BROADCAST = "broadcast"  # no modelled point issues one; measured ones become points (lagom.reconcile)
 
 
 @dataclass(frozen=True)

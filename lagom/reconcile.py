@@ -9,7 +9,9 @@ tunes nothing that runs. So after the first measured steps the graph is made to 
   compute stream by its measured start and end relative to the step: released by the compute segment that
   runs at its start, waited for by the segment that runs after its end (or the step's end);
 - modelled keys that no call matched are dropped (their points go): the search spends nothing on them;
-- what still cannot be placed (a collective or group the model has no notion of) is listed, unplanned.
+- what still cannot be placed (a collective or group the model has no notion of) is listed, unplanned;
+- a receive is the same transfer as its sender's send/recv: it counts under that key and is never a
+  point of its own.
 
 Placement reads the modelled compute timeline of a phase that runs once per step (repeating phases, such as
 a pipeline's steady state, keep their modelled points), scaled to the measured step. ``coverage`` says what
@@ -27,6 +29,12 @@ from lagom.hardware import Hardware
 from lagom.points import Collective, Group, OverlapPoint, Phase, StepGraph, group_span
 
 COLLECTIVES = {c.value: c for c in Collective}
+RECEIVE = "recv"  # the receiving half of a send/recv: the same transfer as its sender's send_recv key
+
+
+def _key(r: CallRecord) -> str:
+    """The key a measured call is counted under: a receive under its transfer's send_recv key."""
+    return f"{r.group}/{Collective.SEND_RECV.value}/{r.nbytes}" if r.collective == RECEIVE else r.key
 
 
 @dataclass(frozen=True)
@@ -58,14 +66,14 @@ class Reconciled:
 
 
 def coverage(keys: Iterable[str], records: Iterable[CallRecord], tolerance: float = SIZE_TOLERANCE) -> Coverage:
-    """Share of ``records`` (calls and bytes) whose key matches one of ``keys``."""
+    """Share of ``records`` (calls and bytes) whose key matches one of ``keys`` (a receive: its transfer's)."""
     index = KeyIndex(keys, tolerance)
     calls = matched_calls = 0
     nbytes = matched_bytes = 0
     for r in records:
         calls += 1
         nbytes += r.nbytes
-        if index.match(r.key) is not None:
+        if index.match(_key(r)) is not None:
             matched_calls += 1
             matched_bytes += r.nbytes
     return Coverage(matched_calls / calls if calls else 1.0, matched_bytes / nbytes if nbytes else 1.0)
@@ -122,14 +130,15 @@ def reconcile(graph: StepGraph, hw: Hardware, records: list[CallRecord], steps: 
     key no modelled one matches is placed from the first of ``steps`` that called it, once per call there."""
     modelled = list(graph.keys())
     index = KeyIndex(modelled, tolerance)
-    called = {index.match(r.key) for r in records} - {None}
+    called = {index.match(_key(r)) for r in records} - {None}
     phase = _once_per_step(graph)
     timeline = _placement(phase, CostModel(hw)) if phase is not None else []
     added: list[OverlapPoint] = []
     unplanned: set[str] = set()
     placed: set[str] = set()
     for step, step_s in steps.items():
-        calls = sorted((r for r in records if r.step == step and index.match(r.key) is None),
+        # a receive is placed by its sender's record (on the sending rank): never a point of its own
+        calls = sorted((r for r in records if r.step == step and r.collective != RECEIVE and index.match(r.key) is None),
                        key=lambda r: (r.start_s, r.seq))
         new_keys = {r.key for r in calls} - placed - unplanned
         for r in calls:

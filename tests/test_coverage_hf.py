@@ -1,5 +1,6 @@
 """The plan is the job: stock Hugging Face causal LMs built from their configs (GPT-2; Llama with grouped KV heads)
-under DeepSpeed ZeRO-1, 2 and 3, with overlap_comm on and off, on 2 gloo ranks in online mode. After the
+under DeepSpeed ZeRO-1, 2 and 3, with overlap_comm on and off, and DeepSpeed's pipeline engine (2 stages), on 2
+gloo ranks in online mode. After the
 calibration steps the model's keys are reconciled with the calls the job issued (``lagom.reconcile``): at least
 95% of the calls and of the bytes per step are keys of the adopted plan, and the losses are those of the same
 job without Lagom. The model's own coverage (before reconciliation) is kept in each report, for the record.
@@ -84,6 +85,46 @@ def every_case(rank: int, world: int, tmp: str) -> dict[str, Any]:
         out[f"{arch}-{stage}-{overlap}"] = {"same_losses": losses == reference, "coverage": engine.lagom.reconciled,
                                            "off": engine.lagom.off, "tuned": len(engine.lagom.tuned)}
         engine.destroy()
+    out["pipeline"] = pipeline_case(rank, tmp)
+    return out
+
+
+def pipeline_case(rank: int, tmp: str) -> dict[str, Any]:
+    """examples/deepspeed/tiny_gpt.py's 2-stage PipelineModule, 2 micro-batches a step, with and without Lagom."""
+    import sys
+    import time
+
+    import deepspeed
+    import torch
+
+    import lagom_deepspeed
+    from tests.test_deepspeed import EXAMPLES, ds_config
+
+    sys.path.insert(0, str(EXAMPLES))
+    from tiny_gpt import pipeline
+    from tiny_gpt import train as train_pipeline
+
+    def engine_for(init: Any, lagom: dict[str, Any] | None) -> Any:
+        torch.manual_seed(0)  # the same initial weights for both engines
+        module = pipeline()
+        engine, *_ = init(model=module, model_parameters=[p for p in module.parameters() if p.requires_grad],
+                          config=ds_config(None, gradient_accumulation_steps=2, lagom=lagom))
+        return engine
+
+    plain = engine_for(deepspeed.initialize, None)
+    reference = train_pipeline(plain, STEPS, rank)
+    plain.destroy()
+    engine = engine_for(lagom_deepspeed.initialize, {"enabled": True, "mode": "online", "hardware": f"{tmp}/hw.yaml",
+                                                     "tune_steps": 5, "cache_dir": f"{tmp}/cache-pipe-{rank}",
+                                                     "monitor_interval": 1000})
+    session = engine.lagom
+    losses = train_pipeline(engine, 6, rank)
+    while session._search is not None and not session._search.done:  # as ``train`` does for the ZeRO cases
+        time.sleep(0.01)
+    losses += train_pipeline(engine, STEPS - 6, rank, first=6)
+    out = {"same_losses": losses == reference, "coverage": session.reconciled, "off": session.off,
+           "tuned": len(session.tuned)}
+    engine.destroy()
     return out
 
 
@@ -94,12 +135,11 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return run_ranks(every_case, 2, str(tmp))
 
 
-@pytest.mark.slow  # 12 jobs of 2 ranks, each with and without Lagom (about 2 minutes): CI's slower tier
-@pytest.mark.parametrize("arch,stage,overlap", CASES)
-def test_the_adopted_plan_covers_the_calls_the_job_issues(cases: list[dict[str, Any]], arch: str, stage: int,
-                                                          overlap: bool) -> None:
+@pytest.mark.slow  # 13 jobs of 2 ranks, each with and without Lagom (about 2 minutes): CI's slower tier
+@pytest.mark.parametrize("name", [f"{arch}-{stage}-{overlap}" for arch, stage, overlap in CASES] + ["pipeline"])
+def test_the_adopted_plan_covers_the_calls_the_job_issues(cases: list[dict[str, Any]], name: str) -> None:
     for rank, out in enumerate(cases):
-        case = out[f"{arch}-{stage}-{overlap}"]
+        case = out[name]
         assert case["same_losses"], f"rank {rank}: losses differ from the job without Lagom"
         assert case["off"] is None and case["tuned"] == 1, case
         after = case["coverage"]["after"]

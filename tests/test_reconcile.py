@@ -67,7 +67,13 @@ def test_a_key_called_in_another_step_only_is_placed_from_that_step(tmp_path: Pa
     records = [record("dp", "all_reduce", 3_000_000, 0.5, 0.6, 0, step=3),
                record("dp", "all_reduce", 3_000_000, 0.5, 0.6, 0, step=4),
                record("dp", "all_gather", 777_000, 0.2, 0.3, 1, step=4)]  # a prefetch that step 3 did not issue
+    records += [record("dp", "broadcast", 880, 0.1, 0.12, 2, step=4),  # ZeRO-3's, or a pipeline's loss
+                record("dp", "recv", 3_000_000, 0.5, 0.6, 3, step=4)]  # the receiving half of a send_recv
+    records += [record("dp", "send_recv", 3_000_000, 0.5, 0.6, 4, step=4)]
     out = reconcile(graph, hw, records, {3: 1.0, 4: 1.0})
     keys = out.graph.keys()
     assert len(keys["dp/all_reduce/3000000"]) == 1 and len(keys["dp/all_gather/777000"]) == 1
-    assert out.after.calls == 1.0 and out.after.bytes == 1.0
+    assert len(keys["dp/broadcast/880"]) == 1 and len(keys["dp/send_recv/3000000"]) == 1  # a receive adds no point
+    assert "dp/recv/3000000" not in keys and out.after.calls == 1.0 and out.after.bytes == 1.0
+    problem = Problem(out.graph, hw)
+    assert Simulator(problem.graph).run(nccl_configs(problem), problem.model).step_s > 0

@@ -90,7 +90,7 @@ def test_the_published_suite_loads_with_sources_and_enough_points(suite):
     (lambda d: d["points"][0].update(measured=-1), r"points\[0\]\.measured", "positive number"),
     (lambda d: d["points"][0].update(role="fit"), r"points\[0\]\.constants", "list them"),
     (lambda d: d["points"][0]["setup"].update(kind="guess"), r"setup\.kind", "busbw, latency"),
-    (lambda d: d["points"][0]["setup"]["comm"].update(collective="broadcast"), r"comm\.collective", "all_reduce"),
+    (lambda d: d["points"][0]["setup"]["comm"].update(collective="gather"), r"comm\.collective", "all_reduce"),
     (lambda d: d["points"][0]["setup"].pop("comm"), r"setup\.comm", "missing"),
     (lambda d: d["points"][0]["setup"].update(channels=4), r"setup\.channels", "means nothing to a latency point"),
     (lambda d: d["points"][0]["setup"].update(hardware=["a100-8x-100g", "h100-sxm-8x-400g"]), r"setup\.hardware",
