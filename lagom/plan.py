@@ -18,13 +18,12 @@ from typing import Any
 
 from lagom.calls import KeyIndex, TuningKey
 from lagom.capability import Capability, Scope
-from lagom.comm_config import Algorithm, CommConfig, CTAPolicy, Transport
+from lagom.comm_config import TUNER_COLLECTIVES, Algorithm, CommConfig, CTAPolicy, Transport
 from lagom.errors import ConfigError
 from lagom.hardware import Hardware
 from lagom.workload import Workload
 
 PLAN_VERSION = 2
-TUNER_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")  # sizes NCCL asks a tuner about
 
 
 @dataclass

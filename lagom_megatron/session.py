@@ -3,9 +3,10 @@
 ``Session.start_for(args, options)`` runs from the parsed arguments, before any process group exists:
 each rank then chooses a start plan of its own and sets nothing NCCL reads; at megatron's
 ``initialize_model_parallel`` (the default group exists, the groups the plan configures do not yet)
-every rank puts rank 0's plan in force (``TuningSession.agree_start``). A plan in force at start-up sets the DDP bucket size, the NCCL options of each process group (through
-megatron's ``get_nccl_options``), the process-wide NCCL variables and, with Transformer Engine, the
-userbuffers config. Explicit user flags win over the plan: the plan is made around them, and Lagom
+every rank puts rank 0's plan in force (``TuningSession.agree_start``). A plan in force at start-up
+sets the DDP bucket size, the NCCL options of each process group (through megatron's
+``get_nccl_options``), the process-wide NCCL variables and, with Transformer Engine, the userbuffers
+config. Explicit user flags win over the plan: the plan is made around them, and Lagom
 says once, at WARNING, what it would have changed and what not changing it is predicted to cost.
 Everything else (start plan, online tuning, drift, report) is ``lagom.runtime.session``.
 """

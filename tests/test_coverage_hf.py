@@ -46,16 +46,15 @@ def config(stage: int, overlap: bool, lagom: dict[str, Any] | None = None) -> di
 def train(engine: Any, rank: int, session: Any = None) -> list[float]:
     """STEPS steps; with a session, rank 0's search beside the steps is let finish before the 7th, so the plan is
     adopted at the same step however fast this machine is."""
-    import time
-
     import torch
+
+    from tests.test_deepspeed import searched_by_rank0
 
     g = torch.Generator().manual_seed(rank)
     losses = []
     for step in range(STEPS):
         if session is not None and step == 6:
-            while session._search is not None and not session._search.done:
-                time.sleep(0.01)
+            searched_by_rank0(session)
         ids = torch.randint(0, 256, (2, 32), generator=g)
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
@@ -92,13 +91,12 @@ def every_case(rank: int, world: int, tmp: str) -> dict[str, Any]:
 def pipeline_case(rank: int, tmp: str) -> dict[str, Any]:
     """examples/deepspeed/tiny_gpt.py's 2-stage PipelineModule, 2 micro-batches a step, with and without Lagom."""
     import sys
-    import time
 
     import deepspeed
     import torch
 
     import lagom_deepspeed
-    from tests.test_deepspeed import EXAMPLES, ds_config
+    from tests.test_deepspeed import EXAMPLES, ds_config, searched_by_rank0
 
     sys.path.insert(0, str(EXAMPLES))
     from tiny_gpt import pipeline
@@ -119,8 +117,7 @@ def pipeline_case(rank: int, tmp: str) -> dict[str, Any]:
                                                      "monitor_interval": 1000})
     session = engine.lagom
     losses = train_pipeline(engine, 6, rank)
-    while session._search is not None and not session._search.done:  # as ``train`` does for the ZeRO cases
-        time.sleep(0.01)
+    searched_by_rank0(session)  # as ``train`` does for the ZeRO cases
     losses += train_pipeline(engine, STEPS - 6, rank, first=6)
     out = {"same_losses": losses == reference, "coverage": session.reconciled, "off": session.off,
            "tuned": len(session.tuned)}

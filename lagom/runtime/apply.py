@@ -406,7 +406,8 @@ class Runtime:
         self.close()
 
 
-def _world_size() -> int | None:
+def job_world_size() -> int | None:
+    """The job's rank count: the default group's, else the launcher's WORLD_SIZE (torchrun, DeepSpeed), else None."""
     if dist.is_initialized():
         return dist.get_world_size()
     return int(os.environ["WORLD_SIZE"]) if os.environ.get("WORLD_SIZE", "").isdigit() else None
@@ -435,7 +436,7 @@ def open_runtime(plan: Plan | str | Path | None = None, *, strict_env: bool = Tr
     hardware = None
     if plan is not None:
         hardware = _hardware_for(plan, hw)
-        world = _world_size()
+        world = job_world_size()
         plan.check_for(world if world is not None else plan.world_size, hw=hardware)
         capability = capability or runtime_capability(hardware)
         check_capability(plan, capability)

@@ -103,9 +103,8 @@ def trial_note(decision: str, step_s: float, reference_s: float, p: float, alpha
     """The sentence a trial's decision is reported with, built from the figures its row prints (the window's mean
     step and the reference it was judged against) and the test's p-value of "no faster"."""
     change = step_s / reference_s - 1 if reference_s > 0 else 0.0
-    figures = (f"{step_s * 1e3:.2f} ms against {reference_s * 1e3:.2f} ms, "
-               f"{-change:.1%} faster" if change < 0 else
-               f"{step_s * 1e3:.2f} ms against {reference_s * 1e3:.2f} ms, {change:.1%} slower")
+    direction = f"{-change:.1%} faster" if change < 0 else f"{change:.1%} slower"
+    figures = f"{step_s * 1e3:.2f} ms against {reference_s * 1e3:.2f} ms, {direction}"
     if decision == "refused":
         return f"{figures}: refused unscored, its changed keys had no calls in its window"
     if decision == "reverted" and not final:

@@ -392,7 +392,6 @@ class SearchThread:
 
     def __init__(self, search: Callable[[], dict[str, Any]]) -> None:
         self.payload: dict[str, Any] | None = None
-        self.started = time.perf_counter()
         self._thread = threading.Thread(target=self._run, args=(search,), name="lagom-online-search", daemon=True)
         self._thread.start()
 

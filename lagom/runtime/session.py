@@ -26,9 +26,9 @@ engine's garbage collection); Lagom holds the framework's objects only weakly, s
 keeps an engine alive. Lagom's own collectives run only through ``control`` (every rank or none,
 under a timeout) and only at agreed steps: the steps every rank knows from the agreement before
 (``_next_agreement``). The tuner table every rank must share changes only there, in two phases
-(``_switch_table``: staged everywhere, then published everywhere, or discarded everywhere). A rank whose Lagom step logic raised keeps counting steps and, at the next
-agreed step, says so; every rank then switches Lagom off together (``switch_off``) and the framework
-runs on. A collective of Lagom's own that fails or times out switches Lagom off on the rank that saw
+(``_switch_table``: staged everywhere, then published everywhere, or discarded everywhere). A rank
+whose Lagom step logic raised keeps counting steps and, at the next agreed step, says so; every rank
+then switches Lagom off together (``switch_off``) and the framework runs on. A collective of Lagom's own that fails or times out switches Lagom off on the rank that saw
 it; its peers, waiting in the same collective, time out the same way.
 """
 
@@ -55,7 +55,7 @@ from lagom.flash_overlap import FlashOverlapConfig
 from lagom.hardware import Hardware
 from lagom.plan import Plan, PlanEntry
 from lagom.runtime import report
-from lagom.runtime.apply import open_runtime, registration_message, runtime_capability
+from lagom.runtime.apply import job_world_size, open_runtime, registration_message, runtime_capability
 from lagom.runtime.control import DEFAULT_TIMEOUT_S, Control
 from lagom.runtime.live import DEFAULT_BUDGET_S, ROUTED_FIELDS, LiveSearch, Trial, describe_live
 from lagom.runtime.monitor import Monitor
@@ -80,12 +80,6 @@ def _buffsize_in_force() -> int:
 
     value = os.environ.get("NCCL_BUFFSIZE", "")
     return int(value) if value.isdigit() and int(value) > 0 else DEFAULT_BUFFSIZE
-
-
-def _launched_ranks() -> int:
-    """The rank count the launcher gave this process (torchrun's, DeepSpeed's WORLD_SIZE), 1 when it says none."""
-    size = os.environ.get("WORLD_SIZE", "")
-    return int(size) if size.isdigit() else 1
 
 
 def _fingerprint(plan: Plan) -> str:
@@ -329,7 +323,7 @@ class TuningSession:
             return
         if self.capability is None:
             self.capability = self._with_registration(runtime_capability(self.hw))
-        if _launched_ranks() > 1 and not self.control.distributed:
+        if (job_world_size() or 1) > 1 and not self.control.distributed:
             self.runtime = open_runtime(None)  # records only: NCCL's own settings until the plan is agreed
             self._unagreed = self.start_plan()
             return
@@ -343,11 +337,12 @@ class TuningSession:
         if mine is None:
             return
         try:
-            rank0 = self.control.broadcast(self._start_message(mine), "the start plan")
+            own = self._start_message(mine)
+            rank0 = self.control.broadcast(own, "the start plan")
             plan = Plan.from_dict(json.loads(rank0["plan"]), "rank 0's start plan") if rank0["plan"] else None
             if plan is not None and _fingerprint(plan) != rank0["fingerprint"]:
                 raise LagomError("rank 0's start plan arrived altered (its fingerprint does not match)")
-            if self._start_message(mine)["fingerprint"] != rank0["fingerprint"]:
+            if own["fingerprint"] != rank0["fingerprint"]:
                 log.warning("Lagom on rank %d: this rank's own start plan (%s) differs from rank 0's (%s), e.g. a "
                             "stale node-local cache or a plan file missing here; rank 0's is used", rank(),
                             mine.source, rank0["source"])
@@ -413,6 +408,7 @@ class TuningSession:
         finally:
             if table is not None and table is not self.live_table:
                 table.close()
+
     def symmetric_groups(self) -> tuple[str, ...]:
         """Plan groups whose collective buffers the framework registers symmetrically (the adapters know): the
         ZERO CTA policy is planned there only. None by default."""
@@ -615,10 +611,9 @@ class TuningSession:
             return
         if self.live_on:  # the live search's steps: judged at the agreement, not measured as the tuned plan's
             return
-        if self.searching:  # the start plan runs on while rank 0 searches: measured, but no drift is watched
-            self.measured.add(step_s, records)
-            return
         self.measured.add(step_s, records)
+        if self.searching:  # the start plan runs on while rank 0 searches: measured, but no drift is watched
+            return
         if self.measured.steps == self.options.tune_steps:
             self.write_report()
         self._watch(step_s, records)
