@@ -26,12 +26,13 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "hw.yaml").write_text(HW)
         out = run_ranks(every_case, 2, tmp)[0]
-    print(f"{'case':<20} {'model: calls':>12} {'bytes':>7} {'reconciled: calls':>18} {'bytes':>7}  unplanned")
+    print(f"{'case':<20} {'model: calls':>12} {'bytes':>7} {'reconciled: calls':>18} {'bytes':>7}  unplanned; "
+          "keys made from calls the model lacked")
     for case, row in out.items():
         c = row["coverage"]
         before, after = c["before"], c["after"]
         print(f"{case:<20} {before['calls']:>12.1%} {before['bytes']:>7.1%} {after['calls']:>18.1%} "
-              f"{after['bytes']:>7.1%}  {', '.join(c['unplanned']) or '-'}")
+              f"{after['bytes']:>7.1%}  {', '.join(c['unplanned']) or '-'}; {', '.join(c['added']) or '-'}")
     return 0
 
 

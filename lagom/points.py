@@ -277,6 +277,7 @@ class _StepBuilder:
         self.tokens = wl.training.micro_batch * m.seq_len // p.cp  # tokens per rank before TP/SP split
         self.kv = m.kv_heads or m.heads
         self.head_dim = m.hidden // m.heads
+        self.deepspeed_buckets: dict[int, list[tuple[int | str, dict[str, float]]]] = {}  # per stage, built once
 
     # -- arithmetic helpers
     def _tiles(self, rows: float, cols: float) -> int:
@@ -624,33 +625,85 @@ def _data_parallel(b: _StepBuilder, s: _DeviceStream, stage: int, ready: dict[in
                    after=ready[bucket.ready] if wl.framework.overlap_grad_reduce else s.last)
         return
     # DeepSpeed 0.19 all-reduces the stage 0-2 gradient buckets (seen on its communication backend)
-    layers = _stage_layers(wl, stage)
-    groups = {"dense": _dp_group(b), "expert": b.groups.get("expt_dp", _dp_group(b))}
-    pending = {"dense": 0.0, "expert": 0.0}
-    count = 0
-    order = list(reversed(layers))
-    for pos, (idx, kind) in enumerate(order):
-        dense, expert = b.layer_params(kind, idx)
-        embedding = pos == len(order) - 1 and (stage == 0 or stage == p.pp - 1)
-        pending["dense"] += dense + (wl.model.vocab * wl.model.hidden / b.groups["tp"].size if embedding else 0.0)
-        pending["expert"] += expert
-        for part, group in groups.items():
-            if pending[part] and (pending[part] >= wl.framework.reduce_bucket_size or pos == len(order) - 1):
-                s.comm(f"grad.bucket{count}{'.expert' if part == 'expert' else ''}", Collective.ALL_REDUCE, group,
-                       pending[part] * b.grad_b, wait=None, after=ready[idx] if wl.framework.overlap_comm else s.last)
-                pending[part], count = 0.0, count + 1
+    for n, (ready_at, parts) in enumerate(_deepspeed_buckets(b, stage)):
+        for part, elems in parts.items():
+            group = b.groups.get("expt_dp", _dp_group(b)) if part == "expert" else _dp_group(b)
+            s.comm(f"grad.bucket{n}{'.expert' if part == 'expert' else ''}", Collective.ALL_REDUCE, group,
+                   elems * b.grad_b, wait=None, after=ready[ready_at] if wl.framework.overlap_comm else s.last)
+
+
+def deepspeed_buckets(numels: list[int], bucket_elems: int) -> list[int]:
+    """The gradient buckets DeepSpeed 0.19's ZeRO cuts backward into (``reduce_independent_p_g_buckets_and_remove_grads``
+    of stage_1_and_2.py and stage3.py): gradients join the open bucket in the order they are ready; the bucket is
+    reduced first when the next gradient would not fit (an empty one never is), and the last one when backward ends.
+    Elements per bucket."""
+    out: list[int] = []
+    elems = 0
+    for n in numels:
+        if n <= 0:
+            continue
+        if elems and elems + n > bucket_elems:
+            out.append(elems)
+            elems = 0
+        elems += n
+    return out + [elems] if elems else out
+
+
+def _deepspeed_buckets(b: _StepBuilder, stage: int) -> list[tuple[int | str, dict[str, float]]]:
+    if stage not in b.deepspeed_buckets:
+        b.deepspeed_buckets[stage] = _cut_deepspeed_buckets(b, stage)
+    return b.deepspeed_buckets[stage]
+
+
+def _cut_deepspeed_buckets(b: _StepBuilder, stage: int) -> list[tuple[int | str, dict[str, float]]]:
+    """A stage's DeepSpeed gradient buckets in backward order: the backward block that completes each, and its
+    elements per process group ("dense" over dp, "expert" over expt_dp: DeepSpeed reduces a mixed bucket with one
+    call per group).
+
+    The gradients are the job's own (``framework.grad_tensors``, read off the model by lagom_deepspeed) where the
+    workload has them for this stage, else the modelled tensors of ``stage_tensors``. A bucket is placed where the
+    modelled backward has produced the same share of the stage's gradient elements as the bucket closes at (ZeRO-1
+    without overlap_comm reduces after backward, and its buckets are placed there by ``_data_parallel``).
+    """
+    wl = b.wl
+    modelled = list(reversed(stage_tensors(b, stage)))  # backward produces gradients in reverse registration order
+    real = wl.framework.grad_tensors if wl.parallel.pp == 1 else None
+    numels = list(real) if real else [t.numel for t in modelled]
+    if wl.parallel.zero_stage <= 1 and not wl.framework.overlap_comm:  # no hooks: reduced after backward, in
+        modelled, numels = modelled[::-1], numels[::-1]  # registration order (stage_1_and_2's reduce_gradients)
+    total, modelled_total = float(sum(numels)), float(sum(t.numel for t in modelled))
+    out: list[tuple[int | str, dict[str, float]]] = []
+    at, done, closed = 0, 0.0, 0.0  # the modelled tensor reached, modelled elements before it, real elements closed
+    for elems in deepspeed_buckets(numels, b.wl.framework.reduce_bucket_size):
+        closed += elems
+        parts: dict[str, float] = {}
+        while at < len(modelled):  # the modelled tensors up to the share of elements this bucket closes at
+            t = modelled[at]
+            parts["expert" if t.expert else "dense"] = parts.get("expert" if t.expert else "dense", 0.0) + t.numel
+            done += t.numel
+            at += 1
+            if done >= closed / total * modelled_total * (1 - 1e-12):
+                break
+        if not parts:  # the modelled tensors ran out before the real ones (rounding): it closes with the last
+            parts = {"dense": float(elems)}
+        share = elems / sum(parts.values())  # the real bucket's elements, split as the modelled tensors it spans
+        out.append((modelled[at - 1].ready, {part: n * share for part, n in parts.items()}))
+    return out
 
 
 def _optimizer(b: _StepBuilder, s: _DeviceStream, stage: int, stage_params: float) -> None:
-    p = b.wl.parallel
+    p, f = b.wl.parallel, b.wl.framework
     dp = _dp_group(b)
     shard = dp.size if (p.distributed_optimizer or p.zero_stage >= 1 or p.fsdp) else 1
+    if p.zero_stage:  # DeepSpeed sums the squared gradient norm over dp before stepping: fp32 (ZeRO-1/2), fp64 (3)
+        s.comm("grad_norm", Collective.ALL_REDUCE, dp, 8 if p.zero_stage == 3 else 4, wait=None)
     s.seg("optimizer", 0.0, stage_params / shard * 16 * 2, stage_params / shard / 1024)
     if p.distributed_optimizer:  # megatron gathers the updated parameters bucket by bucket
         for n, (group, suffix, bucket) in enumerate(_megatron_buckets(b, stage)):
             s.comm(f"param.ag{n}{suffix}", Collective.ALL_GATHER, group, bucket.numel * b.b, wait=None)
     elif p.zero_stage in (1, 2):  # DeepSpeed 0.19 gathers the whole partitioned buffer in one call
-        s.comm("param.ag0", Collective.ALL_GATHER, dp, stage_params * b.b, wait=None)
+        gathered = sum(f.grad_tensors) if f.grad_tensors and p.pp == 1 else stage_params
+        s.comm("param.ag0", Collective.ALL_GATHER, dp, gathered * b.b, wait=None)
 
 
 def points_for(wl: Workload, hw: Hardware, *, stamped: bool = True) -> StepGraph:
@@ -697,6 +750,8 @@ def _points_for(wl: Workload, hw: Hardware, stamped: bool) -> StepGraph:
         if stage == p.pp - 1 and backward:
             b.head(s, True)
             ready["head"] = s.last  # type: ignore[assignment]
+            if sharded_params and with_grads:
+                reduce_scatter(s, stage, "head", 0.0)
         if stage == 0 and not backward:
             b.embedding(s, False)
         release = s.last  # ZeRO-3 prefetch: a layer's gather is released when the layer before it starts
@@ -709,13 +764,27 @@ def _points_for(wl: Workload, hw: Hardware, stamped: bool) -> StepGraph:
             b.layer(s, idx, kind, backward)
             ready[idx] = s.last  # type: ignore[assignment]
             if sharded_params and backward and with_grads:
-                s.comm(f"L{idx}.grad_rs", Collective.REDUCE_SCATTER, b.groups["dp"], params * b.grad_b, wait=None)
+                reduce_scatter(s, stage, idx, params)
         if stage == p.pp - 1 and not backward:
             b.head(s, False)
         if stage == 0 and backward:
             b.embedding(s, True)
             ready["embed"] = s.last  # type: ignore[assignment]
+            if sharded_params and with_grads:
+                reduce_scatter(s, stage, "embed", 0.0)
         return _Block(s.segments[first_idx].name, s.last)  # type: ignore[arg-type]
+
+    def reduce_scatter(s: _DeviceStream, stage: int, done: int | str, params: float) -> None:
+        """Sharded gradients once the backward block ``done`` is complete: DeepSpeed's ZeRO-3 buckets that close
+        there, or one reduce-scatter per layer (megatron's FSDP)."""
+        if wl.framework.name != "deepspeed":
+            if isinstance(done, int):
+                s.comm(f"L{done}.grad_rs", Collective.REDUCE_SCATTER, b.groups["dp"], params * b.grad_b, wait=None)
+            return
+        for n, (ready_at, parts) in enumerate(_deepspeed_buckets(b, stage)):
+            if ready_at == done:
+                s.comm(f"grad.bucket{n}", Collective.REDUCE_SCATTER, b.groups["dp"], sum(parts.values()) * b.grad_b,
+                       wait=None)
 
     def stage_params(stage: int) -> float:
         return float(sum(t.numel for t in stage_tensors(b, stage)))

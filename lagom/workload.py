@@ -104,6 +104,10 @@ class Framework:
     allgather_bucket_size: int = 500_000_000
     prefetch_bucket_size: int = 50_000_000  # deepspeed stage3_prefetch_bucket_size; 0: no prefetching
     overlap_comm: bool = True
+    # deepspeed: elements of each trainable parameter tensor in the order backward completes their gradients, read
+    # off the job's model (lagom_deepspeed); DeepSpeed's own bucket rule cuts them at any reduce_bucket_size. None:
+    # the tensors the model fields imply. Used where pp == 1 (a pipeline stage's tensors are only its own).
+    grad_tensors: list[int] | None = None
 
 
 @dataclass
@@ -193,6 +197,13 @@ def validate(wl: Workload, world_size: int | None = None) -> None:
     if m.decoder_seq_len:
         positive["model.decoder_seq_len"] = m.decoder_seq_len
     _check_sizes(positive)
+    if f.grad_tensors is not None:
+        if f.name != "deepspeed":
+            raise ConfigError("framework.grad_tensors", "describes DeepSpeed's gradient buckets",
+                              "remove it, or set framework.name: deepspeed")
+        if not f.grad_tensors or not all(0 <= n <= MAX_BUCKET_ELEMENTS for n in f.grad_tensors):
+            raise ConfigError("framework.grad_tensors", f"needs one element count (0 to {MAX_BUCKET_ELEMENTS:,}) "
+                              "per parameter tensor", "list the tensors' sizes, or leave it out")
     if not 0 <= f.prefetch_bucket_size <= MAX_BUCKET_ELEMENTS:  # 0: DeepSpeed's ZeRO-3 prefetching off
         raise ConfigError("framework.prefetch_bucket_size", f"must be 0 (no prefetch) to {MAX_BUCKET_ELEMENTS:,}, "
                           f"got {f.prefetch_bucket_size:,}")

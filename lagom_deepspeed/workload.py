@@ -17,6 +17,8 @@ taken as given and never inferred; the rest is inferred as follows (each choice 
 - training, parallel.zero_stage, framework: parsed by DeepSpeed's own ``DeepSpeedConfig`` (batch
   rules, "auto" values, aliases, defaults), so Lagom reads exactly what the engine will read.
 - parallel: pp from a ``PipelineModule``, tp from the ``mpu``, dp = world / (pp x tp).
+- framework.grad_tensors: the trainable parameters' sizes in the order backward completes their gradients, so that
+  the plan's gradient buckets are the ones DeepSpeed's own rule cuts from this model (``lagom.points``).
 A model Lagom cannot describe (no embedding, no repeated blocks, a mixture of experts, a shape the
 workload checks refuse) is not an error: ``Derived.workload`` is None and ``missing``/``why`` say
 which workload fields would let Lagom plan for it, so the session can fall back and warn once.
@@ -344,6 +346,12 @@ def _merge(wl: Workload, overrides: dict[str, Any]) -> Workload:
                           "override fields of lagom/workload.py's Workload") from None
 
 
+def grad_tensors(model: torch.nn.Module) -> list[int]:
+    """Each trainable parameter's elements in the order backward completes its gradient, as DeepSpeed's gradient
+    hooks see them: reverse registration order (a tied weight once, complete when its first user's backward is)."""
+    return [numel(p) for p in reversed(list(model.parameters())) if p.requires_grad]
+
+
 def describe(model: torch.nn.Module, ds_config: dict[str, Any], world_size: int, pp: int = 1, tp: int = 1,
              overrides: str | dict[str, Any] | None = None) -> Derived:
     """The job's workload, or why Lagom cannot describe it; every rank must call it (facts are gathered).
@@ -402,5 +410,5 @@ def describe(model: torch.nn.Module, ds_config: dict[str, Any], world_size: int,
         framework=Framework(name="deepspeed", reduce_bucket_size=knobs["reduce_bucket_size"],
                             allgather_bucket_size=knobs["allgather_bucket_size"],
                             prefetch_bucket_size=knobs["stage3_prefetch_bucket_size"],
-                            overlap_comm=knobs["overlap_comm"]))
+                            overlap_comm=knobs["overlap_comm"], grad_tensors=grad_tensors(model) if pp == 1 else None))
     return checked(_merge(wl, overrides) if overrides else wl, given)

@@ -1,9 +1,12 @@
 """Overlap points derived from workloads: which collectives, on which groups, with how many bytes."""
 
 from collections import Counter
+from dataclasses import replace
+
+import pytest
 
 from lagom.hardware import load_hardware
-from lagom.points import Collective, make_groups, points_for
+from lagom.points import Collective, deepspeed_buckets, make_groups, points_for, rank_params
 from lagom.workload import load_workload
 from tests.helpers import gpt_workload, write_yaml
 
@@ -49,8 +52,39 @@ def test_zero3_gathers_each_layer_in_forward_and_backward_with_prefetch(tmp_path
     assert len(ags) == 2 * wl.model.layers
     second = next(p for p in ags if p.name == "last.L1.param_ag")
     assert second.after == "last.embed"  # released when layer 0 starts: one layer of prefetch
-    rs = [p for p in graph.phases[-1].points if p.name.endswith("grad_rs")]
-    assert len(rs) == wl.model.layers and all(p.collective == Collective.REDUCE_SCATTER for p in rs)
+    rs = [p for p in graph.phases[-1].points if p.collective == Collective.REDUCE_SCATTER]
+    # one bucket of DeepSpeed's default 500M elements holds every gradient: reduced once backward is done
+    assert [p.name for p in rs] == ["last.grad.bucket0"] and rs[0].after == "last.embed.bwd"
+    assert rs[0].bytes == (rank_params(wl) + 2 * wl.model.hidden) * 4  # fp32 gradients, the final LayerNorm too
+
+
+def test_deepspeed_buckets_follow_deepspeeds_flush_rule():
+    # a bucket is reduced when the next gradient would not fit; a gradient larger than a bucket goes alone;
+    # empty tensors are skipped and an empty bucket is never reduced
+    assert deepspeed_buckets([3, 3, 3, 0, 10, 2, 2], 7) == [6, 3, 10, 4]
+    assert deepspeed_buckets([8], 7) == [8]
+    assert deepspeed_buckets([], 7) == []
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_buckets_are_cut_from_the_jobs_own_tensors(tmp_path, stage):
+    """With the job's gradient sizes in the workload, the plan's gradient buckets are exactly the ones DeepSpeed's
+    rule cuts from them, in backward order, each after the backward block whose share of elements it closes at."""
+    wl, hw = load(tmp_path, parallel={"tp": 1, "dp": 8, "sequence_parallel": False, "zero_stage": stage},
+                  framework={"name": "deepspeed", "reduce_bucket_size": 300_000})
+    tensors = [70_000, 250_000, 120_000, 90_000, 400_000, 60_000]
+    wl = replace(wl, framework=replace(wl.framework, grad_tensors=tensors))
+    coll = Collective.REDUCE_SCATTER if stage == 3 else Collective.ALL_REDUCE
+    phase = points_for(wl, hw).phases[-1]
+    graph_points = phase.points
+    buckets = [p for p in graph_points if p.collective == coll and ".grad.bucket" in p.name]
+    assert [p.bytes for p in buckets] == [n * 4 for n in deepspeed_buckets(tensors, 300_000)] == [
+        70_000 * 4, 250_000 * 4, 210_000 * 4, 400_000 * 4, 60_000 * 4]
+    assert [p.name for p in buckets] == [f"last.grad.bucket{n}" for n in range(5)]
+    order = [seg.name for seg in phase.segments[0]]
+    placed = [order.index(p.after) for p in buckets]
+    assert placed == sorted(placed) and buckets[0].after == "last.L1.ln1.bwd"  # the 2nd layer's backward (7% in)
+    assert buckets[-1].after == "last.embed.bwd"  # the last bucket closes with the embedding's backward
 
 
 def test_pipeline_1f1b_sends_activations_and_gradients(tmp_path):
