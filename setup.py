@@ -1,7 +1,9 @@
-"""Builds Lagom's NCCL tuner plugin (C, no CUDA) into lagom/nccl_tuner/; everything else is in pyproject.toml.
+"""Builds Lagom's NCCL plugins (C, no CUDA): the tuner into lagom/nccl_tuner/lib/, the profiler into
+lagom/nccl_profiler/lib/; everything else is in pyproject.toml.
 
-The plugin is an optional extension: without a C compiler the install goes on, prints why, and
-``lagom.nccl_tuner.path()`` returns None. An editable install (``pip install -e .``) builds it in place.
+Each plugin is an optional extension: without a C compiler the install goes on, prints why, and
+``lagom.nccl_tuner.path()`` / ``lagom.nccl_profiler.path()`` return None. An editable install
+(``pip install -e .``) builds them in place.
 """
 
 from __future__ import annotations
@@ -30,40 +32,58 @@ def _load_build_module():
 plugin_build = _load_build_module()
 # An extension name only places the file: lagom/nccl_tuner/lib/, named as get_ext_filename says.
 PLUGIN_MODULE = f"lagom.nccl_tuner.{plugin_build.LIBRARY_DIR}.nccl_tuner_plugin"
+PROFILER_DIR = "lagom/nccl_profiler"
+PROFILER_MODULE = f"lagom.nccl_profiler.{plugin_build.LIBRARY_DIR}.nccl_profiler_plugin"
+# Per plugin extension: what it builds, and what a job loses without it.
+PLUGINS = {
+    PLUGIN_MODULE: (plugin_build.TUNER, "planned algorithms, protocols, channels and chunks per size are then left to NCCL."),
+    PROFILER_MODULE: (plugin_build.PROFILER, "collectives are then measured through torch's hooks alone, and the "
+                      "report cannot say which algorithm, protocol and channels NCCL ran."),
+}
+
+
+def _plugin(fullname: str):
+    """The plugin an extension name stands for (matched on its last part, as build_ext passes either), or None."""
+    for module, (library, _) in PLUGINS.items():
+        if fullname.split(".")[-1] == module.split(".")[-1]:
+            return module, library
+    return None
 
 
 class BuildTunerPlugin(build_ext):
-    """Compiles the plugin as a plain shared library, under NCCL's name for it rather than a Python module's."""
+    """Compiles each plugin as a plain shared library, under NCCL's name for it rather than a Python module's."""
 
     def get_ext_filename(self, fullname: str) -> str:
-        if fullname.split(".")[-1] == PLUGIN_MODULE.split(".")[-1]:
-            return os.path.join(*fullname.split(".")[:-1], plugin_build.LIBRARY_NAME)
+        plugin = _plugin(fullname)
+        if plugin is not None:
+            return os.path.join(*fullname.split(".")[:-1], plugin[1].name)
         return super().get_ext_filename(fullname)
 
     def copy_extensions_to_source(self) -> None:
-        """Editable installs copy the library into the source tree, into a folder git does not keep."""
+        """Editable installs copy the libraries into the source tree, into folders git does not keep."""
         build_py = self.get_finalized_command("build_py")
-        Path(build_py.get_package_dir(PLUGIN_MODULE.rpartition(".")[0])).mkdir(parents=True, exist_ok=True)
+        for module in PLUGINS:
+            Path(build_py.get_package_dir(module.rpartition(".")[0])).mkdir(parents=True, exist_ok=True)
         super().copy_extensions_to_source()
 
     def build_extension(self, ext: Extension) -> None:
-        if ext.name != PLUGIN_MODULE:
+        if ext.name not in PLUGINS:
             super().build_extension(ext)
             return
+        library, without = PLUGINS[ext.name]
         try:
-            plugin_build.compile_plugin(Path(self.get_ext_fullpath(ext.name)))
+            plugin_build.compile_library(library, Path(self.get_ext_fullpath(ext.name)))
         except plugin_build.BuildError as err:
-            self.warn(f"Lagom's NCCL tuner plugin was not built: {err}\n"
-                      "Lagom works without it; planned algorithms, protocols, channels and chunks per size are "
-                      "then left to NCCL.")
+            self.warn(f"Lagom's NCCL plugin {library.name} was not built: {err}\nLagom works without it; {without}")
 
 
 setup(
     ext_modules=[Extension(
-        PLUGIN_MODULE,
-        sources=[f"{PLUGIN_DIR}/{name}" for name in plugin_build.SOURCES],
-        depends=[f"{PLUGIN_DIR}/{name}" for name in plugin_build.HEADERS],
+        module,
+        sources=[f"{folder}/{name}" for name in library.sources],
+        depends=[f"{folder}/{name}" for name in library.headers],
         optional=True,
-    )],
+    ) for module, folder, library in ((PLUGIN_MODULE, PLUGIN_DIR, plugin_build.TUNER),
+                                      (PROFILER_MODULE, PROFILER_DIR, plugin_build.PROFILER))],
     cmdclass={"build_ext": BuildTunerPlugin},
 )

@@ -1,8 +1,9 @@
-"""Compiles the tuner plugin with the system C compiler: no CUDA, no NCCL headers, no Python API.
+"""Compiles Lagom's NCCL plugins (the tuner, and the profiler in lagom/nccl_profiler/) with the system C
+compiler: no CUDA, no NCCL headers, no Python API.
 
 setup.py loads this file by path (the package is not importable while it is being built) and calls
-``compile_plugin`` for every install; the tests call it for sanitizer builds. Only the standard
-library is imported here.
+``compile_plugin`` and ``compile_profiler`` for every install; the tests call them for sanitizer builds.
+Only the standard library is imported here.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import subprocess
 import sysconfig
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 # NCCL's naming for tuner plugins (libnccl-tuner-<name>.so), in a folder without __init__.py: a .so
 # beside the package's modules would look like a Python extension module to pkgutil and importlib.
@@ -22,8 +24,24 @@ LIBRARY_DIR = "lib"
 SOURCE_DIR = Path(__file__).resolve().parent
 SOURCES = ("plugin.c", "rules.c")
 HEADERS = ("lagom_nccl_tuner.h", "rules.h")
-# Only the three ncclTunerPlugin_v* structs are exported (EXPORT in plugin.c).
+# Only the plugin structs and the functions Python calls are exported (EXPORT in each plugin.c).
 FLAGS = ("-std=c11", "-O2", "-fPIC", "-shared", "-fvisibility=hidden", "-Wall", "-Wextra")
+
+
+class CLibrary(NamedTuple):
+    """One plugin's shared library: NCCL's file name for it, and its C sources and headers in ``source_dir``.
+    (A NamedTuple: a dataclass needs its module in sys.modules, and setup.py loads this file by path.)"""
+
+    name: str
+    source_dir: Path
+    sources: tuple[str, ...]
+    headers: tuple[str, ...]
+
+
+TUNER = CLibrary(LIBRARY_NAME, SOURCE_DIR, SOURCES, HEADERS)
+# NCCL's naming for profiler plugins (libnccl-profiler-<name>.so); exports ncclProfiler_v4..v6 and the drain.
+PROFILER = CLibrary("libnccl-profiler-lagom.so", SOURCE_DIR.parent / "nccl_profiler", ("plugin.c", "ring.c"),
+                    ("lagom_nccl_profiler.h", "ring.h"))
 
 
 class BuildError(RuntimeError):
@@ -43,13 +61,23 @@ def c_compiler() -> list[str] | None:
 
 
 def compile_plugin(output: Path, extra_flags: Sequence[str] = ()) -> Path:
-    """Builds the shared library at ``output`` (flags such as ``-fsanitize=address`` go in ``extra_flags``)."""
+    """Builds the tuner's shared library at ``output`` (flags such as ``-fsanitize=address`` go in ``extra_flags``)."""
+    return compile_library(TUNER, output, extra_flags)
+
+
+def compile_profiler(output: Path, extra_flags: Sequence[str] = ()) -> Path:
+    """Builds the profiler's shared library at ``output``, as ``compile_plugin`` builds the tuner's."""
+    return compile_library(PROFILER, output, extra_flags)
+
+
+def compile_library(library: CLibrary, output: Path, extra_flags: Sequence[str] = ()) -> Path:
+    """Builds ``library`` at ``output``; BuildError says why it could not."""
     compiler = c_compiler()
     if compiler is None:
         chosen = os.environ.get("CC", "").strip()
         raise BuildError(f"CC={chosen} names no program" if chosen else "no C compiler found (set CC, or install gcc or clang)")
     output.parent.mkdir(parents=True, exist_ok=True)
-    command = [*compiler, *FLAGS, *extra_flags, *(str(SOURCE_DIR / name) for name in SOURCES), "-o", str(output)]
+    command = [*compiler, *FLAGS, *extra_flags, *(str(library.source_dir / name) for name in library.sources), "-o", str(output)]
     try:
         done = subprocess.run(command, capture_output=True, text=True, check=False)
     except OSError as err:

@@ -1,0 +1,246 @@
+"""Reads the profiler's ring from Python: one C call per step, no Python work on NCCL's path.
+
+``ProfilerDrain`` talks to the library instance NCCL loaded (ctypes opens the same file, which the dynamic
+loader maps once per process). ``drain()`` copies every finished record into a buffer allocated once and
+returns them as a NumPy structured array (cheap to aggregate per step); ``Drained.collectives()`` turns them
+into ``CollectiveRecord`` objects for reports. Records the ring dropped before a drain are counted, and said
+once in the log. ``group_names`` maps NCCL's communicator hashes to Lagom's group names.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from lagom import nccl_profiler
+
+log = logging.getLogger("lagom.nccl_profiler")
+
+RING_CAPACITY = 8192  # LAGOM_RING_CAPACITY in ring.h: one drain takes everything the ring holds
+# Lagom's names for NCCL's ids, indexed as the record stores them (lagom_nccl_profiler.h): ncclFunc_t,
+# NCCL_ALGO_* and NCCL_PROTO_*.
+FUNCTIONS = ("broadcast", "reduce", "all_gather", "reduce_scatter", "all_reduce", "send_recv", "send", "recv",
+             "all_to_all", "scatter", "gather")
+ALGORITHMS = ("tree", "ring", "collnet_direct", "collnet_chain", "nvls", "nvls_tree", "pat")
+PROTOCOLS = ("ll", "ll128", "simple")
+UNKNOWN = 255
+KIND_COPY_ENGINE = 1
+# Collectives whose descriptor count is one rank's share: Lagom's plan counts the whole buffer.
+PER_RANK_COUNT = ("all_gather", "reduce_scatter")
+
+
+class RecordC(ctypes.Structure):
+    """lagom_prof_record, field for field."""
+
+    _fields_ = [("comm_hash", ctypes.c_uint64), ("seq_number", ctypes.c_uint64), ("count", ctypes.c_uint64),
+                ("host_start_ns", ctypes.c_uint64), ("host_stop_ns", ctypes.c_uint64),
+                ("gpu_start_ns", ctypes.c_uint64), ("gpu_stop_ns", ctypes.c_uint64),
+                ("n_ranks", ctypes.c_uint32), ("rank", ctypes.c_int32),
+                ("func", ctypes.c_uint8), ("algorithm", ctypes.c_uint8), ("protocol", ctypes.c_uint8),
+                ("type_size", ctypes.c_uint8), ("channels", ctypes.c_uint8), ("warps", ctypes.c_uint8),
+                ("kind", ctypes.c_uint8), ("channel_events", ctypes.c_uint8)]
+
+
+RECORD_DTYPE = np.dtype([(name, np.dtype(kind)) for name, kind in (
+    ("comm_hash", "u8"), ("seq_number", "u8"), ("count", "u8"), ("host_start_ns", "u8"), ("host_stop_ns", "u8"),
+    ("gpu_start_ns", "u8"), ("gpu_stop_ns", "u8"), ("n_ranks", "u4"), ("rank", "i4"), ("func", "u1"),
+    ("algorithm", "u1"), ("protocol", "u1"), ("type_size", "u1"), ("channels", "u1"), ("warps", "u1"),
+    ("kind", "u1"), ("channel_events", "u1"))])
+assert RECORD_DTYPE.itemsize == ctypes.sizeof(RecordC) == 72
+
+
+class CommInfoC(ctypes.Structure):
+    """lagom_prof_comm_info."""
+
+    _fields_ = [("comm_hash", ctypes.c_uint64), ("n_ranks", ctypes.c_uint32), ("n_nodes", ctypes.c_uint32),
+                ("rank", ctypes.c_int32), ("name", ctypes.c_char * 64)]
+
+
+def _name(names: tuple[str, ...], index: int) -> str | None:
+    return names[index] if index < len(names) else None
+
+
+@dataclass(frozen=True)
+class CollectiveRecord:
+    """One collective as NCCL ran it. Names are Lagom's (``FUNCTIONS``, ``ALGORITHMS``, ``PROTOCOLS``); None
+    where NCCL gave a name this plugin does not know, or, for a copy-engine collective, no algorithm at all.
+    Host times are time.monotonic_ns(); GPU times NCCL's globaltimer ns (0 when no channel reported)."""
+
+    comm_hash: int
+    rank: int
+    n_ranks: int
+    function: str | None
+    seq_number: int
+    count: int
+    type_size: int
+    algorithm: str | None
+    protocol: str | None
+    channels: int
+    warps: int
+    copy_engine: bool
+    host_start_ns: int
+    host_stop_ns: int
+    gpu_start_ns: int
+    gpu_stop_ns: int
+    channel_events: int
+
+    @property
+    def bytes(self) -> int:
+        """The whole buffer, as Lagom's plan and NCCL's tuner count it (an all-gather's output, a
+        reduce-scatter's input)."""
+        share = self.count * self.type_size
+        return share * self.n_ranks if self.function in PER_RANK_COUNT else share
+
+    @property
+    def time_source(self) -> str:
+        """"gpu" when kernel channels reported their times, else "host" (NCCL's launch preparation only)."""
+        return "gpu" if self.channel_events > 0 and self.gpu_stop_ns > self.gpu_start_ns else "host"
+
+    @property
+    def duration_ns(self) -> int:
+        if self.time_source == "gpu":
+            return self.gpu_stop_ns - self.gpu_start_ns
+        return max(0, self.host_stop_ns - self.host_start_ns)
+
+
+@dataclass(frozen=True)
+class Drained:
+    """One drain: the records in the order NCCL finished them, and how many the ring dropped before it."""
+
+    records: np.ndarray  # RECORD_DTYPE, a copy the next drain does not touch
+    overwritten: int
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def collectives(self) -> list[CollectiveRecord]:
+        return [CollectiveRecord(
+            comm_hash=int(r["comm_hash"]), rank=int(r["rank"]), n_ranks=int(r["n_ranks"]),
+            function=_name(FUNCTIONS, int(r["func"])), seq_number=int(r["seq_number"]), count=int(r["count"]),
+            type_size=int(r["type_size"]), algorithm=_name(ALGORITHMS, int(r["algorithm"])),
+            protocol=_name(PROTOCOLS, int(r["protocol"])), channels=int(r["channels"]), warps=int(r["warps"]),
+            copy_engine=int(r["kind"]) == KIND_COPY_ENGINE, host_start_ns=int(r["host_start_ns"]),
+            host_stop_ns=int(r["host_stop_ns"]), gpu_start_ns=int(r["gpu_start_ns"]),
+            gpu_stop_ns=int(r["gpu_stop_ns"]), channel_events=int(r["channel_events"]))
+            for r in self.records]
+
+
+@dataclass(frozen=True)
+class ProfilerStats:
+    """The plugin's counters since it was loaded (lagom_prof_stats). ``version`` 0 and ``communicators`` 0:
+    NCCL never initialised it (not named by NCCL_PROFILER_PLUGIN before the first communicator)."""
+
+    published: int
+    overwritten: int
+    no_slot: int
+    lost_writes: int
+    abandoned: int
+    in_flight: int
+    communicators: int
+    version: int
+
+    @property
+    def dropped(self) -> int:
+        """Collectives that happened and will never be drained."""
+        return self.overwritten + self.no_slot + self.lost_writes + self.abandoned
+
+
+@dataclass(frozen=True)
+class Communicator:
+    """A communicator as NCCL described it to the profiler at init; ``name`` is its commName ('' when unset)."""
+
+    comm_hash: int
+    n_ranks: int
+    n_nodes: int
+    rank: int
+    name: str
+
+
+class ProfilerDrain:
+    """The profiler NCCL loaded in this process (``library``: default this install's, the file
+    ``NCCL_PROFILER_PLUGIN`` should name). One reader per process: the recorder, once per step."""
+
+    def __init__(self, library: Path | None = None) -> None:
+        path = library or nccl_profiler.path()
+        if path is None:
+            raise FileNotFoundError(nccl_profiler.UNAVAILABLE)
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        lib.lagom_profiler_drain.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_uint64)]
+        lib.lagom_profiler_drain.restype = ctypes.c_size_t
+        lib.lagom_profiler_stats.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
+        lib.lagom_profiler_stats.restype = ctypes.c_size_t
+        lib.lagom_profiler_communicators.argtypes = [ctypes.POINTER(CommInfoC), ctypes.c_size_t]
+        lib.lagom_profiler_communicators.restype = ctypes.c_size_t
+        lib.lagom_profiler_test_push.argtypes = [ctypes.POINTER(RecordC)]
+        lib.lagom_profiler_test_push.restype = None
+        self._lib = lib
+        self._buffer = np.zeros(RING_CAPACITY, dtype=RECORD_DTYPE)  # allocated once: a drain allocates only its copy
+        self._address = self._buffer.ctypes.data
+        self._overwritten = ctypes.c_uint64()
+        self._drain = lib.lagom_profiler_drain
+        self.dropped_total = 0
+        self._dropped_said = False
+
+    def drain(self) -> Drained:
+        """Every record finished since the last drain (one C call), oldest first."""
+        n = self._drain(self._address, RING_CAPACITY, ctypes.byref(self._overwritten))
+        overwritten = self._overwritten.value
+        if overwritten:
+            self.dropped_total += overwritten
+            if not self._dropped_said:
+                self._dropped_said = True
+                log.warning("NCCL profiler: the ring dropped %d collective records before they were read (it holds "
+                            "%d; drain more often); later drops are counted in dropped_total, not logged",
+                            overwritten, RING_CAPACITY)
+        return Drained(self._buffer[:n].copy(), overwritten)
+
+    def stats(self) -> ProfilerStats:
+        words = (ctypes.c_uint64 * 8)()
+        self._lib.lagom_profiler_stats(words, len(words))
+        return ProfilerStats(*(int(w) for w in words))
+
+    def communicators(self) -> list[Communicator]:
+        infos = (CommInfoC * 256)()
+        n = self._lib.lagom_profiler_communicators(infos, len(infos))
+        return [Communicator(int(c.comm_hash), int(c.n_ranks), int(c.n_nodes), int(c.rank),
+                             c.name.decode(errors="replace")) for c in infos[:n]]
+
+    def push(self, record: RecordC) -> None:
+        """Writes a record into the ring as a finished collective does (tests and the benchmark)."""
+        self._lib.lagom_profiler_test_push(ctypes.byref(record))
+
+
+@dataclass(frozen=True)
+class GroupMatch:
+    """Which Lagom group a communicator is, and how that was decided: "hash" (torch gave the communicator's
+    hash), "comm_name" (NCCL's commName is the group's name), "rank_count" (the only group of that size), or
+    "ambiguous" (``group`` is None: several groups of that size, none named)."""
+
+    group: str | None
+    method: str
+
+
+def group_names(communicators: list[Communicator], groups: Mapping[str, int],
+                known_hashes: Mapping[int, str] | None = None) -> dict[int, GroupMatch]:
+    """Maps each communicator's hash to a group of ``groups`` ({name: rank count}), by the surest method that
+    applies: a hash torch exposed, then NCCL's commName, then a unique rank count."""
+    by_size: dict[int, list[str]] = {}
+    for name, size in groups.items():
+        by_size.setdefault(size, []).append(name)
+    out: dict[int, GroupMatch] = {}
+    for comm in communicators:
+        if known_hashes and comm.comm_hash in known_hashes:
+            out[comm.comm_hash] = GroupMatch(known_hashes[comm.comm_hash], "hash")
+        elif comm.name in groups:
+            out[comm.comm_hash] = GroupMatch(comm.name, "comm_name")
+        elif len(by_size.get(comm.n_ranks, [])) == 1:
+            out[comm.comm_hash] = GroupMatch(by_size[comm.n_ranks][0], "rank_count")
+        else:
+            out[comm.comm_hash] = GroupMatch(None, "ambiguous")
+    return out

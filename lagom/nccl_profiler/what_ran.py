@@ -1,0 +1,144 @@
+"""Whether the plan is what runs: NCCL's own account of each collective (the profiler's records) against the
+plan's choice for its key.
+
+``compare`` is pure: it takes the drained records, the plan, and the group of each communicator hash
+(``drain.group_names``), and returns one ``KeyRun`` per planned key that ran, plus the records it could not
+place. ``mismatch_lines`` gives one line per key where NCCL ran something else, with the reason where it is
+known; ``markdown`` the report's what-ran table.
+
+What is compared, per key:
+  - a key the tuner plugin has a rule for (``config.by_tuner``): NCCL's algorithm, protocol and channels;
+    a different algorithm or protocol means the rule did not fire; fewer channels than planned is NCCL's
+    own trimming (small messages use fewer channels; ring and tree are capped by the communicator's count).
+  - a key planned on copy engines (CTA policy ZERO): whether NCCL ran it on copy engines.
+  - any other key: NCCL decides, and the table only says what it chose.
+The chunk NCCL used is not in the profiler's records (v4 .. v6), so chunk clamps are not checked here.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from lagom.comm_config import CTAPolicy, Decomposition
+from lagom.nccl_profiler.drain import CollectiveRecord, GroupMatch
+from lagom.plan import Plan, PlanEntry
+
+
+@dataclass(frozen=True)
+class Planned:
+    """The plan's choice for a key, in the profiler's names (lowercase NCCL names)."""
+
+    algorithm: str
+    protocol: str
+    channels: int
+    by_tuner: bool
+    copy_engine: bool
+
+    @classmethod
+    def of(cls, entry: PlanEntry) -> Planned:
+        c = entry.config
+        return cls(str(c.algorithm).lower(), str(c.protocol).lower(), c.channels, c.by_tuner,
+                   c.cta_policy == CTAPolicy.ZERO)
+
+
+@dataclass
+class KeyRun:
+    """What NCCL ran for one planned key: the calls seen and each choice's count."""
+
+    key: str
+    planned: Planned
+    calls: int = 0
+    ran: Counter[tuple[str | None, str | None, int, bool]] = field(default_factory=Counter)  # (algo, proto, ch, ce)
+    mismatched: int = 0
+    reasons: Counter[str] = field(default_factory=Counter)
+
+    def most_run(self) -> tuple[str | None, str | None, int, bool]:
+        return self.ran.most_common(1)[0][0]
+
+
+@dataclass
+class Comparison:
+    """``keys``: the planned keys that ran, in plan order. ``unplaced``: records of a communicator no group
+    was matched to (counted by its hash). ``unplanned``: records of a known group that no key covers."""
+
+    keys: list[KeyRun]
+    unplaced: Counter[int] = field(default_factory=Counter)
+    unplanned: int = 0
+
+
+def _reason(planned: Planned, algorithm: str | None, protocol: str | None, channels: int, copy_engine: bool) -> str:
+    """Why one call differs from the plan; '' when it does not."""
+    if planned.copy_engine and not copy_engine:
+        return ("planned on copy engines (CTA policy ZERO), ran as a kernel: NCCL uses copy engines only for "
+                "buffers registered in a symmetric window on one NVLink domain")
+    if not planned.by_tuner:
+        return ""
+    if copy_engine:
+        return "planned for the tuner's kernel, ran on copy engines (the communicator's CTA policy is ZERO)"
+    if (algorithm, protocol) != (planned.algorithm, planned.protocol):
+        return (f"the tuner rule did not fire: NCCL ran {algorithm}/{protocol} (plugin not loaded, no rule for this "
+                "communicator's rank and node counts, or an NCCL group asked once at its members' total size)")
+    if channels < planned.channels:
+        return (f"NCCL ran {channels} channels of the planned {planned.channels} (too little data to fill them, or "
+                "capped by the communicator's channels" + (", NVLS's own count" if algorithm == "nvls" else "") + ")")
+    if channels > planned.channels:
+        return f"NCCL ran {channels} channels, more than the planned {planned.channels}"
+    return ""
+
+
+def compare(records: Iterable[CollectiveRecord], plan: Plan, groups: Mapping[int, GroupMatch]) -> Comparison:
+    """Each record placed on its plan key (by group, collective and whole-buffer size, as the recorder
+    places calls) and checked against the plan's choice for that key."""
+    runs: dict[str, KeyRun] = {}
+    out = Comparison(keys=[])
+    for record in records:
+        match = groups.get(record.comm_hash)
+        if match is None or match.group is None or record.function is None:
+            out.unplaced[record.comm_hash] += 1
+            continue
+        entry = plan.lookup(match.group, record.function, record.bytes)
+        if entry is None or entry.config.decomposition != Decomposition.COLLECTIVE:
+            out.unplanned += 1
+            continue
+        run = runs.get(entry.key)
+        if run is None:
+            run = runs[entry.key] = KeyRun(entry.key, Planned.of(entry))
+        run.calls += 1
+        run.ran[(record.algorithm, record.protocol, record.channels, record.copy_engine)] += 1
+        reason = _reason(run.planned, record.algorithm, record.protocol, record.channels, record.copy_engine)
+        if reason:
+            run.mismatched += 1
+            run.reasons[reason] += 1
+    order = {e.key: i for i, e in enumerate(plan.entries)}
+    out.keys = sorted(runs.values(), key=lambda r: order[r.key])
+    return out
+
+
+def mismatch_lines(comparison: Comparison) -> list[str]:
+    """One line per key where NCCL did not run the plan, with its most frequent reason."""
+    lines = []
+    for run in comparison.keys:
+        if run.mismatched:
+            reason, _ = run.reasons.most_common(1)[0]
+            lines.append(f"{run.key}: {run.mismatched} of {run.calls} calls not as planned: {reason}")
+    if comparison.unplaced:
+        lines.append(f"{sum(comparison.unplaced.values())} calls on {len(comparison.unplaced)} communicators "
+                     "matched to no group (several groups of that size, none named): not compared")
+    return lines
+
+
+def _choice(algorithm: str | None, protocol: str | None, channels: int, copy_engine: bool) -> str:
+    return "copy engines" if copy_engine else f"{algorithm or '?'}/{protocol or '?'} x{channels}"
+
+
+def markdown(comparison: Comparison) -> str:
+    """The report's what-ran table: per key, the plan's choice, what NCCL ran most, and the calls that differ."""
+    rows = ["| key | planned | NCCL ran (most calls) | calls | not as planned |", "|---|---|---|---:|---:|"]
+    for run in comparison.keys:
+        p = run.planned
+        planned = ("copy engines" if p.copy_engine else
+                   f"{p.algorithm}/{p.protocol} x{p.channels}" if p.by_tuner else "NCCL decides")
+        rows.append(f"| {run.key} | {planned} | {_choice(*run.most_run())} | {run.calls} | {run.mismatched} |")
+    return "\n".join(rows) + "\n"

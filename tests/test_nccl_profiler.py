@@ -1,0 +1,323 @@
+"""The profiler plugin called as NCCL calls it, drained through the path the recorder uses (CPU, no NCCL).
+
+Each test gets its own copy of the built library, so its ring and counters start empty (the dynamic loader
+maps a file once per process, and the ring is per library instance). NCCL's calls are made through the
+exported ncclProfiler_v4/v5/v6 structs with descriptors laid out as lagom_nccl_profiler.h restates them
+(tests/nccl_profiler_abi.c checks that layout against NCCL's own headers).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+
+from lagom import nccl_profiler
+from lagom.comm_config import Algorithm, CommConfig, CTAPolicy, Protocol
+from lagom.nccl_profiler import drain as profiler
+from lagom.nccl_profiler import what_ran
+from lagom.nccl_tuner import build
+from lagom.plan import Plan, PlanEntry
+from tests.test_nccl_tuner import compiler_or_skip
+
+COLL, KERNEL_CH, CE_COLL, KERNEL_CH_STOP = 1 << 1, 1 << 6, 1 << 12, 22
+
+
+class CollV5(ctypes.Structure):
+    _fields_ = [("seqNumber", ctypes.c_uint64), ("func", ctypes.c_char_p), ("sendBuff", ctypes.c_void_p),
+                ("recvBuff", ctypes.c_void_p), ("count", ctypes.c_size_t), ("root", ctypes.c_int),
+                ("datatype", ctypes.c_char_p), ("nChannels", ctypes.c_uint8), ("nWarps", ctypes.c_uint8),
+                ("algo", ctypes.c_char_p), ("proto", ctypes.c_char_p), ("parentGroup", ctypes.c_void_p)]
+
+
+class KernelCh(ctypes.Structure):
+    _fields_ = [("channelId", ctypes.c_uint8), ("pTimer", ctypes.c_uint64)]
+
+
+class CeColl(ctypes.Structure):
+    _fields_ = [("seqNumber", ctypes.c_uint64), ("func", ctypes.c_char_p), ("sendBuff", ctypes.c_void_p),
+                ("recvBuff", ctypes.c_void_p), ("count", ctypes.c_size_t), ("root", ctypes.c_int),
+                ("datatype", ctypes.c_char_p), ("syncStrategy", ctypes.c_char_p), ("intraBatchSync", ctypes.c_bool),
+                ("batchSize", ctypes.c_uint32), ("numBatches", ctypes.c_uint32), ("ceSeqNum", ctypes.c_uint32),
+                ("stream", ctypes.c_void_p)]
+
+
+class Payload(ctypes.Union):
+    _fields_ = [("coll", CollV5), ("kernelCh", KernelCh), ("ceColl", CeColl)]
+
+
+class DescrV6(ctypes.Structure):
+    _anonymous_ = ("u",)
+    _fields_ = [("type", ctypes.c_uint64), ("parentObj", ctypes.c_void_p), ("rank", ctypes.c_int), ("u", Payload)]
+
+
+class DescrV4(ctypes.Structure):
+    _anonymous_ = ("u",)
+    _fields_ = [("type", ctypes.c_uint8), ("parentObj", ctypes.c_void_p), ("rank", ctypes.c_int), ("u", Payload)]
+
+
+class StateArgs(ctypes.Union):
+    _fields_ = [("pTimer", ctypes.c_uint64)]
+
+
+HANDLE = ctypes.POINTER(ctypes.c_void_p)
+INIT_V6 = ctypes.CFUNCTYPE(ctypes.c_int, HANDLE, ctypes.c_uint64, ctypes.POINTER(ctypes.c_int), ctypes.c_char_p,
+                           ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p)
+INIT_V4 = ctypes.CFUNCTYPE(ctypes.c_int, HANDLE, ctypes.POINTER(ctypes.c_int), ctypes.c_char_p, ctypes.c_uint64,
+                           ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p)
+STOP = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+RECORD = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(StateArgs))
+
+
+def _plugin_struct(init: type, descr: type) -> type:
+    start = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, HANDLE, ctypes.POINTER(descr))
+    return type("Plugin", (ctypes.Structure,), {"_fields_": [
+        ("name", ctypes.c_char_p), ("init", init), ("startEvent", start), ("stopEvent", STOP),
+        ("recordEventState", RECORD), ("finalize", STOP)]})
+
+
+PLUGIN_V6 = _plugin_struct(INIT_V6, DescrV6)
+PLUGIN_V4 = _plugin_struct(INIT_V4, DescrV4)
+
+
+class Nccl:
+    """Calls one plugin interface as NCCL does, on one communicator."""
+
+    def __init__(self, lib: ctypes.CDLL, version: int, comm_hash: int = 0xC0FFEE, n_ranks: int = 4,
+                 name: bytes = b"") -> None:
+        self.version = version
+        self.plugin = (PLUGIN_V4 if version == 4 else PLUGIN_V6).in_dll(lib, f"ncclProfiler_v{version}")
+        self.descr_type = DescrV4 if version == 4 else DescrV6
+        self.context = ctypes.c_void_p()
+        self.mask = ctypes.c_int(0)
+        if version == 4:
+            self.plugin.init(ctypes.byref(self.context), ctypes.byref(self.mask), name, comm_hash, 1, n_ranks, 0, None)
+        else:
+            self.plugin.init(ctypes.byref(self.context), comm_hash, ctypes.byref(self.mask), name, 1, n_ranks, 0, None)
+
+    def start(self, descr: ctypes.Structure) -> ctypes.c_void_p:
+        handle = ctypes.c_void_p(0xDEAD)  # NCCL's slot holds garbage until the plugin writes it
+        self.plugin.startEvent(self.context, ctypes.byref(handle), ctypes.byref(descr))
+        return handle
+
+    def coll(self, seq: int, func: bytes = b"AllReduce", count: int = 1024, datatype: bytes = b"ncclFloat32",
+             channels: int = 2, warps: int = 16, algo: bytes = b"RING", proto: bytes = b"SIMPLE") -> ctypes.c_void_p:
+        d = self.descr_type(type=COLL, rank=1)
+        d.coll = CollV5(seqNumber=seq, func=func, count=count, datatype=datatype, nChannels=channels, nWarps=warps,
+                        algo=algo, proto=proto)
+        return self.start(d)
+
+    def channel(self, parent: ctypes.c_void_p, channel: int, start_ns: int) -> ctypes.c_void_p:
+        d = self.descr_type(type=KERNEL_CH, parentObj=parent)
+        d.kernelCh = KernelCh(channelId=channel, pTimer=start_ns)
+        return self.start(d)
+
+    def channel_end(self, handle: ctypes.c_void_p, stop_ns: int) -> None:
+        self.plugin.recordEventState(handle, KERNEL_CH_STOP, ctypes.byref(StateArgs(pTimer=stop_ns)))
+        self.plugin.stopEvent(handle)
+
+    def stop(self, handle: ctypes.c_void_p) -> None:
+        self.plugin.stopEvent(handle)
+
+    def run(self, seq: int, channel_times: list[tuple[int, int]], **coll: object) -> None:
+        """One collective as NCCL reports it: Coll start and stop on the launching thread, then each channel."""
+        handle = self.coll(seq, channels=len(channel_times), **coll)  # type: ignore[arg-type]
+        self.stop(handle)
+        for i, (start, stop) in enumerate(channel_times):
+            self.channel_end(self.channel(handle, i, start), stop)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> Path:
+    compiler_or_skip()
+    return build.compile_profiler(tmp_path_factory.mktemp("profiler") / nccl_profiler.LIBRARY_NAME, ["-Werror"])
+
+
+@pytest.fixture
+def library(built: Path, tmp_path: Path) -> Path:
+    """A fresh instance of the plugin: a copy under another path, so its ring and counters start empty."""
+    copy = tmp_path / built.name
+    shutil.copy(built, copy)
+    return copy
+
+
+@pytest.fixture
+def nccl(library: Path):
+    lib = ctypes.CDLL(str(library))
+    return lambda version=6, **kw: Nccl(lib, version, **kw)
+
+
+def test_the_install_builds_the_profiler_beside_the_tuner() -> None:
+    compiler_or_skip()
+    assert nccl_profiler.path() is not None, "a C compiler exists but lagom/nccl_profiler has no plugin: pip install -e ."
+    assert nccl_profiler.env() == {"NCCL_PROFILER_PLUGIN": str(nccl_profiler.path())}
+    assert build.PROFILER.name == nccl_profiler.LIBRARY_NAME
+
+
+def test_a_collective_is_one_record_with_what_nccl_ran_and_its_gpu_times(nccl, library) -> None:
+    comm = nccl(6, comm_hash=0xABCDEF0123, n_ranks=4)
+    assert comm.mask.value == COLL | KERNEL_CH | CE_COLL
+    reader = profiler.ProfilerDrain(library)
+    handle = comm.coll(7, func=b"AllGather", count=1024, datatype=b"ncclBfloat16", channels=2, warps=16,
+                       algo=b"NVLS", proto=b"LL128")
+    comm.stop(handle)  # NCCL stops Coll before the kernel runs: the record waits for its channels
+    first = comm.channel(handle, 0, 5_000)
+    second = comm.channel(handle, 1, 4_000)
+    comm.channel_end(first, 9_000)
+    assert len(reader.drain()) == 0
+    comm.channel_end(second, 8_000)
+    got = reader.drain()
+    assert got.overwritten == 0
+    [record] = got.collectives()
+    assert (record.comm_hash, record.rank, record.n_ranks, record.function, record.seq_number, record.count,
+            record.type_size, record.algorithm, record.protocol, record.channels, record.warps, record.copy_engine,
+            record.gpu_start_ns, record.gpu_stop_ns, record.channel_events) == \
+        (0xABCDEF0123, 1, 4, "all_gather", 7, 1024, 2, "nvls", "ll128", 2, 16, False, 4_000, 9_000, 2)
+    assert record.bytes == 1024 * 2 * 4  # the whole gathered buffer, as the plan counts it
+    assert record.time_source == "gpu" and record.duration_ns == 5_000
+    assert 0 < record.host_start_ns <= record.host_stop_ns
+    assert reader.stats().version == 6 and reader.stats().published == 1 and reader.stats().in_flight == 0
+
+
+@pytest.mark.parametrize("version", [4, 5])
+def test_older_interfaces_give_the_same_record(nccl, library, version) -> None:
+    comm = nccl(version)
+    assert comm.mask.value == COLL | KERNEL_CH  # no copy-engine events before v6
+    comm.run(3, [(100, 300), (150, 250)], func=b"ReduceScatter", count=10, datatype=b"ncclFloat64", algo=b"PAT",
+             proto=b"LL")
+    [record] = profiler.ProfilerDrain(library).drain().collectives()
+    assert (record.function, record.seq_number, record.bytes, record.algorithm, record.protocol, record.channels,
+            record.gpu_start_ns, record.gpu_stop_ns) == ("reduce_scatter", 3, 10 * 8 * 4, "pat", "ll", 2, 100, 300)
+
+
+def test_copy_engine_collectives_and_host_times(nccl, library, monkeypatch) -> None:
+    comm = nccl(6)
+    d = DescrV6(type=CE_COLL)
+    d.ceColl = CeColl(seqNumber=11, func=b"AllGather", count=256, datatype=b"ncclInt8", syncStrategy=b"MC")
+    comm.stop(comm.start(d))
+    monkeypatch.setenv("LAGOM_NCCL_PROFILER_GPU_TIMES", "0")
+    host_only = nccl(6, comm_hash=2)
+    assert host_only.mask.value == COLL | CE_COLL
+    host_only.stop(host_only.coll(12, channels=4))  # no channel expected: published at Coll stop
+    ce, kernel = profiler.ProfilerDrain(library).drain().collectives()
+    assert (ce.copy_engine, ce.function, ce.seq_number, ce.bytes, ce.algorithm, ce.time_source) == \
+        (True, "all_gather", 11, 256 * 4, None, "host")
+    assert (kernel.comm_hash, kernel.seq_number, kernel.channels, kernel.channel_events, kernel.time_source) == \
+        (2, 12, 4, 0, "host")
+
+
+def test_malformed_calls_are_ignored_without_a_crash(nccl, library) -> None:
+    comm = nccl(6)
+    handle = ctypes.c_void_p(0xDEAD)
+    comm.plugin.startEvent(comm.context, ctypes.byref(handle), None)  # no descriptor
+    assert handle.value is None
+    assert comm.start(DescrV6(type=1 << 40)).value is None  # a type from a later NCCL
+    assert comm.start(DescrV6(type=1 << 0)).value is None  # groups are not recorded
+    stray = ctypes.create_string_buffer(64)
+    assert comm.channel(ctypes.c_void_p(ctypes.addressof(stray)), 0, 1).value is None  # parent not one of ours
+    assert comm.channel(ctypes.c_void_p(None), 0, 1).value is None
+    comm.plugin.stopEvent(ctypes.addressof(stray))
+    comm.plugin.stopEvent(None)
+    comm.plugin.recordEventState(ctypes.addressof(stray), KERNEL_CH_STOP, None)
+    comm.plugin.startEvent(None, ctypes.byref(handle), ctypes.byref(DescrV6(type=COLL)))  # no context
+    assert handle.value is None
+    comm.stop(comm.coll(1, channels=0, func=b"NewCollective", datatype=b"ncclFloat4", algo=b"FUTURE", proto=b""))
+    comm.plugin.finalize(None)
+    [record] = profiler.ProfilerDrain(library).drain().collectives()  # only the unknown collective, as unknown
+    assert (record.function, record.algorithm, record.protocol, record.type_size, record.bytes) == \
+        (None, None, None, 0, 0)
+
+
+def test_a_full_ring_drops_the_oldest_and_says_so_once(library, caplog) -> None:
+    reader = profiler.ProfilerDrain(library)
+    extra = 100
+    for seq in range(profiler.RING_CAPACITY + extra):
+        reader.push(profiler.RecordC(comm_hash=9, seq_number=seq, func=4, type_size=4, count=seq))
+    with caplog.at_level(logging.WARNING, logger="lagom.nccl_profiler"):
+        got = reader.drain()
+        assert got.overwritten == extra and len(got) == profiler.RING_CAPACITY
+        assert [int(s) for s in got.records["seq_number"][[0, -1]]] == [extra, profiler.RING_CAPACITY + extra - 1]
+        assert (got.records["count"] == got.records["seq_number"]).all()  # no record torn
+        for seq in range(profiler.RING_CAPACITY + 5):
+            reader.push(profiler.RecordC(seq_number=seq))
+        assert reader.drain().overwritten == 5
+    said = [r for r in caplog.records if "dropped" in r.getMessage()]
+    assert len(said) == 1 and "dropped 100 " in said[0].getMessage()
+    assert reader.dropped_total == 105 and reader.stats().overwritten == 105
+    assert len(reader.drain()) == 0
+
+
+def test_slots_run_out_and_finalize_frees_what_never_finished(nccl, library) -> None:
+    comm = nccl(6)
+    handles = [comm.coll(seq) for seq in range(1030)]  # never stopped: waiting like a kernel that never ran
+    assert sum(h.value is None for h in handles) == 6
+    reader = profiler.ProfilerDrain(library)
+    stats = reader.stats()
+    assert (stats.no_slot, stats.in_flight) == (6, 1024)
+    comm.plugin.finalize(comm.context)
+    stats = reader.stats()
+    assert (stats.abandoned, stats.in_flight, stats.dropped) == (1024, 0, 1030)
+    other = nccl(6, comm_hash=5)
+    other.run(1, [(1, 2)])
+    assert len(reader.drain()) == 1  # the pool is free again
+
+
+def test_communicators_map_to_groups_by_name_then_size(nccl, library) -> None:
+    nccl(6, comm_hash=1, n_ranks=8, name=b"dp")
+    nccl(6, comm_hash=2, n_ranks=2)
+    nccl(6, comm_hash=3, n_ranks=4)
+    nccl(6, comm_hash=4, n_ranks=4)
+    comms = profiler.ProfilerDrain(library).communicators()
+    assert [(c.comm_hash, c.n_ranks, c.name) for c in comms] == [(1, 8, "dp"), (2, 2, ""), (3, 4, ""), (4, 4, "")]
+    groups = {"dp": 8, "tp": 2, "pp": 4, "cp": 4}
+    got = profiler.group_names(comms, groups, known_hashes={4: "cp"})
+    assert got == {1: profiler.GroupMatch("dp", "comm_name"), 2: profiler.GroupMatch("tp", "rank_count"),
+                   3: profiler.GroupMatch(None, "ambiguous"), 4: profiler.GroupMatch("cp", "hash")}
+
+
+def _entry(group: str, collective: str, nbytes: int, config: CommConfig) -> PlanEntry:
+    return PlanEntry(f"{group}/{collective}/{nbytes}", group, 4, 1, collective, nbytes, 1, ["p"], config)
+
+
+def test_the_what_ran_table_says_where_nccl_did_not_run_the_plan(nccl, library) -> None:
+    plan = Plan("w", "wf", "h", "hf", 4, "priority", [
+        _entry("dp", "all_reduce", 1 << 20, CommConfig(Algorithm.RING, Protocol.SIMPLE, channels=4, by_tuner=True)),
+        _entry("dp", "all_gather", 1 << 22, CommConfig(channels=4, cta_policy=CTAPolicy.ZERO)),
+        _entry("dp", "reduce_scatter", 1 << 22, CommConfig(Algorithm.TREE, Protocol.LL, channels=2))],
+        predicted_step_s={})
+    comm = nccl(6, comm_hash=77, n_ranks=4)
+    floats = (1 << 20) // 4
+    comm.run(1, [(0, 1)] * 4, count=floats)  # as planned
+    comm.run(2, [(0, 1)] * 2, count=floats)  # NCCL trimmed the channels
+    comm.run(3, [(0, 1)] * 4, count=floats, algo=b"TREE", proto=b"LL")  # the rule did not fire
+    comm.run(4, [(0, 1)] * 4, count=floats)
+    comm.run(1, [(0, 1)] * 8, func=b"AllGather", count=(1 << 22) // 16)  # ZERO planned, a kernel ran
+    comm.run(1, [(0, 1)] * 8, func=b"ReduceScatter", count=(1 << 22) // 16)  # NCCL decides: never a mismatch
+    comm.run(5, [(0, 1)], count=10)  # no key this small
+    drained = profiler.ProfilerDrain(library)
+    groups = profiler.group_names(drained.communicators(), {"dp": 4})
+    comparison = what_ran.compare(drained.drain().collectives(), plan, groups)
+    assert comparison.unplanned == 1 and not comparison.unplaced
+    assert what_ran.mismatch_lines(comparison) == [
+        "dp/all_reduce/1048576: 2 of 4 calls not as planned: NCCL ran 2 channels of the planned 4 (too little data "
+        "to fill them, or capped by the communicator's channels)",
+        "dp/all_gather/4194304: 1 of 1 calls not as planned: planned on copy engines (CTA policy ZERO), ran as a "
+        "kernel: NCCL uses copy engines only for buffers registered in a symmetric window on one NVLink domain"]
+    assert what_ran.markdown(comparison).splitlines()[2:] == [
+        "| dp/all_reduce/1048576 | ring/simple x4 | ring/simple x4 | 4 | 2 |",
+        "| dp/all_gather/4194304 | copy engines | ring/simple x8 | 1 | 1 |",
+        "| dp/reduce_scatter/4194304 | NCCL decides | ring/simple x8 | 1 | 0 |"]
+    [all_reduce] = [r for r in comparison.keys if r.key == "dp/all_reduce/1048576"]
+    assert all_reduce.reasons.most_common()[1][0].startswith("the tuner rule did not fire: NCCL ran tree/ll")
+
+
+def test_without_the_library_the_drain_says_the_profiler_is_absent(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(nccl_profiler, "path", lambda: None)
+    with pytest.raises(FileNotFoundError, match="profiler plugin is not built"):
+        profiler.ProfilerDrain()
+    monkeypatch.setenv("CC", "/nonexistent")
+    with pytest.raises(build.BuildError, match="^CC=/nonexistent names no program$"):
+        build.compile_profiler(tmp_path / nccl_profiler.LIBRARY_NAME)
