@@ -409,3 +409,38 @@ def test_init_alone_records_every_collective_in_a_step():
     """``lagom.init()`` without an adapter: the torch.distributed tap records under the group's group_desc."""
     for out in run_ranks(_init_records_through_the_tap, 2):
         assert out == {"records": [("dp", "all_reduce", 4000)], "subscribed": True, "after_close": False}
+
+
+def _init_logs_the_plans_coverage(rank: int, world: int) -> dict:
+    import logging
+
+    import lagom
+
+    said: list[str] = []
+
+    class Said(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    logging.getLogger("lagom").addHandler(Said())
+    logging.getLogger("lagom").setLevel(logging.INFO)
+    rt = lagom.init(make_plan(world), strict_env=False)
+    group = dist.new_group([0, 1], group_desc="dp")
+    rt.recorder.begin_step(1)
+    dist.all_reduce(torch.ones(1024), group=group)  # 4096 bytes: a key of the plan
+    dist.all_reduce(torch.ones(3000), group=group)  # 12000 bytes: no key
+    rt.recorder.end_step()
+    covered = rt.coverage()
+    rt.close()
+    return {"coverage": (covered.calls, covered.bytes) if covered else None,
+            "said": [s for s in said if s.startswith("the plan's keys were")]}
+
+
+def test_init_says_how_much_of_what_ran_the_plan_describes():
+    """``lagom.init()`` has no session to report for it: at close it logs the share of the recorded calls and bytes
+    that were keys of its plan, and what to do when the plan missed them."""
+    for out in run_ranks(_init_logs_the_plans_coverage, 2):
+        assert out["coverage"] == (0.5, 4096 / (4096 + 12000))
+        assert out["said"] == ["the plan's keys were 50% of calls, 25% of bytes recorded in this process; run online "
+                               "(or tune on a workload that matches the job) so that the plan's settings reach the "
+                               "calls that happen"]

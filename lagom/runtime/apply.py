@@ -42,6 +42,7 @@ from lagom.emit import (
 from lagom.errors import ConfigError
 from lagom.hardware import Hardware, load_hardware
 from lagom.plan import Plan
+from lagom.reconcile import Coverage, coverage
 from lagom.runtime import torch_tap
 from lagom.runtime.recorder import Recorder
 
@@ -378,6 +379,21 @@ class Runtime:
         else:
             log.debug("group %s: options built but not passed (backend %s is not NCCL)", name, backend)
 
+    def coverage(self) -> Coverage | None:
+        """The share of the recorded calls and of their bytes that are keys of the plan (None without a plan or a
+        recorded call): whether the plan describes the collectives this process really issued."""
+        records = self.recorder.records
+        if self.plan is None or not records:
+            return None
+        return coverage([e.key for e in self.plan.entries], records)
+
+    def _log_coverage(self) -> None:
+        covered = self.coverage()
+        if covered is not None:
+            log.info("the plan's keys were %s recorded in this process%s", covered.describe(),
+                     "" if covered.calls >= 0.95 else "; run online (or tune on a workload that matches the job) so "
+                     "that the plan's settings reach the calls that happen")
+
     def close(self) -> None:
         """Leave the ``new_group`` hook (the last runtime out removes it) and drop the NCCL variables and the
         tuner rules file this runtime exported, unless another open runtime still shares them."""
@@ -385,7 +401,8 @@ class Runtime:
         if self._closed:
             return
         self._closed = True
-        if self.tap is not None:
+        if self.tap is not None:  # ``init``'s runtime: no session reports for it
+            self._log_coverage()
             self.tap.close()
             self.tap = None
         if self in _open:
