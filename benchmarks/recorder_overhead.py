@@ -16,6 +16,13 @@
    ``torch hook`` is the floor of torch's process-group hook API: torch's own C++ hook pair
    (``FlightRecorderHook``, which on gloo returns at once: gloo records itself), no Python at all.
    ``end_step`` is what closing the tapped steps cost, per recorded call.
+4. The NCCL profiler plugin's drain (lagom.nccl_profiler), the path that replaces the tap where NCCL is
+   the backend: a step's records are put in the plugin's ring (as NCCL's calls would; their C cost is
+   benchmarks/profiler_overhead.py's), then one ``drain()`` per step, alone and with the records turned
+   into ``CollectiveRecord`` objects; per collective of the step.
+
+Runs on torch 2.4 and later; the ``torch hook`` rows need torch's ``FlightRecorderHook`` (2.14+: its
+``attach`` takes the group alone there, and the group and its ranks in builds that ask for them).
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lagom import nccl_profiler
+from lagom.nccl_profiler import drain as profiler_drain
 from lagom.runtime import Recorder, torch_tap
 
 BATCH = 100  # calls timed together: one perf_counter pair per batch, not per call
@@ -144,7 +153,11 @@ def _tap_blocks(tensor: torch.Tensor, calls: int) -> dict[str, list[float]]:
             subscription.close()
 
     def torch_hook() -> None:
-        hook = FlightRecorderHook.attach(distributed_c10d._get_default_group(), [0, 1])
+        group = distributed_c10d._get_default_group()
+        try:
+            hook = FlightRecorderHook.attach(group)  # torch 2.14: the group alone
+        except TypeError:
+            hook = FlightRecorderHook.attach(group, [0, 1])  # builds whose attach also takes the group's ranks
         block("torch hook", plain)
         hook.remove()
 
@@ -178,11 +191,37 @@ def all_reduce_pair(calls: int) -> dict[str, float]:
     return rows
 
 
+def profiler_drain_per_call(calls: int, per_step: int = 200) -> dict[str, float]:
+    """Python's cost per collective of reading the profiler's ring once per step of ``per_step`` collectives."""
+    library = nccl_profiler.path()
+    if library is None:
+        print(nccl_profiler.UNAVAILABLE)
+        return {}
+    reader = profiler_drain.ProfilerDrain(library)
+    records = [profiler_drain.RecordC(comm_hash=7, seq_number=i, count=1 << 20, n_ranks=8, func=4, algorithm=1,
+                                      protocol=2, type_size=2, channels=8, warps=16) for i in range(per_step)]
+    alone, objects = [], []
+    reader.drain()
+    for _ in range(max(1, calls // per_step)):
+        for r in records:
+            reader.push(r)
+        cpu = time.thread_time()
+        got = reader.drain()
+        alone.append((time.thread_time() - cpu) / len(got))
+        for r in records:
+            reader.push(r)
+        cpu = time.thread_time()
+        made = reader.drain().collectives()
+        objects.append((time.thread_time() - cpu) / len(made))
+    return {f"profiler drain, one per step of {per_step} (cpu)": _us(alone),
+            f"profiler drain + CollectiveRecord objects, step of {per_step} (cpu)": _us(objects)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=5000)
     args = parser.parse_args()
-    rows = {**track_alone(args.calls), **all_reduce_pair(args.calls)}
+    rows = {**track_alone(args.calls), **profiler_drain_per_call(args.calls), **all_reduce_pair(args.calls)}
     width = max(map(len, rows))
     for name, us in rows.items():
         print(f"{name:{width}s} {us:8.2f} us")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -321,3 +322,19 @@ def test_without_the_library_the_drain_says_the_profiler_is_absent(tmp_path, mon
     monkeypatch.setenv("CC", "/nonexistent")
     with pytest.raises(build.BuildError, match="^CC=/nonexistent names no program$"):
         build.compile_profiler(tmp_path / nccl_profiler.LIBRARY_NAME)
+
+
+def test_a_steps_records_become_the_recorders_rows_on_its_clock(nccl, library) -> None:
+    dp, unnamed = nccl(6, comm_hash=10, n_ranks=4, name=b"dp"), nccl(6, comm_hash=11, n_ranks=4)
+    step_start = time.perf_counter()
+    dp.run(1, [(1_000, 251_000), (2_000, 250_000)], func=b"AllGather", count=256)  # GPU times: exact
+    dp.stop(dp.coll(2, func=b"Broadcast", count=8, channels=0))  # host times only
+    unnamed.run(1, [(0, 5)])
+    step_end = time.perf_counter()
+    reader = profiler.ProfilerDrain(library)
+    groups = profiler.group_names(reader.communicators(), {"dp": 4, "cp": 4})
+    rows = profiler.call_records(reader.drain().collectives(), groups, step=3, step_start_s=step_start)
+    assert [(r.group, r.collective, r.nbytes, r.seq, r.step, r.exact) for r in rows] == \
+        [("dp", "all_gather", 256 * 4 * 4, 0, 3, True), ("dp", "broadcast", 32, 1, 3, False)]
+    assert rows[0].duration_s == pytest.approx(250e-6)
+    assert 0 <= rows[0].start_s <= rows[1].start_s <= step_end - step_start

@@ -4,7 +4,14 @@
 loader maps once per process). ``drain()`` copies every finished record into a buffer allocated once and
 returns them as a NumPy structured array (cheap to aggregate per step); ``Drained.collectives()`` turns them
 into ``CollectiveRecord`` objects for reports. Records the ring dropped before a drain are counted, and said
-once in the log. ``group_names`` maps NCCL's communicator hashes to Lagom's group names.
+once in the log. ``group_names`` maps NCCL's communicator hashes to Lagom's group names, and ``call_records``
+turns a step's records into the recorder's ``CallRecord`` rows.
+
+Wiring into the recorder (one drain per step, on the thread that ends the step):
+
+    reader = ProfilerDrain()                                  # once, after NCCL_PROFILER_PLUGIN was set
+    groups = group_names(reader.communicators(), sizes)       # after the job's groups exist (and again if new ones come)
+    rows = call_records(reader.drain().collectives(), groups, step, step_start_s)   # at each step's end
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from lagom import nccl_profiler
+from lagom.calls import CallRecord
 
 log = logging.getLogger("lagom.nccl_profiler")
 
@@ -65,7 +73,7 @@ def _name(names: tuple[str, ...], index: int) -> str | None:
     return names[index] if index < len(names) else None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class CollectiveRecord:
     """One collective as NCCL ran it. Names are Lagom's (``FUNCTIONS``, ``ALGORITHMS``, ``PROTOCOLS``); None
     where NCCL gave a name this plugin does not know, or, for a copy-engine collective, no algorithm at all.
@@ -119,15 +127,15 @@ class Drained:
         return len(self.records)
 
     def collectives(self) -> list[CollectiveRecord]:
-        return [CollectiveRecord(
-            comm_hash=int(r["comm_hash"]), rank=int(r["rank"]), n_ranks=int(r["n_ranks"]),
-            function=_name(FUNCTIONS, int(r["func"])), seq_number=int(r["seq_number"]), count=int(r["count"]),
-            type_size=int(r["type_size"]), algorithm=_name(ALGORITHMS, int(r["algorithm"])),
-            protocol=_name(PROTOCOLS, int(r["protocol"])), channels=int(r["channels"]), warps=int(r["warps"]),
-            copy_engine=int(r["kind"]) == KIND_COPY_ENGINE, host_start_ns=int(r["host_start_ns"]),
-            host_stop_ns=int(r["host_stop_ns"]), gpu_start_ns=int(r["gpu_start_ns"]),
-            gpu_stop_ns=int(r["gpu_stop_ns"]), channel_events=int(r["channel_events"]))
-            for r in self.records]
+        """The records as objects (for reports; per-step sums are cheaper on ``records`` itself)."""
+        out = []
+        for (comm_hash, seq, count, host_start, host_stop, gpu_start, gpu_stop, n_ranks, rank, func, algorithm,
+             protocol, type_size, channels, warps, kind, channel_events) in self.records.tolist():
+            out.append(CollectiveRecord(
+                comm_hash, rank, n_ranks, _name(FUNCTIONS, func), seq, count, type_size, _name(ALGORITHMS, algorithm),
+                _name(PROTOCOLS, protocol), channels, warps, kind == KIND_COPY_ENGINE, host_start, host_stop,
+                gpu_start, gpu_stop, channel_events))
+        return out
 
 
 @dataclass(frozen=True)
@@ -244,3 +252,22 @@ def group_names(communicators: list[Communicator], groups: Mapping[str, int],
         else:
             out[comm.comm_hash] = GroupMatch(None, "ambiguous")
     return out
+
+
+def call_records(records: list[CollectiveRecord], groups: Mapping[int, GroupMatch], step: int,
+                 step_start_s: float) -> list[CallRecord]:
+    """A step's collectives as the recorder's rows, in launch order; records of a communicator no group was
+    matched to, or of a function Lagom does not name, are left out. ``step_start_s`` is the step's start on
+    time.perf_counter(), which on Linux reads the same clock (CLOCK_MONOTONIC) as the records' host times.
+
+    A row starts when NCCL launched the collective; it lasts its GPU time where kernel channels reported one
+    (``exact``), else its host time, which covers only NCCL's launch (not exact)."""
+    rows: list[CallRecord] = []
+    for record in sorted(records, key=lambda r: r.host_start_ns):
+        match = groups.get(record.comm_hash)
+        if match is None or match.group is None or record.function is None:
+            continue
+        start = record.host_start_ns / 1e9 - step_start_s
+        rows.append(CallRecord(match.group, record.function, record.bytes, len(rows), step, start,
+                               start + record.duration_ns / 1e9, exact=record.time_source == "gpu"))
+    return rows
