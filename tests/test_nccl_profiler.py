@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -25,6 +26,9 @@ from lagom.plan import Plan, PlanEntry
 from tests.test_nccl_tuner import compiler_or_skip
 
 COLL, KERNEL_CH, CE_COLL, KERNEL_CH_STOP = 1 << 1, 1 << 6, 1 << 12, 22
+STRESS = Path(__file__).with_name("nccl_profiler_stress.c")
+SANITIZERS = {"plain": [], "address": ["-fsanitize=address,undefined", "-fno-omit-frame-pointer",
+                                       "-fno-sanitize-recover=all"], "thread": ["-fsanitize=thread"]}
 
 
 class CollV5(ctypes.Structure):
@@ -338,3 +342,23 @@ def test_a_steps_records_become_the_recorders_rows_on_its_clock(nccl, library) -
         [("dp", "all_gather", 256 * 4 * 4, 0, 3, True), ("dp", "broadcast", 32, 1, 3, False)]
     assert rows[0].duration_s == pytest.approx(250e-6)
     assert 0 <= rows[0].start_s <= rows[1].start_s <= step_end - step_start
+
+
+@pytest.mark.parametrize("sanitizer", list(SANITIZERS))
+def test_threads_calling_as_nccl_does_lose_and_tear_nothing_under_sanitizers(tmp_path, sanitizer) -> None:
+    """tests/nccl_profiler_stress.c: launcher, proxy and reader threads; v4/v5; malformed calls; a full ring."""
+    compiler = compiler_or_skip()
+    flags = [*SANITIZERS[sanitizer], "-g"]
+    driver = tmp_path / "stress"
+    try:
+        plugin = build.compile_profiler(tmp_path / "plugin.so", [*flags, "-Werror"])
+        subprocess.run([*compiler, "-std=c11", "-Wall", "-Wextra", "-Werror", *flags, f"-I{build.PROFILER.source_dir}",
+                        str(STRESS), "-o", str(driver), "-ldl", "-lpthread"], check=True, capture_output=True)
+    except (build.BuildError, subprocess.CalledProcessError) as err:
+        if sanitizer == "plain":
+            raise
+        pytest.skip(f"this compiler cannot build with {flags[0]}: {str(err)[-300:]}")
+    done = subprocess.run([str(driver), str(plugin)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
+    assert done.stdout.endswith("stress ok\n") and "WARNING: ThreadSanitizer" not in done.stderr
+    assert done.stdout.startswith("threads: ") and " 0 lost, 0 without a slot" in done.stdout

@@ -1,9 +1,10 @@
-"""The profiler plugin built and called against NCCL's own profiler headers (tests/nccl_profiler_abi.c), from
-several threads, plain and under AddressSanitizer/UndefinedBehaviorSanitizer and ThreadSanitizer.
+"""The profiler plugin built and called against NCCL's own profiler headers (tests/nccl_profiler_abi.c), plain
+and under AddressSanitizer/UndefinedBehaviorSanitizer.
 
 NCCL's pip wheels ship no plugin headers, so the test runs where an NCCL source checkout is named by
 ``LAGOM_NCCL_SOURCE`` (its ``plugins/profiler/example/nccl/`` headers), and is skipped elsewhere; the ctypes
-tests (test_nccl_profiler.py) make the same calls through Lagom's own restatement of the ABI everywhere.
+tests and the threaded stress driver (test_nccl_profiler.py, tests/nccl_profiler_stress.c) make the same calls
+through Lagom's own restatement of the ABI everywhere.
 """
 
 from __future__ import annotations
@@ -15,15 +16,14 @@ from pathlib import Path
 import pytest
 
 from lagom.nccl_tuner import build
+from tests.test_nccl_profiler import SANITIZERS
 from tests.test_nccl_tuner import compiler_or_skip
 
 HARNESS = Path(__file__).with_name("nccl_profiler_abi.c")
-SANITIZERS = {"plain": [], "address": ["-fsanitize=address,undefined", "-fno-omit-frame-pointer",
-                                       "-fno-sanitize-recover=all"], "thread": ["-fsanitize=thread"]}
 
 
-@pytest.mark.parametrize("sanitizer", list(SANITIZERS))
-def test_the_profiler_has_nccls_abi_and_answers_nccls_calls_from_many_threads(tmp_path: Path, sanitizer: str) -> None:
+@pytest.mark.parametrize("sanitizer", ["plain", "address"])
+def test_the_profiler_has_nccls_abi_and_answers_nccls_calls(tmp_path: Path, sanitizer: str) -> None:
     headers = Path(os.environ.get("LAGOM_NCCL_SOURCE", "/nonexistent")) / "plugins" / "profiler" / "example"
     if not (headers / "nccl" / "profiler.h").is_file():
         pytest.skip("LAGOM_NCCL_SOURCE does not name an NCCL checkout with its profiler headers")
@@ -33,7 +33,7 @@ def test_the_profiler_has_nccls_abi_and_answers_nccls_calls_from_many_threads(tm
     try:
         plugin = build.compile_profiler(tmp_path / "plugin.so", [*flags, "-Werror"])
         subprocess.run([*compiler, "-std=c11", "-Wall", "-Wextra", "-Werror", *flags, f"-I{headers}",
-                        f"-I{build.PROFILER.source_dir}", str(HARNESS), "-o", str(harness), "-ldl", "-lpthread"],
+                        f"-I{build.PROFILER.source_dir}", str(HARNESS), "-o", str(harness), "-ldl"],
                        check=True, capture_output=True)
     except (build.BuildError, subprocess.CalledProcessError) as err:
         if sanitizer == "plain":
@@ -41,4 +41,4 @@ def test_the_profiler_has_nccls_abi_and_answers_nccls_calls_from_many_threads(tm
         pytest.skip(f"this compiler cannot build with {flags[0]}: {str(err)[-300:]}")
     done = subprocess.run([str(harness), str(plugin)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr[-4000:]
-    assert done.stdout.endswith("abi ok\n") and "WARNING: ThreadSanitizer" not in done.stderr
+    assert done.stdout.endswith("abi ok\n")
