@@ -255,11 +255,16 @@ def test_a_full_ring_drops_the_oldest_and_says_so_once(library, caplog) -> None:
     assert len(reader.drain()) == 0
 
 
-def test_slots_run_out_and_finalize_frees_what_never_finished(nccl, library) -> None:
+def test_slots_run_out_and_finalize_frees_what_never_finished(nccl, library, caplog) -> None:
     comm = nccl(6)
     handles = [comm.coll(seq) for seq in range(1030)]  # never stopped: waiting like a kernel that never ran
     assert sum(h.value is None for h in handles) == 6
     reader = profiler.ProfilerDrain(library)
+    with caplog.at_level(logging.WARNING, logger="lagom.nccl_profiler"):
+        reader.drain()
+        reader.drain()
+    [said] = [r.getMessage() for r in caplog.records]
+    assert said.startswith("NCCL profiler: 6 collectives were not recorded, 1024 are still waiting")
     stats = reader.stats()
     assert (stats.no_slot, stats.in_flight) == (6, 1024)
     comm.plugin.finalize(comm.context)

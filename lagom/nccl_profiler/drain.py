@@ -192,8 +192,9 @@ class ProfilerDrain:
         self._address = self._buffer.ctypes.data
         self._overwritten = ctypes.c_uint64()
         self._drain = lib.lagom_profiler_drain
+        self._stats = (ctypes.c_uint64 * 8)()
         self.dropped_total = 0
-        self._dropped_said = False
+        self._dropped_said = self._no_slot_said = False
 
     def drain(self) -> Drained:
         """Every record finished since the last drain (one C call), oldest first."""
@@ -206,12 +207,23 @@ class ProfilerDrain:
                 log.warning("NCCL profiler: the ring dropped %d collective records before they were read (it holds "
                             "%d; drain more often); later drops are counted in dropped_total, not logged",
                             overwritten, RING_CAPACITY)
+        self._say_unrecorded()
         return Drained(self._buffer[:n].copy(), overwritten)
 
+    def _say_unrecorded(self) -> None:
+        """Says once when collectives went unrecorded for want of an in-flight slot: NCCL announced kernel
+        channels it never reported (1024 such collectives fill the pool), so GPU times are better left off."""
+        self._lib.lagom_profiler_stats(self._stats, len(self._stats))
+        no_slot = int(self._stats[2])
+        if no_slot and not self._no_slot_said:
+            self._no_slot_said = True
+            log.warning("NCCL profiler: %d collectives were not recorded, %d are still waiting for kernel-channel "
+                        "events NCCL announced and has not sent; set LAGOM_NCCL_PROFILER_GPU_TIMES=0 before the "
+                        "first communicator to record host times only", no_slot, int(self._stats[5]))
+
     def stats(self) -> ProfilerStats:
-        words = (ctypes.c_uint64 * 8)()
-        self._lib.lagom_profiler_stats(words, len(words))
-        return ProfilerStats(*(int(w) for w in words))
+        self._lib.lagom_profiler_stats(self._stats, len(self._stats))
+        return ProfilerStats(*(int(w) for w in self._stats))
 
     def communicators(self) -> list[Communicator]:
         infos = (CommInfoC * 256)()
