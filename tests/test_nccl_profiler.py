@@ -239,14 +239,14 @@ def test_malformed_calls_are_ignored_without_a_crash(nccl, library) -> None:
 def test_a_full_ring_drops_the_oldest_and_says_so_once(library, caplog) -> None:
     reader = profiler.ProfilerDrain(library)
     extra = 100
-    for seq in range(profiler.RING_CAPACITY + extra):
+    for seq in range(reader.capacity + extra):
         reader.push(profiler.RecordC(comm_hash=9, seq_number=seq, func=4, type_size=4, count=seq))
     with caplog.at_level(logging.WARNING, logger="lagom.nccl_profiler"):
         got = reader.drain()
-        assert got.overwritten == extra and len(got) == profiler.RING_CAPACITY
-        assert [int(s) for s in got.records["seq_number"][[0, -1]]] == [extra, profiler.RING_CAPACITY + extra - 1]
+        assert got.overwritten == extra and len(got) == reader.capacity
+        assert [int(s) for s in got.records["seq_number"][[0, -1]]] == [extra, reader.capacity + extra - 1]
         assert (got.records["count"] == got.records["seq_number"]).all()  # no record torn
-        for seq in range(profiler.RING_CAPACITY + 5):
+        for seq in range(reader.capacity + 5):
             reader.push(profiler.RecordC(seq_number=seq))
         assert reader.drain().overwritten == 5
     said = [r for r in caplog.records if "dropped" in r.getMessage()]

@@ -29,7 +29,6 @@ from lagom.calls import CallRecord
 
 log = logging.getLogger("lagom.nccl_profiler")
 
-RING_CAPACITY = 8192  # LAGOM_RING_CAPACITY in ring.h: one drain takes everything the ring holds
 # Lagom's names for NCCL's ids, indexed as the record stores them (lagom_nccl_profiler.h): ncclFunc_t,
 # NCCL_ALGO_* and NCCL_PROTO_*.
 FUNCTIONS = ("broadcast", "reduce", "all_gather", "reduce_scatter", "all_reduce", "send_recv", "send", "recv",
@@ -187,8 +186,11 @@ class ProfilerDrain:
         lib.lagom_profiler_communicators.restype = ctypes.c_size_t
         lib.lagom_profiler_test_push.argtypes = [ctypes.POINTER(RecordC)]
         lib.lagom_profiler_test_push.restype = None
+        lib.lagom_profiler_capacity.argtypes = []
+        lib.lagom_profiler_capacity.restype = ctypes.c_size_t
         self._lib = lib
-        self._buffer = np.zeros(RING_CAPACITY, dtype=RECORD_DTYPE)  # allocated once: a drain allocates only its copy
+        self.capacity = int(lib.lagom_profiler_capacity())  # records the ring holds: one drain takes them all
+        self._buffer = np.zeros(self.capacity, dtype=RECORD_DTYPE)  # allocated once: a drain allocates only its copy
         self._address = self._buffer.ctypes.data
         self._overwritten = ctypes.c_uint64()
         self._drain = lib.lagom_profiler_drain
@@ -198,7 +200,7 @@ class ProfilerDrain:
 
     def drain(self) -> Drained:
         """Every record finished since the last drain (one C call), oldest first."""
-        n = self._drain(self._address, RING_CAPACITY, ctypes.byref(self._overwritten))
+        n = self._drain(self._address, self.capacity, ctypes.byref(self._overwritten))
         overwritten = self._overwritten.value
         if overwritten:
             self.dropped_total += overwritten
@@ -206,7 +208,7 @@ class ProfilerDrain:
                 self._dropped_said = True
                 log.warning("NCCL profiler: the ring dropped %d collective records before they were read (it holds "
                             "%d; drain more often); later drops are counted in dropped_total, not logged",
-                            overwritten, RING_CAPACITY)
+                            overwritten, self.capacity)
         self._say_unrecorded()
         return Drained(self._buffer[:n].copy(), overwritten)
 

@@ -410,6 +410,9 @@ EXPORT size_t lagom_profiler_communicators(lagom_prof_comm_info* out, size_t max
   return n;
 }
 
+/* Records the ring holds: one drain of this many takes everything. */
+EXPORT size_t lagom_profiler_capacity(void) { return LAGOM_RING_CAPACITY; }
+
 /* Test hook: writes ``record`` into the ring as a finished collective would (CPU tests and the benchmark). */
 EXPORT void lagom_profiler_test_push(const lagom_prof_record* record) {
   if (record != NULL) publish(record);
