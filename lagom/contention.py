@@ -201,7 +201,7 @@ def _loss(hw: Hardware, samples: list[ContentionSample]) -> float:
     return total / max(1, len(samples))
 
 
-def _best_on(objective: Callable[[float], float], low: float, high: float, start: float) -> float:
+def best_on(objective: Callable[[float], float], low: float, high: float, start: float) -> float:
     """The best value of one constant: a grid over its range, then a golden-section search around the best."""
     grid = sorted({start, *(low + (high - low) * i / GRID for i in range(GRID + 1))})
     best = min(grid, key=objective)
@@ -223,7 +223,7 @@ def _descend(base: Hardware, samples: list[ContentionSample], start: dict[str, f
     values = dict(start)
     for _ in range(SWEEPS):
         for c in CONSTANTS:
-            values[c.key] = _best_on(lambda v, key=c.key: _loss(with_constants(base, {**values, key: v}), samples),
+            values[c.key] = best_on(lambda v, key=c.key: _loss(with_constants(base, {**values, key: v}), samples),
                                      c.low, c.high, values[c.key])
 
     from scipy.optimize import minimize  # only a fit needs it: `lagom validate` reads samples without it

@@ -13,6 +13,10 @@ Setups (``setup.kind``):
 - ``latency``: the same collective's time in microseconds;
 - ``slowdown``: compute kernels' time beside a running collective over their time alone (a ratio),
   one kernel, or the mean or max over several kernels and GPUs;
+- ``comm_slowdown``: the other side of the same pair, the collective's time beside the kernel over its
+  time alone;
+- ``overlap``: kernel and collective launched together over the two run one after the other (the window
+  estimate the priority search ranks settings with, for a window of that one kernel);
 - ``window``: a collective of a workload's step at a given setting against NCCL's: the speed-up of the
   compute that runs beside it under either setting (``local``), of the whole step (``step``), or the largest slowdown
   any setting of the space causes to the compute beside it (``max_slowdown``).
@@ -84,11 +88,11 @@ class Kernel:
 
 @dataclass
 class Setup:
-    kind: str = "???"  # busbw | latency | slowdown | window
-    hardware: list[str] = field(default_factory=list)  # preset names or files; slowdown may average several
-    comm: Comm | None = None  # busbw, latency, slowdown (the collective running beside)
-    kernels: list[Kernel] = field(default_factory=list)  # slowdown
-    aggregate: str = "one"  # slowdown over several kernels x hardware: one | mean | max
+    kind: str = "???"  # busbw | latency | slowdown | comm_slowdown | overlap | window
+    hardware: list[str] = field(default_factory=list)  # preset names or files; a pair kind may average several
+    comm: Comm | None = None  # busbw, latency and the pair kinds (the collective running beside)
+    kernels: list[Kernel] = field(default_factory=list)  # the pair kinds: slowdown, comm_slowdown, overlap
+    aggregate: str = "one"  # a pair kind over several kernels x hardware: one | mean | max
     workload: str | None = None  # window
     collective: str | None = None  # window: which of the step's collectives
     channels: int | None = None  # window: the setting compared with NCCL's
@@ -127,7 +131,9 @@ class FidelityPoint:
 
 
 # What each kind of setup reads besides kind and hardware; anything else set on it would be silently ignored.
-_KIND_FIELDS = {"busbw": {"comm"}, "latency": {"comm"}, "slowdown": {"comm", "kernels", "aggregate"},
+COMM_KINDS = ("busbw", "latency")  # one collective alone
+PAIR_KINDS = ("slowdown", "comm_slowdown", "overlap")  # one kernel and one collective, run together
+_KIND_FIELDS = {"busbw": {"comm"}, "latency": {"comm"}, **{k: {"comm", "kernels", "aggregate"} for k in PAIR_KINDS},
                 "window": {"workload", "collective", "channels", "chunk_bytes", "measure"}}
 _UNSET = Setup()
 _AGGREGATES = ("one", "mean", "max")
@@ -184,11 +190,11 @@ def _check_point(spec: PointSpec, where: str) -> None:
             raise ConfigError(f"{where}.setup.{f.name}", f"means nothing to a {s.kind} point",
                               f"remove it; a {s.kind} point reads {', '.join(sorted(reads))}")
     _require(s.hardware, f"{where}.setup.hardware", "name a preset or a hardware file")
-    if s.kind != "slowdown" and len(s.hardware) != 1:
+    if s.kind not in PAIR_KINDS and len(s.hardware) != 1:
         raise ConfigError(f"{where}.setup.hardware", f"a {s.kind} point runs on one machine, got {len(s.hardware)}")
-    if s.kind in ("busbw", "latency", "slowdown"):
+    if s.kind in (*COMM_KINDS, *PAIR_KINDS):
         _check_comm(_needed(s.comm, f"{where}.setup.comm"), f"{where}.setup.comm")
-    if s.kind == "slowdown":
+    if s.kind in PAIR_KINDS:
         _require(s.kernels, f"{where}.setup.kernels", "list the kernels, by gemm: [m, n, k] or elements")
         if s.aggregate not in _AGGREGATES:
             raise ConfigError(f"{where}.setup.aggregate", f"'{s.aggregate}' is not one of {', '.join(_AGGREGATES)}")
@@ -299,9 +305,13 @@ def bus_factor(collective: Collective, ranks: int) -> float:
     return 1.0
 
 
-def _comm_seconds(hw: Hardware, comm: Comm) -> float:
+def comm_figure(hw: Hardware, kind: str, comm: Comm) -> float:
+    """The model's figure for a collective measured alone: nccl-tests' bus bandwidth (GB/s) or its time (us)."""
     hw, point, cfg = _nccl_choice(hw, comm)
-    return CostModel(hw).comm_time(point.collective, point.group, point.bytes, cfg)
+    seconds = CostModel(hw).comm_time(point.collective, point.group, point.bytes, cfg)
+    if kind == "latency":
+        return seconds * 1e6
+    return comm.bytes * bus_factor(Collective(comm.collective), comm.ranks) / seconds / 1e9
 
 
 def _segment(hw: Hardware, kernel: Kernel) -> ComputeSegment:
@@ -310,19 +320,39 @@ def _segment(hw: Hardware, kernel: Kernel) -> ComputeSegment:
     return shape.segment(hw)
 
 
-def _slowdown(hw: Hardware, comm: Comm, kernel: Kernel) -> float:
-    """A kernel's time beside the collective (running for its whole duration) over its time alone."""
+@dataclass(frozen=True)
+class Pair:
+    """One kernel and one collective launched together, as the model sees them: each one's time beside the
+    other over its time alone, and the two launched together over the two run one after the other."""
+
+    kernel: float  # slowdown: the kernel beside the collective (running for the kernel's whole duration)
+    comm: float  # comm_slowdown: the collective beside the kernel (the kernel's HBM share for all of it)
+    overlap: float  # overlap: together (the priority search's window estimate) over back to back
+
+    def figure(self, kind: str) -> float:
+        """The figure a pair kind of setup measures."""
+        return {"slowdown": self.kernel, "comm_slowdown": self.comm, "overlap": self.overlap}[kind]
+
+
+def _pair(hw: Hardware, comm: Comm, kernel: Kernel) -> Pair:
     hw, point, cfg = _nccl_choice(hw, comm)
-    return _slowdown_beside(CostModel(hw), point, cfg, _segment(hw, kernel))
+    return pair_beside(CostModel(hw), point, cfg, _segment(hw, kernel))
 
 
-def _slowdown_beside(model: CostModel, point: OverlapPoint, cfg: CommConfig, seg: ComputeSegment) -> float:
-    """A segment's time beside the point's collective (running for its whole duration) over its time
-    alone; the collective takes the CTAs NCCL launches for it, as in the simulator."""
+def pair_beside(model: CostModel, point: OverlapPoint, cfg: CommConfig, seg: ComputeSegment) -> Pair:
+    """The point's collective at ``cfg`` and the segment, launched together. The collective takes the CTAs
+    NCCL launches for it and the HBM rate it reaches beside the segment, as in the simulator; the overlapped
+    time is what the priority search counts for a window of this one segment (its compute alone plus what
+    the collective adds), the sequential time both alone."""
+    alone = model.comm_time(point.collective, point.group, point.bytes, cfg)
     seconds = model.comm_time(point.collective, point.group, point.bytes, cfg, model.hbm_util(seg))
     rate = model.comm_hbm_rate(point.collective, point.group, point.bytes, seconds)
     ctas = model.launch_shape(point.collective, point.group, point.bytes, cfg)[0]
-    return model.compute_time(seg, (RunningComm(cfg, rate, ctas),)) / model.compute_solo(seg)
+    solo = model.compute_solo(seg)
+    window = Window(point, 1, [seg], [])
+    together = window.costs(False, model).hide + estimate(cfg, [window], model).added
+    return Pair(kernel=model.compute_time(seg, (RunningComm(cfg, rate, ctas),)) / solo,
+                comm=seconds / alone if alone > 0 else 1.0, overlap=together / (solo + alone))
 
 
 @dataclass
@@ -379,18 +409,20 @@ class Evaluator:
             self._steps[(workload, hardware)] = _Step(hw, graph, problem.model, nccl_configs(problem), windows(graph))
         return self._steps[(workload, hardware)]
 
+    def gpu(self, point: FidelityPoint) -> str:
+        """The GPU model(s) of the point's machines: 'H100', or 'A100+H100' for a figure over several."""
+        names = {self.machines.get(h, point.folder).gpu.name for h in point.spec.setup.hardware}
+        return "+".join(sorted({gpu_family(n) or n for n in names}))
+
     def predict(self, point: FidelityPoint) -> float:
         s = point.spec.setup
         where = f"{point.file}: {point.spec.id}.setup"
-        if s.kind in ("busbw", "latency"):
+        if s.kind in COMM_KINDS:
+            return comm_figure(self.machines.get(s.hardware[0], point.folder), s.kind, _needed(s.comm, f"{where}.comm"))
+        if s.kind in PAIR_KINDS:
             comm = _needed(s.comm, f"{where}.comm")
-            seconds = _comm_seconds(self.machines.get(s.hardware[0], point.folder), comm)
-            if s.kind == "latency":
-                return seconds * 1e6
-            return comm.bytes * bus_factor(Collective(comm.collective), comm.ranks) / seconds / 1e9
-        if s.kind == "slowdown":
-            comm = _needed(s.comm, f"{where}.comm")
-            ratios = [_slowdown(self.machines.get(h, point.folder), comm, k) for h in s.hardware for k in s.kernels]
+            ratios = [_pair(self.machines.get(h, point.folder), comm, k).figure(s.kind)
+                      for h in s.hardware for k in s.kernels]
             return max(ratios) if s.aggregate == "max" else statistics.fmean(ratios)
         return self._window(s, where, point.folder)
 
@@ -416,7 +448,7 @@ class Evaluator:
             if cfg.decomposition != "collective":
                 continue
             for seg in segments.values():
-                worst = max(worst, _slowdown_beside(model, point, cfg, seg))
+                worst = max(worst, pair_beside(model, point, cfg, seg).kernel)
         return worst
 
 
@@ -446,22 +478,34 @@ class Result:
     unit: str
     what: str
     source: str
+    gpu: str = ""  # the GPU model of the point's machines ('A100'; 'A100+H100' for a mean over several)
 
     def row(self) -> dict[str, Any]:
-        return {"id": self.id, "group": self.group, "role": self.role, "measured": self.measured,
+        return {"id": self.id, "group": self.group, "gpu": self.gpu, "role": self.role, "measured": self.measured,
                 "predicted": self.predicted, "error": self.error}
 
 
-def summarize(results: list[Result]) -> dict[str, dict[str, dict[str, float | None]]]:
-    """Per group, per role: median and max relative error (None where a group has no point of that role)."""
-    out: dict[str, dict[str, dict[str, float | None]]] = {}
-    for group in sorted({r.group for r in results}):
-        out[group] = {}
-        for role in ROLES:
-            errors = [r.error for r in results if r.group == group and r.role == role]
-            out[group][role] = {"median": statistics.median(errors) if errors else None,
-                                "max": max(errors) if errors else None}
+Summary = dict[str, dict[str, float | None]]  # role -> median and max relative error
+
+
+def _roles(results: list[Result]) -> Summary:
+    out: Summary = {}
+    for role in ROLES:
+        errors = [r.error for r in results if r.role == role]
+        out[role] = {"median": statistics.median(errors) if errors else None, "max": max(errors) if errors else None}
     return out
+
+
+def summarize(results: list[Result]) -> dict[str, Summary]:
+    """Per group, per role: median and max relative error (None where a group has no point of that role)."""
+    return {group: _roles([r for r in results if r.group == group]) for group in sorted({r.group for r in results})}
+
+
+def summarize_by_gpu(results: list[Result]) -> dict[str, dict[str, Summary]]:
+    """Per group and GPU model, per role: median and max relative error."""
+    return {group: {gpu: _roles([r for r in results if r.group == group and r.gpu == gpu])
+                    for gpu in sorted({r.gpu for r in results if r.group == group})}
+            for group in sorted({r.group for r in results})}
 
 
 def validate(points: list[FidelityPoint], overrides: list[str] | None = None,
@@ -473,7 +517,7 @@ def validate(points: list[FidelityPoint], overrides: list[str] | None = None,
         predicted = evaluator.predict(p)
         results.append(Result(p.spec.id, p.group, p.spec.role, p.spec.measured, predicted,
                               relative_error(p.spec.measured, predicted), p.spec.unit, p.spec.what,
-                              f"{p.spec.source.ref} ({p.spec.source.where})"))
+                              f"{p.spec.source.ref} ({p.spec.source.where})", evaluator.gpu(p)))
     return results
 
 
@@ -556,7 +600,7 @@ def _profile_results(file: Path, in_folder: bool) -> list[Result]:
 
 def report(results: list[Result]) -> dict[str, Any]:
     """The JSON object ``lagom validate --json`` prints."""
-    return {"points": [r.row() for r in results], "summary": summarize(results)}
+    return {"points": [r.row() for r in results], "summary": summarize(results), "by_gpu": summarize_by_gpu(results)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -573,65 +617,88 @@ def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f}%"
 
 
+def _summary_rows(results: list[Result]) -> list[tuple[str, str, Summary]]:
+    """(group, GPU model or 'all', summary): each group over all its points, then per GPU model where it has several."""
+    by_gpu = summarize_by_gpu(results)
+    rows = []
+    for group, roles in summarize(results).items():
+        rows.append((group, "all", roles))
+        if len(by_gpu[group]) > 1:
+            rows += [(group, gpu, gpu_roles) for gpu, gpu_roles in by_gpu[group].items()]
+    return rows
+
+
 def markdown(results: list[Result]) -> str:
     lines = ["# Cost model against published measurements", "",
              "Relative error |predicted - measured| / measured (for a published range: to its nearer end).",
              "`fit` points set a hardware constant; `check` points never did.", "",
-             "## Summary", "", "| group | fit median | fit max | check median | check max |", "|---|---|---|---|---|"]
-    for group, roles in summarize(results).items():
-        lines.append(f"| {group} | {_pct(roles['fit']['median'])} | {_pct(roles['fit']['max'])} | "
+             "## Summary", "", "| group | GPU | fit median | fit max | check median | check max |",
+             "|---|---|---|---|---|---|"]
+    for group, gpu, roles in _summary_rows(results):
+        lines.append(f"| {group} | {gpu} | {_pct(roles['fit']['median'])} | {_pct(roles['fit']['max'])} | "
                      f"{_pct(roles['check']['median'])} | {_pct(roles['check']['max'])} |")
-    lines += ["", "## Points", "", "| id | group | role | what | measured | predicted | unit | error | source |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "## Points", "", "| id | group | GPU | role | what | measured | predicted | unit | error | source |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        lines.append(f"| {r.id} | {r.group} | {r.role} | {r.what} | {_num(r.measured)} | {_num(r.predicted)} | "
+        lines.append(f"| {r.id} | {r.group} | {r.gpu} | {r.role} | {r.what} | {_num(r.measured)} | {_num(r.predicted)} | "
                      f"{r.unit} | {_pct(r.error)} | {r.source} |")
     return "\n".join(lines) + "\n"
 
 
 def plot(results: list[Result], path: Path) -> Path:
-    """Predicted against measured, log-log, one colour per group, the diagonal for reference."""
+    """Predicted against measured, log-log, one panel per group, one colour per GPU model, fit points with a
+    black edge, the diagonal for reference."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter, NullFormatter
 
-    fig, ax = plt.subplots(figsize=(6.5, 6))
     groups = sorted({r.group for r in results})
-    for i, group in enumerate(groups):
+    gpus = sorted({r.gpu for r in results})
+    cols = min(3, len(groups))
+    rows = math.ceil(len(groups) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 4.4 * rows), squeeze=False)
+    for ax, group in zip(axes.flat, groups):
         mine = [r for r in results if r.group == group]
-        measured = [math.sqrt(r.measured[0] * r.measured[1]) if isinstance(r.measured, list) else r.measured for r in mine]
-        ax.scatter(measured, [r.predicted for r in mine], color=f"C{i}", label=group,
-                   marker="o", edgecolors=["black" if r.role == "fit" else "none" for r in mine])
-    values = [v for r in results for v in ([r.predicted] + (r.measured if isinstance(r.measured, list) else [r.measured]))]
-    low, high = min(values) / 1.5, max(values) * 1.5
-    ax.plot([low, high], [low, high], color="grey", linewidth=0.8, linestyle="--")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    for axis in (ax.xaxis, ax.yaxis):  # plain labels: matplotlib's default 10^k ones go through its slow mathtext
-        axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
-        axis.set_minor_formatter(NullFormatter())
-    ax.set_xlim(low, high)
-    ax.set_ylim(low, high)
-    ax.set_xlabel("measured (published)")
-    ax.set_ylabel("predicted (cost model)")
-    ax.set_title("Fidelity suite (black edge: fit point)", fontsize=10)
-    ax.legend(fontsize=8)
+        for gpu in sorted({r.gpu for r in mine}):
+            these = [r for r in mine if r.gpu == gpu]
+            measured = [math.sqrt(r.measured[0] * r.measured[1]) if isinstance(r.measured, list) else r.measured
+                        for r in these]
+            ax.scatter(measured, [r.predicted for r in these], color=f"C{gpus.index(gpu)}", label=gpu or "?", s=18,
+                       edgecolors=["black" if r.role == "fit" else "none" for r in these])
+        values = [v for r in mine for v in ([r.predicted] + (r.measured if isinstance(r.measured, list) else [r.measured]))]
+        low, high = min(values) / 1.5, max(values) * 1.5
+        ax.plot([low, high], [low, high], color="grey", linewidth=0.8, linestyle="--")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        for axis in (ax.xaxis, ax.yaxis):  # plain labels: matplotlib's default 10^k ones go through its slow mathtext
+            axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+            axis.set_minor_formatter(NullFormatter())
+        ax.set_xlim(low, high)
+        ax.set_ylim(low, high)
+        ax.set_xlabel("measured (published)")
+        ax.set_ylabel("predicted (cost model)")
+        ax.set_title(f"{group} ({mine[0].unit if len({r.unit for r in mine}) == 1 else 'mixed units'})", fontsize=10)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(groups):]:
+        ax.set_visible(False)
+    fig.suptitle("Fidelity suite (black edge: fit point)", fontsize=11)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 
 
 def _table(results: list[Result]) -> str:
-    rows = [("id", "group", "role", "measured", "predicted", "unit", "error")]
-    rows += [(r.id, r.group, r.role, _num(r.measured), _num(r.predicted), r.unit, _pct(r.error)) for r in results]
+    rows = [("id", "group", "gpu", "role", "measured", "predicted", "unit", "error")]
+    rows += [(r.id, r.group, r.gpu, r.role, _num(r.measured), _num(r.predicted), r.unit, _pct(r.error)) for r in results]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
     lines.append("")
-    for group, roles in summarize(results).items():
-        lines.append(f"{group}: fit median {_pct(roles['fit']['median'])} max {_pct(roles['fit']['max'])}; "
+    for group, gpu, roles in _summary_rows(results):
+        label = group if gpu == "all" else f"  {group} {gpu}"
+        lines.append(f"{label}: fit median {_pct(roles['fit']['median'])} max {_pct(roles['fit']['max'])}; "
                      f"check median {_pct(roles['check']['median'])} max {_pct(roles['check']['max'])}")
     return "\n".join(lines)
 

@@ -10,10 +10,12 @@ from dataclasses import replace
 import pytest
 
 from lagom.comm_config import CommConfig
-from lagom.cost_model import CostModel
+from lagom.contention import KernelShape
+from lagom.cost_model import CostModel, RunningComm
 from lagom.errors import ConfigError
 from lagom.hardware import load_hardware
-from lagom.points import Collective, Group
+from lagom.points import Collective, Group, OverlapPoint
+from lagom.search.priority import Window, estimate
 from lagom.simulator import simulate
 from lagom.validate import (
     Evaluator,
@@ -24,6 +26,7 @@ from lagom.validate import (
     report,
     run,
     summarize,
+    summarize_by_gpu,
     validate,
 )
 from tests.helpers import write_yaml
@@ -70,12 +73,19 @@ def suite():
 
 def test_the_published_suite_loads_with_sources_and_enough_points(suite):
     points = suite
-    assert len(points) >= 30
+    assert len(points) >= 90
     assert len({p.spec.id for p in points}) == len(points)
     assert {p.group for p in points} >= {"nccl-tests", "gemm-contention", "phi2-window"}
     assert all(p.spec.source.url.startswith("https://") and p.spec.source.where for p in points)
     # fit points say which constants were set from them
     assert all(p.spec.constants for p in points if p.spec.role == "fit")
+
+
+def test_a_source_is_all_fit_or_all_check(suite):
+    """No check point shares an issue, paper or page with a fit point: a whole source sets constants or none."""
+    fit = {p.spec.source.url for p in suite if p.spec.role == "fit"}
+    check = {p.spec.source.url for p in suite if p.spec.role == "check"}
+    assert fit and not fit & check
 
 
 @pytest.mark.parametrize("mutate, key, fix", [
@@ -163,12 +173,14 @@ def test_json_shape_and_written_report(tiny, tmp_path, capsys):
     out = tmp_path / "out"
     run(argparse.Namespace(hardware=[], json=True, out=str(out), suite=str(tiny), measured=None))
     data = json.loads(capsys.readouterr().out)
-    assert set(data) == {"points", "summary"}
+    assert set(data) == {"points", "summary", "by_gpu"}
     assert [p["id"] for p in data["points"]] == ["lat-a", "lat-b", "bw-a", "bw-fit"]
-    assert all(set(p) == {"id", "group", "role", "measured", "predicted", "error"} for p in data["points"])
+    assert all(set(p) == {"id", "group", "gpu", "role", "measured", "predicted", "error"} for p in data["points"])
+    assert {p["gpu"] for p in data["points"]} == {"A100"}
     assert set(data["summary"]) == {"hand"}
     assert all(set(data["summary"]["hand"][role]) == {"median", "max"} for role in ("fit", "check"))
-    assert "| lat-a | hand | check |" in (out / "validate.md").read_text()
+    assert data["by_gpu"] == {"hand": {"A100": data["summary"]["hand"]}}
+    assert "| lat-a | hand | A100 | check |" in (out / "validate.md").read_text()
     assert (out / "validate.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -180,6 +192,59 @@ def test_add_parser_gives_the_subcommand_its_flags_and_a_bad_out_fails_before_an
     assert args.func is run and args.json and args.hardware == ["a.yaml", "a100-8x-100g"]
     with pytest.raises(ConfigError, match="--out: folder .*missing does not exist"):
         run(args)  # the suite folder is empty too: --out is checked first
+
+
+def _pair_point(pid: str, kind: str, kernel: dict, hardware: str = "a100-8x-100g", channels: int = 16) -> dict:
+    return _point(pid, kind, 1.0, unit="ratio", setup={"kind": kind, "hardware": [hardware], "kernels": [kernel],
+                                                       "comm": {**COMM, "channels": channels}})
+
+
+def test_pair_kinds_are_the_kernel_and_the_collective_of_one_pair_on_the_planners_path(tmp_path):
+    """slowdown, comm_slowdown and overlap of one memory-bound pass beside one all-reduce forced to 4 channels
+    (so that its channels, not the link, bound it), worked out from the cost model and the priority search's
+    window estimate by hand."""
+    elements = 1 << 27
+    _tiny_suite(tmp_path / "s", [*(_pair_point(f"p-{kind}", kind, {"elements": elements}, channels=4)
+                                   for kind in ("slowdown", "comm_slowdown", "overlap")),
+                                 _pair_point("long-gemm", "overlap", {"gemm": [16384, 16384, 16384]}, channels=4)])
+    got = {r.id: r.predicted for r in validate(load_suite(tmp_path / "s"))}
+    hw = load_hardware("a100-8x-100g")
+    model = CostModel(hw)
+    point = OverlapPoint("fidelity", Collective.ALL_REDUCE, Group("fidelity", 8, 8, 1), 1 << 28, None, None)
+    cfg = CommConfig(channels=4, threads=512, chunk_bytes=1 << 21)  # ring / Simple as forced
+    seg = KernelShape(elements=elements).segment(hw)
+    solo, alone = model.compute_solo(seg), model.comm_time(point.collective, point.group, point.bytes, cfg)
+    beside = model.comm_time(point.collective, point.group, point.bytes, cfg, model.hbm_util(seg))
+    running = RunningComm(cfg, model.comm_hbm_rate(point.collective, point.group, point.bytes, beside), 4)
+    assert got["p-slowdown"] == pytest.approx(model.compute_time(seg, (running,)) / solo, rel=1e-12)
+    assert got["p-comm_slowdown"] == pytest.approx(beside / alone, rel=1e-12)
+    together = solo + estimate(cfg, [Window(point, 1, [seg], [])], model).added
+    assert got["p-overlap"] == pytest.approx(together / (solo + alone), rel=1e-12)
+    # a pass that streams HBM slows the collective beside it; launched together the pair never beats the
+    # longer of the two alone, nor takes longer than the longer of the two slowed ones, the comm stretched
+    # by its wait for SMs (the window charges the comm's slowdown for all of it, however short the pass)
+    assert hw.contention.comm_slowdown_per_hbm_util > 0 and got["p-comm_slowdown"] > 1.0
+    assert max(solo, alone) / (solo + alone) <= got["p-overlap"]
+    slowest = max(solo * got["p-slowdown"], beside * (1 + model.launch_wait(cfg) / alone))
+    assert got["p-overlap"] <= slowest / (solo + alone) + 1e-12
+    # a collective far shorter than the GEMM it runs beside is hidden: together beats back to back
+    assert got["long-gemm"] < 1.0
+
+
+def test_pair_kinds_need_kernels_and_summaries_split_by_gpu(tmp_path):
+    bare = _pair_point("bare", "overlap", {"elements": 1024})
+    bare["setup"].pop("kernels")
+    _tiny_suite(tmp_path / "bad", [bare])
+    with pytest.raises(ConfigError, match=r"setup\.kernels"):
+        load_suite(tmp_path / "bad")
+    _tiny_suite(tmp_path / "s", [_pair_point("a", "comm_slowdown", {"gemm": [4096, 4096, 4096]}),
+                                 _pair_point("h", "comm_slowdown", {"gemm": [4096, 4096, 4096]}, "h100-sxm-8x-400g")])
+    results = validate(load_suite(tmp_path / "s"))
+    assert [r.gpu for r in results] == ["A100", "H100"]
+    by_gpu = summarize_by_gpu(results)["hand"]
+    assert set(by_gpu) == {"A100", "H100"}
+    assert by_gpu["H100"]["check"] == {"median": results[1].error, "max": results[1].error}
+    assert summarize(results)["hand"]["check"]["max"] == max(r.error for r in results)
 
 
 def test_a_role_without_points_reports_no_error_rather_than_zero(tiny):
@@ -256,11 +321,11 @@ def test_local_measure_keeps_only_the_compute_beside_the_collective(evaluator):
 # - nccl-tests 30%: published figures for one node type differ by up to ~10% between reporters and NCCL
 #   versions (476 vs ~480 GB/s for H100 all-reduce; "~200", "~370" are rounded), and NCCL's own tuning model,
 #   which ours follows, only aims to rank algorithms; 30% is that spread plus a datasheet link rate.
-# - gemm-contention 35%: a model with no contention at all (every ratio 1.0) has a median error of 36% on
+# - gemm-contention 40%: a model with no contention at all (every ratio 1.0) has a median error of 41% on
 #   this group; a contention model must at least beat that.
 # - phi2-window 25%: a model in which no setting matters (every speed-up 1.0) has a median error of 25.9%
 #   on this group; the window model exists to tell settings apart, so it must beat that.
-CHECK_MEDIAN_BOUNDS = {"nccl-tests": 0.30, "gemm-contention": 0.35, "phi2-window": 0.25}
+CHECK_MEDIAN_BOUNDS = {"nccl-tests": 0.30, "gemm-contention": 0.40, "phi2-window": 0.25}
 
 
 def test_every_check_group_has_a_bound(suite):

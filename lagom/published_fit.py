@@ -1,0 +1,164 @@
+"""NCCL constants of a hardware preset set from the published suite's ``fit`` points.
+
+The fidelity suite (``configs/fidelity/``) splits its sources into ``fit`` and ``check``: a whole source is one
+or the other, so no check point shares a thread with a fit point. This module fits the NCCL constants a
+preset's ``fit`` points name (``constants: [nccl.nvls_efficiency]``) to those points, on the same path
+``lagom validate`` computes them with (``validate.comm_figure``), and checks nothing: the check points are
+``lagom validate``'s. The preset keeps the values with a ``calibration.published_fit`` record (source
+``published-fit``, the point ids); ``lagom calibrate`` on a user's machine then overrides them for that machine.
+
+Only collective points (``busbw``, ``latency``) set NCCL constants here; contention constants have too few
+published points with known shapes to be fitted (``configs/fidelity/README.md``) and stay estimates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+from dataclasses import dataclass, fields, is_dataclass, replace
+from functools import partial
+from typing import Any
+
+from lagom.contention import best_on
+from lagom.errors import ConfigError
+from lagom.hardware import Hardware, load_hardware
+from lagom.validate import COMM_KINDS, FidelityPoint, comm_figure, load_suite
+
+SWEEPS = 3  # coordinate passes over the constants
+TIE = 1e-9  # loss per range of distance from the start value: on a flat stretch the start value stays
+# The range searched for each constant a fit point may name.
+RANGES: dict[str, tuple[float, float]] = {
+    "nccl.nvls_efficiency": (0.3, 1.0),
+    "nccl.channel_gbps.nvlink": (5.0, 60.0),
+    "nccl.step_overhead_us": (0.0, 20.0),
+}
+
+
+def get_constant(hw: Hardware, path: str) -> float:
+    """The value at a dotted path of the profile: ``nccl.nvls_efficiency``, ``nccl.channel_gbps.nvlink``."""
+    node: Any = hw
+    for key in path.split("."):
+        node = node[key] if isinstance(node, dict) else getattr(node, key, None)
+        if node is None:
+            raise ConfigError(f"constants: {path}", f"'{key}' is not in the hardware profile")
+    return float(node)
+
+
+def set_constant(hw: Hardware, path: str, value: float) -> Hardware:
+    """``hw`` with the value at a dotted path replaced (dataclasses and dicts along it copied, not changed)."""
+
+    def put(node: Any, keys: list[str]) -> Any:
+        head, rest = keys[0], keys[1:]
+        if isinstance(node, dict):
+            return {**node, head: put(node[head], rest) if rest else value}
+        if is_dataclass(node) and head in {f.name for f in fields(node)}:
+            return replace(node, **{head: put(getattr(node, head), rest) if rest else value})  # type: ignore[type-var]
+        raise ConfigError(f"constants: {path}", f"'{head}' is not in the hardware profile")
+
+    get_constant(hw, path)
+    return put(hw, path.split("."))
+
+
+@dataclass
+class PublishedFit:
+    """One preset's fitted constants (those its points move), where they started, the constants the points
+    name but do not move (they keep the preset's value), the fit points and their errors before and after."""
+
+    preset: str
+    constants: dict[str, float]
+    start: dict[str, float]
+    uninformed: list[str]
+    points: list[str]
+    median_before: float
+    median_after: float
+
+    def record(self) -> dict[str, Any]:
+        """What the preset keeps under ``calibration.published_fit``."""
+        return {"source": "published-fit", "constants": {k: float(f"{v:.4g}") for k, v in self.constants.items()},
+                "points": self.points}
+
+
+def fit_points(points: list[FidelityPoint], preset: str) -> list[FidelityPoint]:
+    """The suite's fit points measured on the preset itself (alone: no other machine), collective kinds only."""
+    return [p for p in points if p.spec.role == "fit" and p.spec.setup.kind in COMM_KINDS
+            and p.spec.setup.hardware == [preset]]
+
+
+def _log_errors(hw: Hardware, points: list[FidelityPoint]) -> list[float]:
+    """log(predicted / measured) per point; a range counts from its nearer end (zero inside it)."""
+    out = []
+    for p in points:
+        predicted = comm_figure(hw, p.spec.setup.kind, p.spec.setup.comm)  # type: ignore[arg-type]
+        m = p.spec.measured
+        low, high = (m[0], m[1]) if isinstance(m, list) else (m, m)
+        out.append(0.0 if low <= predicted <= high else math.log(predicted / (low if predicted < low else high)))
+    return out
+
+
+def _loss(hw: Hardware, points: list[FidelityPoint]) -> float:
+    """Mean squared log ratio: a 2x miss counts the same either way, a small message as much as a large one."""
+    errs = _log_errors(hw, points)
+    return sum(e * e for e in errs) / max(1, len(errs))
+
+
+def _median_error(hw: Hardware, points: list[FidelityPoint]) -> float:
+    """Median relative error, as ``lagom validate`` counts it (exp of the log ratio, less one)."""
+    return statistics.median(abs(math.expm1(e)) for e in _log_errors(hw, points))
+
+
+def fit_preset(points: list[FidelityPoint], preset: str) -> PublishedFit:
+    """Fit the constants the preset's fit points name, by coordinate passes from the preset's own values."""
+    mine = fit_points(points, preset)
+    if not mine:
+        raise ConfigError(f"--fit {preset}", "the suite has no fit point measured on this preset alone",
+                          "mark a whole source's points role: fit, naming the constants they set")
+    names = sorted({c for p in mine for c in p.spec.constants})
+    unknown = [c for c in names if c not in RANGES]
+    if unknown:
+        raise ConfigError(f"--fit {preset}", f"no range to search for {', '.join(unknown)}",
+                          f"fit points may name {', '.join(RANGES)}")
+    base = load_hardware(preset)
+    start = {c: get_constant(base, c) for c in names}
+    values = dict(start)
+
+    def with_values(v: dict[str, float]) -> Hardware:
+        hw = base
+        for c, x in v.items():
+            hw = set_constant(hw, c, x)
+        return hw
+
+    def loss(c: str, x: float) -> float:
+        low, high = RANGES[c]
+        return _loss(with_values({**values, c: x}), [p for p in mine if c in p.spec.constants]) + \
+            TIE * abs(x - start[c]) / (high - low)
+
+    for _ in range(SWEEPS):
+        for c in names:
+            values[c] = best_on(partial(loss, c), *RANGES[c], values[c])
+    moved = {c: v for c, v in values.items() if not math.isclose(v, start[c], rel_tol=1e-6)}
+    return PublishedFit(preset, moved, start, [c for c in names if c not in moved], [p.spec.id for p in mine],
+                        _median_error(base, mine), _median_error(with_values(values), mine))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m lagom.published_fit PRESET``: print the fit and the record the preset keeps."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("preset", nargs="+")
+    parser.add_argument("--suite", default=None, help="folder of fidelity files (default: configs/fidelity)")
+    args = parser.parse_args(argv)
+    points = load_suite(args.suite) if args.suite else load_suite()
+    for preset in args.preset:
+        result = fit_preset(points, preset)
+        print(f"{preset}: {len(result.points)} fit points, median error {result.median_before:.1%} -> "
+              f"{result.median_after:.1%}")
+        for c, v in result.constants.items():
+            print(f"  {c}: {result.start[c]:.4g} -> {v:.4g}")
+        for c in result.uninformed:
+            print(f"  {c}: {result.start[c]:.4g} (the points do not move it)")
+        print(f"  record: {result.record()}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
