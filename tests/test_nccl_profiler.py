@@ -22,6 +22,7 @@ from lagom.comm_config import Algorithm, CommConfig, CTAPolicy, Protocol
 from lagom.nccl_profiler import drain as profiler
 from lagom.nccl_profiler import what_ran
 from lagom.nccl_tuner import build
+from lagom.nccl_tuner.live import PluginCounters
 from lagom.plan import Plan, PlanEntry
 from tests.test_nccl_tuner import compiler_or_skip
 
@@ -309,7 +310,8 @@ def test_the_what_ran_table_says_where_nccl_did_not_run_the_plan(nccl, library) 
     comm.run(5, [(0, 1)], count=10)  # no key this small
     drained = profiler.ProfilerDrain(library)
     groups = profiler.group_names(drained.communicators(), {"dp": 4})
-    comparison = what_ran.compare(drained.drain().collectives(), plan, groups)
+    records = drained.drain().collectives()
+    comparison = what_ran.compare(records, plan, groups)
     assert comparison.unplanned == 1 and not comparison.unplaced
     assert what_ran.mismatch_lines(comparison) == [
         "dp/all_reduce/1048576: 2 of 4 calls not as planned: NCCL ran 2 channels of the planned 4 (too little data "
@@ -321,7 +323,12 @@ def test_the_what_ran_table_says_where_nccl_did_not_run_the_plan(nccl, library) 
         "| dp/all_gather/4194304 | copy engines | ring/simple x8 | 1 | 1 |",
         "| dp/reduce_scatter/4194304 | NCCL decides | ring/simple x8 | 1 | 0 |"]
     [all_reduce] = [r for r in comparison.keys if r.key == "dp/all_reduce/1048576"]
-    assert all_reduce.reasons.most_common()[1][0].startswith("the tuner rule did not fire: NCCL ran tree/ll")
+    assert all_reduce.reasons.most_common()[1][0] == (
+        "the tuner rule did not fire: NCCL ran tree/ll (plugin not loaded, no rule for this communicator's rank and "
+        "node counts, or an NCCL group asked once at its members' total size)")
+    never_loaded = what_ran.compare(records, plan, groups, tuner=PluginCounters(inits=0, coll_infos=0, applied=0))
+    assert "(NCCL never initialised Lagom's tuner plugin in this process (NCCL_TUNER_PLUGIN unset or set too late))" \
+        in never_loaded.keys[0].reasons.most_common()[1][0]
 
 
 def test_without_the_library_the_drain_says_the_profiler_is_absent(tmp_path, monkeypatch) -> None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from lagom.comm_config import CTAPolicy, Decomposition
 from lagom.nccl_profiler.drain import CollectiveRecord, GroupMatch
+from lagom.nccl_tuner.live import PluginCounters
 from lagom.plan import Plan, PlanEntry
 
 
@@ -68,7 +69,16 @@ class Comparison:
     unplanned: int = 0
 
 
-def _reason(planned: Planned, algorithm: str | None, protocol: str | None, channels: int, copy_engine: bool) -> str:
+def _not_fired(tuner: PluginCounters | None) -> str:
+    """Why a tuner rule did not fire, as far as the tuner's counters tell."""
+    if tuner is not None and tuner.inits == 0:
+        return "NCCL never initialised Lagom's tuner plugin in this process (NCCL_TUNER_PLUGIN unset or set too late)"
+    return ("plugin not loaded, no rule for this communicator's rank and node counts, or an NCCL group asked once at "
+            "its members' total size")
+
+
+def _reason(planned: Planned, algorithm: str | None, protocol: str | None, channels: int, copy_engine: bool,
+            tuner: PluginCounters | None = None) -> str:
     """Why one call differs from the plan; '' when it does not."""
     if planned.copy_engine and not copy_engine:
         return ("planned on copy engines (CTA policy ZERO), ran as a kernel: NCCL uses copy engines only for "
@@ -78,8 +88,7 @@ def _reason(planned: Planned, algorithm: str | None, protocol: str | None, chann
     if copy_engine:
         return "planned for the tuner's kernel, ran on copy engines (the communicator's CTA policy is ZERO)"
     if (algorithm, protocol) != (planned.algorithm, planned.protocol):
-        return (f"the tuner rule did not fire: NCCL ran {algorithm}/{protocol} (plugin not loaded, no rule for this "
-                "communicator's rank and node counts, or an NCCL group asked once at its members' total size)")
+        return f"the tuner rule did not fire: NCCL ran {algorithm}/{protocol} ({_not_fired(tuner)})"
     if channels < planned.channels:
         return (f"NCCL ran {channels} channels of the planned {planned.channels} (too little data to fill them, or "
                 "capped by the communicator's channels" + (", NVLS's own count" if algorithm == "nvls" else "") + ")")
@@ -88,9 +97,11 @@ def _reason(planned: Planned, algorithm: str | None, protocol: str | None, chann
     return ""
 
 
-def compare(records: Iterable[CollectiveRecord], plan: Plan, groups: Mapping[int, GroupMatch]) -> Comparison:
+def compare(records: Iterable[CollectiveRecord], plan: Plan, groups: Mapping[int, GroupMatch],
+            tuner: PluginCounters | None = None) -> Comparison:
     """Each record placed on its plan key (by group, collective and whole-buffer size, as the recorder
-    places calls) and checked against the plan's choice for that key."""
+    places calls) and checked against the plan's choice for that key. ``tuner``: the tuner plugin's counters
+    (``lagom.nccl_tuner.live.counters()``), which say whether NCCL loaded it at all."""
     runs: dict[str, KeyRun] = {}
     out = Comparison(keys=[])
     for record in records:
@@ -107,7 +118,7 @@ def compare(records: Iterable[CollectiveRecord], plan: Plan, groups: Mapping[int
             run = runs[entry.key] = KeyRun(entry.key, Planned.of(entry))
         run.calls += 1
         run.ran[(record.algorithm, record.protocol, record.channels, record.copy_engine)] += 1
-        reason = _reason(run.planned, record.algorithm, record.protocol, record.channels, record.copy_engine)
+        reason = _reason(run.planned, record.algorithm, record.protocol, record.channels, record.copy_engine, tuner)
         if reason:
             run.mismatched += 1
             run.reasons[reason] += 1
