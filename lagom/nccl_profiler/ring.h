@@ -19,7 +19,9 @@
 int lagom_ring_push(const lagom_prof_record* record);
 
 /* Copies up to ``max`` records, oldest first, into ``out`` and returns how many; *overwritten gets the
- * records the ring dropped since the last drain. One reader at a time (a second concurrent call returns 0). */
+ * records the ring dropped since the last drain. A drain stops at a record still being written and takes
+ * it next time (a lost record holds later ones back until its cell is written again, N records on: they
+ * are then read, or counted as overwritten). One reader at a time (a second concurrent call returns 0). */
 size_t lagom_ring_drain(lagom_prof_record* out, size_t max, uint64_t* overwritten);
 
 /* Records written so far (tickets handed out). */
