@@ -9,12 +9,12 @@ from typing import Any
 
 from lagom.capability import Capability, capability_for
 from lagom.comm_config import CTAPolicy, ProcessSettings, under_process
-from lagom.errors import ConfigError
 from lagom.hardware import Hardware
 from lagom.plan import Plan, PlanEntry
 from lagom.points import points_for
-from lagom.search import STRATEGIES, Problem, SearchResult, exhaustive, priority, run_strategy
-from lagom.search.base import Seen, SimulatedEvaluator, settle_communicators
+from lagom.search import Problem, SearchResult, exhaustive
+from lagom.search.base import Seen, SimulatedEvaluator
+from lagom.search.driver import drive
 from lagom.search.exhaustive import MAX_EVALUATIONS
 from lagom.simulator import Simulator, StepResult
 from lagom.workload import Workload, validate
@@ -60,10 +60,6 @@ def _with_buckets(wl: Workload, scale: float) -> Workload:
         return replace(wl, framework=replace(f, bucket_size=int(wl.ddp_bucket_elems * scale)))
     return replace(wl, framework=replace(f, reduce_bucket_size=int(f.reduce_bucket_size * scale),
                                          allgather_bucket_size=int(f.allgather_bucket_size * scale)))
-
-
-def _has_buckets(problem: Problem) -> bool:
-    return any("grad.bucket" in p.name for p in problem.graph.points)
 
 
 @dataclass
@@ -131,56 +127,53 @@ class _Planner:
 
         return SimulatedEvaluator(problem, simulator, report, seen)
 
-    def run(self, wl: Workload, strategy: str) -> Tuned:
-        if strategy not in STRATEGIES:
-            raise ConfigError("strategy", f"unknown '{strategy}'", f"use one of {', '.join(STRATEGIES)}")
-        problem = self.problem(wl)
-        return Tuned(wl, problem, run_strategy(strategy, problem, self.evaluator(wl, strategy)))
+    def search(self, wl: Workload, strategy: str, search_buckets: bool = True) -> Tuned:
+        """Strategy ``strategy`` over every dimension of the plan (``lagom.search.driver``); the bucket sizes
+        around the workload's own unless ``search_buckets`` is off (the user pinned them)."""
+        space = _BucketSpace(self, wl, strategy, BUCKET_SCALES if search_buckets else (1.0,))
+        found = drive(strategy, space)
+        return Tuned(space.at(found.scale), found.problem, found.result)
+
+
+@dataclass
+class _BucketSpace:
+    """The driver's bucket dimension over one workload: the workload at each scale of its bucket size, with the
+    planner's shared problems and evaluators."""
+
+    planner: _Planner
+    wl: Workload
+    strategy: str
+    scales: tuple[float, ...]
+
+    def at(self, scale: float) -> Workload:
+        return self.wl if scale == 1.0 else _with_buckets(self.wl, scale)
+
+    def problem(self, scale: float) -> Problem:
+        return self.planner.problem(self.at(scale))
+
+    def evaluator(self, scale: float) -> SimulatedEvaluator:
+        return self.planner.evaluator(self.at(scale), self.strategy)
+
+    def rest(self, scale: float) -> None:
+        self.planner.rest(self.at(scale))
+
+    def forget(self, scale: float) -> None:
+        self.planner.forget(self.at(scale))
 
 
 def search_with_buckets(wl: Workload, hw: Hardware, strategy: str, search_buckets: bool = True,
                         progress: ProgressCallback | None = None, capability: Capability | None = None) -> Tuned:
     """Run a strategy; lagom also tries bucket sizes around the workload's unless ``search_buckets`` is
     off (the user pinned them). ``progress`` hears after every simulated step."""
-    return _search_with_buckets(_Planner(hw, progress, capability), wl, strategy, search_buckets)
-
-
-def _search_with_buckets(planner: _Planner, wl: Workload, strategy: str, search_buckets: bool) -> Tuned:
-    """At the workload's own bucket size the search tunes every key; at the other sizes only the keys the
-    size changes (gradient buckets, parameter gathers), the rest keeping the first search's choice, under
-    the per-process values the first search chose."""
-    problem = planner.problem(wl)
-    if strategy != "lagom" or not search_buckets or not _has_buckets(problem):
-        return planner.run(wl, strategy)
-    central = planner.run(_with_buckets(wl, 1.0), strategy)
-    best, evaluations = central, central.result.evaluations
-    for scale in BUCKET_SCALES:
-        if scale == 1.0:
-            continue
-        planner.rest(best.workload)  # searched: at most its baseline is asked for again, from its results
-        cand = _with_buckets(wl, scale)
-        prob = planner.problem(cand).with_process(central.result.process or central.problem.settings)
-        changed = {k for k, pts in prob.keys.items() if len(central.problem.keys.get(k, ())) != len(pts)}
-        evaluator = planner.evaluator(cand, strategy)
-        res = settle_communicators(prob, evaluator, priority.search(prob, evaluator, central.result, changed))
-        res.process = prob.settings
-        evaluations += res.evaluations
-        if res.result.step_s < best.result.result.step_s:
-            if best is not central:
-                planner.forget(best.workload)
-            best = Tuned(cand, prob, res)
-        else:
-            planner.forget(cand)
-    best.result.evaluations = evaluations
-    return best
+    return _Planner(hw, progress, capability).search(wl, strategy, search_buckets)
 
 
 def make_plan(wl: Workload, hw: Hardware, strategy: str = "lagom", search_buckets: bool = True,
               progress: ProgressCallback | None = None, capability: Capability | None = None) -> Plan:
     """The plan of one strategy, within ``capability`` (default: what ``hw``'s profile and this install have)."""
     planner = _Planner(hw, progress, capability)
-    tuned = _search_with_buckets(planner, wl, strategy, search_buckets)
-    baseline = planner.run(wl, "nccl").result.result.step_s
+    tuned = planner.search(wl, strategy, search_buckets)
+    baseline = planner.search(wl, "nccl").result.result.step_s
     return plan_from(tuned, wl, hw, {"nccl": baseline, strategy: tuned.result.result.step_s})
 
 
@@ -243,7 +236,7 @@ def compare_strategies(wl: Workload, hw: Hardware, exhaustive_limit: int = MAX_E
     """Every strategy on the simulator, within ``capability``; exhaustive is None where it needs more than
     the limit's evaluations."""
     planner = _Planner(hw, progress, capability)
-    out: dict[str, Tuned | None] = {s: _search_with_buckets(planner, wl, s, True) for s in ("nccl", "autoccl", "lagom")}
+    out: dict[str, Tuned | None] = {s: planner.search(wl, s) for s in ("nccl", "autoccl", "lagom")}
     problem = planner.problem(wl)
     out["exhaustive"] = (Tuned(wl, problem, exhaustive.search(problem, planner.evaluator(wl, "exhaustive"), exhaustive_limit))
                          if exhaustive.feasible(problem, exhaustive_limit) else None)

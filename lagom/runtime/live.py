@@ -51,7 +51,7 @@ from lagom.capability import channel_cap
 from lagom.comm_config import CommConfig
 from lagom.runtime.online import Observation
 from lagom.search.base import Problem, SearchResult
-from lagom.search.priority import search
+from lagom.search.driver import refine
 from lagom.simulator import Configs, Simulator, StepResult
 
 log = logging.getLogger("lagom.online")
@@ -312,7 +312,7 @@ class LiveSearch:
     def _search(self) -> None:
         try:
             start = SearchResult("live", dict(self.reference), self.evaluate(self.reference), 0)
-            self.result = search(self.problem, self, start, only=self.only)
+            self.result = refine(self.problem, self, start, self.only)
         except BaseException as err:  # noqa: BLE001 - told to the step loop, which ends tuning on the reference
             self.error = err
         finally:

@@ -1,0 +1,205 @@
+"""The one search loop: every dimension of a plan searched around one per-key strategy.
+
+A plan has three kinds of decision, and ``drive`` takes them in one pass, in this order:
+
+1. **keys**: the strategy's choice per tuning key under the current per-process values, then one value per
+   communicator for what NCCL reads per communicator (``settle_communicators``);
+2. **step-wide values**: each per-process knob (threads, transport, the chunk where NCCL_BUFFSIZE is its only
+   setting) and the chunk set on every collective at once, one evaluation per value, the best kept (one pass of
+   coordinate descent); where a value moved, or the chunk is set per size, the keys once more under them;
+3. **bucket sizes** (the lagom strategy, where the step has framework buckets): the framework's bucket size at
+   each other scale of ``Space.scales``, with the strategy run again only on the keys that size changes, the
+   rest keeping the first choice, under the per-process values step 2 chose.
+
+Evaluations stay linear in the keys: the strategy's own twice, plus one per step-wide value, plus the changed
+keys' per other bucket scale. NCCL's baseline and the exhaustive search enumerate their whole space themselves
+and skip 2 and 3. The objective is the step, except for AutoCCL, whose objective is its collectives' own time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+from lagom.comm_config import CommConfig, Decomposition, ProcessSettings, planned_chunk, under_process
+from lagom.errors import ConfigError
+from lagom.points import OverlapPoint
+from lagom.search import autoccl, exhaustive, nccl, priority
+from lagom.search.base import (
+    Evaluator,
+    Objective,
+    Problem,
+    SearchResult,
+    SimulatedEvaluator,
+    comm_time,
+    settle_communicators,
+    step_time,
+)
+
+Strategy = Callable[[Problem, Evaluator], SearchResult]
+
+STRATEGIES: dict[str, Strategy] = {
+    "nccl": nccl.search,
+    "autoccl": autoccl.search,
+    "lagom": priority.search,
+    "exhaustive": exhaustive.search,
+}
+WHOLE_SPACE = ("nccl", "exhaustive")  # strategies that search their whole space themselves
+OBJECTIVES: dict[str, Objective] = {"autoccl": comm_time}
+BUCKET_SCALED = ("lagom",)  # strategies that also search the framework's bucket size
+
+
+class Space(Protocol):
+    """Where the bucket-size dimension lives: the problem and an evaluator at each bucket scale (1.0: the
+    framework's own size), and the memory a scale's simulator may give back once it is searched."""
+
+    scales: tuple[float, ...]
+
+    def problem(self, scale: float) -> Problem: ...
+
+    def evaluator(self, scale: float) -> Evaluator: ...
+
+    def rest(self, scale: float) -> None: ...
+
+    def forget(self, scale: float) -> None: ...
+
+
+@dataclass
+class OneProblem:
+    """A space with one problem and no bucket dimension (``run_strategy``, the online search)."""
+
+    only: Problem
+    evaluating: Evaluator
+    scales: tuple[float, ...] = (1.0,)
+
+    def problem(self, scale: float) -> Problem:
+        return self.only
+
+    def evaluator(self, scale: float) -> Evaluator:
+        return self.evaluating
+
+    def rest(self, scale: float) -> None:
+        pass
+
+    def forget(self, scale: float) -> None:
+        pass
+
+
+@dataclass
+class Found:
+    """What ``drive`` chose: the bucket scale, the problem at that scale, and the settings."""
+
+    scale: float
+    problem: Problem
+    result: SearchResult
+
+
+def strategy(name: str) -> Strategy:
+    """A registered strategy by name, or a ConfigError naming the choices."""
+    if name not in STRATEGIES:
+        raise ConfigError("strategy", f"unknown '{name}'", f"use one of {', '.join(STRATEGIES)}")
+    return STRATEGIES[name]
+
+
+def drive(name: str, space: Space) -> Found:
+    """Search every dimension of ``space`` with strategy ``name`` (see the module docstring)."""
+    run = strategy(name)
+    problem, evaluator = space.problem(1.0), space.evaluator(1.0)
+    if name in WHOLE_SPACE:
+        return Found(1.0, problem, replace(run(problem, evaluator), process=problem.settings))
+    found = Found(1.0, problem, _keys_and_step_wide(run, problem, evaluator, OBJECTIVES.get(name, step_time)))
+    if name not in BUCKET_SCALED or not _has_buckets(problem):
+        return found
+    return _bucket_sizes(space, found)
+
+
+def run_strategy(name: str, problem: Problem, evaluator: Evaluator | None = None) -> SearchResult:
+    """One problem searched by strategy ``name`` (no bucket dimension)."""
+    return drive(name, OneProblem(problem, evaluator or SimulatedEvaluator(problem))).result
+
+
+def refine(problem: Problem, evaluator: Evaluator, start: SearchResult | None, only: set[str] | None) -> SearchResult:
+    """The keys in ``only`` searched again from ``start``'s settings, the rest kept (the priority search): the
+    bucket dimension's step, and the live search's on the job's own steps."""
+    return priority.search(problem, evaluator, start, only)
+
+
+def _has_buckets(problem: Problem) -> bool:
+    return any("grad.bucket" in p.name for p in problem.graph.points)
+
+
+def _settled(run: Strategy, problem: Problem, evaluator: Evaluator, objective: Objective) -> SearchResult:
+    """Dimension 1: one run of the per-key strategy under the problem's per-process values, settled per
+    communicator."""
+    found = replace(run(problem, evaluator), process=problem.settings)
+    return settle_communicators(problem, evaluator, found, objective)
+
+
+def _keys_and_step_wide(run: Strategy, problem: Problem, evaluator: Evaluator, objective: Objective) -> SearchResult:
+    """Dimensions 1 and 2: the keys, the step-wide values one at a time, and the keys again where they moved."""
+    fields = problem.cap.process_fields()
+    first = _settled(run, problem, evaluator, objective)
+    best, process, uniform = first, problem.settings, dict[str, Any]()
+    for knob, values in problem.step_wide_choices().items():
+        for value in values:
+            trial_process = replace(process, **{knob: value}) if knob in fields else process
+            trial_uniform = uniform if knob in fields else {**uniform, knob: value}
+            if trial_process == process and trial_uniform == uniform:
+                continue
+            configs = {k: _step_wide(cfg, problem.keys[k][0], problem, trial_process, trial_uniform)
+                       for k, cfg in first.configs.items()}
+            result = evaluator.evaluate(configs)
+            if objective(result) < objective(best.result):
+                scope = "per-process" if knob in fields else "step-wide"
+                notes = {k: f"{first.notes.get(k, '')}; {scope} {knob}={value} (one value for every collective)"
+                         .lstrip("; ") for k in configs}
+                best = SearchResult(first.strategy, configs, result, evaluator.evaluations, notes, trial_process)
+                process, uniform = trial_process, trial_uniform
+    per_size_chunk = "chunk_bytes" not in fields
+    if process != problem.settings or per_size_chunk:
+        # where the chunk is set per size, the second run searches the step with one chunk (a subset of
+        # the per-size space the per-key strategies rank better in)
+        chunk = uniform.get("chunk_bytes", process.chunk_bytes)
+        narrow = problem.with_process(replace(process, chunk_bytes=chunk), one_chunk=per_size_chunk)
+        again = _settled(run, narrow, evaluator, objective)
+        if objective(again.result) < objective(best.result):
+            best = replace(again, process=process)
+    return replace(best, evaluations=evaluator.evaluations)
+
+
+def _step_wide(cfg: CommConfig, point: OverlapPoint, problem: Problem, process: ProcessSettings,
+               uniform: dict[str, Any]) -> CommConfig:
+    """A key's config with the per-process values and, on the collectives NCCL runs, the step-wide ones
+    (a step-wide chunk as NCCL runs it for each: LL's is at most 32 KiB)."""
+    out = under_process(cfg, point, problem.hw, process, problem.cap)
+    if not uniform or out.decomposition != Decomposition.COLLECTIVE:
+        return out
+    out = replace(out, **uniform)
+    if "chunk_bytes" in uniform:
+        out = replace(out, chunk_bytes=planned_chunk(out, point.collective, point.group, problem.hw, problem.open_space))
+    return out
+
+
+def _bucket_sizes(space: Space, central: Found) -> Found:
+    """Dimension 3: the other bucket scales, each searched only on the keys its size changes (their count of
+    points differs), the rest keeping the central choice, under the central per-process values."""
+    best, evaluations = central, central.result.evaluations
+    for scale in space.scales:
+        if scale == 1.0:
+            continue
+        space.rest(best.scale)  # searched: at most its baseline is asked for again, from its results
+        problem = space.problem(scale).with_process(central.result.process or central.problem.settings)
+        changed = {k for k, pts in problem.keys.items() if len(central.problem.keys.get(k, ())) != len(pts)}
+        evaluator = space.evaluator(scale)
+        found = settle_communicators(problem, evaluator, refine(problem, evaluator, central.result, changed))
+        found.process = problem.settings
+        evaluations += found.evaluations
+        if found.result.step_s < best.result.result.step_s:
+            if best is not central:
+                space.forget(best.scale)
+            best = Found(scale, problem, found)
+        else:
+            space.forget(scale)
+    best.result.evaluations = evaluations
+    return best
