@@ -26,6 +26,7 @@ from lagom.hardware import Hardware, load_hardware
 from lagom.validate import COMM_KINDS, FidelityPoint, comm_figure, load_suite
 
 SWEEPS = 3  # coordinate passes over the constants
+NUDGE = 0.05  # share of a constant's range it must be pinned within to count as set by the points
 TIE = 1e-9  # loss per range of distance from the start value: on a flat stretch the start value stays
 # The range searched for each constant a fit point may name.
 RANGES: dict[str, tuple[float, float]] = {
@@ -133,12 +134,21 @@ def fit_preset(points: list[FidelityPoint], preset: str) -> PublishedFit:
         return _loss(with_values({**values, c: x}), [p for p in mine if c in p.spec.constants]) + \
             TIE * abs(x - start[c]) / (high - low)
 
+    def _moves(c: str) -> bool:
+        """Whether the points pin the constant: its loss rises a step (NUDGE of its range) either side of the fit
+        (a link-bound ring, say, only bounds a channel's rate from below: that rate keeps the preset's value)."""
+        low, high = RANGES[c]
+        step = NUDGE * (high - low)
+        here = _loss(with_values(values), [p for p in mine if c in p.spec.constants])
+        return all(_loss(with_values({**values, c: x}), [p for p in mine if c in p.spec.constants]) > here * (1 + 1e-9)
+                   for x in (max(low, values[c] - step), min(high, values[c] + step)) if x != values[c])
+
     for _ in range(SWEEPS):
         for c in names:
             values[c] = best_on(partial(loss, c), *RANGES[c], values[c])
-    moved = {c: v for c, v in values.items() if not math.isclose(v, start[c], rel_tol=1e-6)}
-    return PublishedFit(preset, moved, start, [c for c in names if c not in moved], [p.spec.id for p in mine],
-                        _median_error(base, mine), _median_error(with_values(values), mine))
+    informed = {c: values[c] for c in names if _moves(c)}
+    return PublishedFit(preset, informed, start, [c for c in names if c not in informed], [p.spec.id for p in mine],
+                        _median_error(base, mine), _median_error(with_values({**start, **informed}), mine))
 
 
 def main(argv: list[str] | None = None) -> int:

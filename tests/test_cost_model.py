@@ -113,8 +113,8 @@ def test_tree_all_reduce_halves_what_the_nic_carries_on_two_nodes():
 def test_nvls_each_gpu_carries_the_buffer_once():
     model, nbytes = CostModel(H100), GIB
     cfg = CommConfig(algorithm=Algorithm.NVLS, channels=16)
-    # 16 channels x 36 GB/s exceed NCCL's 370.8 GB/s NVLink4 figure: the link, at 0.85 x 15/16 of it
-    expected = 25e-6 + nbytes * 7 / 8 / (370.8e9 * 0.85 * 15 / 16)
+    # 16 channels x 36 GB/s exceed NCCL's 370.8 GB/s NVLink4 figure: the link, at the NVLS efficiency x 15/16 of it
+    expected = 25e-6 + nbytes * 7 / 8 / (370.8e9 * H100.nccl.nvls_efficiency * 15 / 16)
     assert model.comm_time(AR, Group("tp", 8, 8, 1), nbytes, cfg) == pytest.approx(expected, rel=1e-12)
 
 

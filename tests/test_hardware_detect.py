@@ -24,7 +24,8 @@ from tests.distributed import run_ranks
     ("NVIDIA H100 80GB HBM3", None, "h100-sxm-8x-400g"),
     ("Tesla V100-SXM2-32GB", None, "v100-4x-25g"),
     ("NVIDIA A10", None, None),  # not an A100
-    ("NVIDIA H200", None, None),
+    ("NVIDIA H200", None, "h200-sxm-8x-400g"),
+    ("NVIDIA B200", None, None),
     ("NVIDIA GeForce RTX 4090", None, None),
     ("AMD Instinct MI300X", None, None),
 ])
@@ -73,7 +74,7 @@ def test_nvml_saying_no_nvlink_replaces_the_presets_link():
 
 
 def test_an_unknown_gpu_or_a_cpu_matches_no_preset():
-    assert from_preset(facts("NVIDIA H200")) is None
+    assert from_preset(facts("NVIDIA B200")) is None
     assert from_preset(facts(None)) is None
 
 
