@@ -171,7 +171,7 @@ def _recorder_events() -> str:
     import torch
     import torch.distributed as dist
 
-    from lagom.runtime.recorder import Recorder
+    from lagom.runtime.apply.recorder import Recorder
 
     recorder = Recorder(cuda=True)
     t = torch.randn(1 << 26, device="cuda")
@@ -193,7 +193,7 @@ def _options_read_back() -> str:
     import torch
     import torch.distributed as dist
 
-    from lagom.runtime.apply import nccl_options
+    from lagom.runtime.apply.runtime import nccl_options
 
     cfg = {"max_ctas": 4, "min_ctas": 2, "is_high_priority_stream": True}
     group = dist.new_group([0], pg_options=nccl_options(cfg))
@@ -355,7 +355,7 @@ def strategy_picks(profile: Path) -> dict[str, tuple[int, int]]:
 def part_window(out: Path, budget_s: float) -> None:
     import torch
 
-    from lagom.runtime.comm_kernel import stream_chunks
+    from lagom.runtime.measure.comm_kernel import stream_chunks
     from lagom.workload import load_workload
 
     profile = profile_path(out)

@@ -6,7 +6,7 @@ NCCL's settings change nothing), with noise; the share of trials it accepts is i
 Each round is a fresh online session (the real agreement, two-phase table switches and live search) on a small
 planned job; every step reports one call per plan key and sleeps ``step-ms`` times (1 + Gaussian noise). Rounds
 run until ``--trials`` trials were judged. Prints the trials, the accepted ones, the rate and the live search's
-significance level (``lagom.runtime.live.ALPHA``); the target is a rate of at most 5%.
+significance level (``lagom.runtime.online.live.ALPHA``); the target is a rate of at most 5%.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from tests.distributed import run_ranks  # noqa: E402
 
 
 def rounds(rank: int, world: int, trials: int, noise: float, step_ms: float, tmp: str) -> dict[str, Any]:
-    from lagom.runtime.live import ALPHA
-    from lagom.runtime.session import SessionOptions, TuningSession
+    from lagom.runtime.online.live import ALPHA
+    from lagom.runtime.online.session import SessionOptions, TuningSession
     from tests.test_live_safety import job
 
     rng = random.Random(1000 + rank)

@@ -43,7 +43,7 @@ def _engine(rank: int, config: dict[str, Any]) -> weakref.ref:
 
 
 def loop(rank: int, world: int, tmp: str, engines: int) -> dict[str, Any]:
-    from lagom.runtime import torch_tap
+    from lagom.runtime.apply import torch_tap
     from lagom_deepspeed import comm
 
     lets_go = {}

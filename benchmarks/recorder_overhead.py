@@ -7,7 +7,7 @@
 2. A small gloo all-reduce on 2 local ranks: bare, with an empty completion callback (what any
    Python callback costs: gloo's thread takes the GIL to run it), and tracked; the three are
    interleaved in rotating order so drift and ordering hit them alike.
-3. The torch.distributed tap (lagom.runtime.torch_tap): the same all-reduce in blocks of calls
+3. The torch.distributed tap (lagom.runtime.apply.torch_tap): the same all-reduce in blocks of calls
    with the tap off (bare), recorded the adapters' way (``Recorder.track`` on the work: the
    existing recorder), recorded by the tap (``dist.all_reduce`` as Transformer Engine calls it),
    and with the tap on but the call claimed by an adapter layer (the hooks run and return at
@@ -40,7 +40,8 @@ import torch.multiprocessing as mp
 
 from lagom import nccl_profiler
 from lagom.nccl_profiler import drain as profiler_drain
-from lagom.runtime import Recorder, torch_tap
+from lagom.runtime import Recorder
+from lagom.runtime.apply import torch_tap
 
 BATCH = 100  # calls timed together: one perf_counter pair per batch, not per call
 

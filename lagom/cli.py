@@ -158,7 +158,7 @@ class _Parser(argparse.ArgumentParser):
 
 # Subcommands whose code lives in their own modules: each module offers add_arguments(parser) and run(args).
 _PLUGGED: list[tuple[str, str, str]] = [
-    ("calibrate", "lagom.runtime.calibrate", "measure this machine's collectives and write a hardware profile"),
+    ("calibrate", "lagom.runtime.measure.calibrate", "measure this machine's collectives and write a hardware profile"),
     ("patch", "lagom_megatron.patching", "patch megatron/training to accept --lagom (or --revert it)"),
     ("validate", "lagom.validate", "the cost model against the published measurements in configs/fidelity"),
     ("reproduce", "lagom_experiments.reproduce", "reproduce the published GPT/BERT/T5 and A40 results: table, report, plots"),

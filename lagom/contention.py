@@ -7,7 +7,7 @@ leaves no room for (residency), whether GEMMs run persistent, the share of the c
 compute loses, the L2 term of chunk staging, and how much the compute's HBM use slows the comm. The fit
 sets those constants from part of the samples and checks them on the rest, held out.
 
-Framework-free: the samples are plain data, the measuring lives in ``lagom.runtime.contention_bench``.
+Framework-free: the samples are plain data, the measuring lives in ``lagom.runtime.measure.contention_bench``.
 """
 
 from __future__ import annotations

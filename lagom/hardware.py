@@ -7,7 +7,7 @@ calibrate``; none is hard-coded here. A file may start with
 file that names it.
 
 ``closest_preset`` and ``with_cluster`` turn what a running job can see (its GPU's name, NVLink, ranks
-per node, world size) into the machine to plan for; ``lagom.runtime.probe`` gathers those facts.
+per node, world size) into the machine to plan for; ``lagom.runtime.measure.probe`` gathers those facts.
 """
 
 from __future__ import annotations
@@ -294,7 +294,7 @@ def _validate(hw: Hardware) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# From what a running job sees to the machine to plan for (torch-free: lagom.runtime.probe gathers the facts)
+# From what a running job sees to the machine to plan for (torch-free: lagom.runtime.measure.probe gathers the facts)
 
 _FAMILY = re.compile(r"\b([A-Z]{1,2}\d{2,3}[A-Z]?)\b")  # A100, H100, A40, V100, L40S, GH200
 

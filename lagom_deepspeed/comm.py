@@ -19,7 +19,7 @@ get ``group_desc`` = their lagom name (the newest subscription's names, which be
 being built), so the plan's per-group NCCL options reach them.
 
 Every call through the backend is issued inside ``torch_tap.claimed``: the torch.distributed tap
-(``lagom.runtime.torch_tap``), which each attached session also subscribes to, leaves it to this
+(``lagom.runtime.apply.torch_tap``), which each attached session also subscribes to, leaves it to this
 layer, and records only what bypasses ``deepspeed.comm`` (Transformer Engine's layers, a model's own
 torch.distributed calls), for the same sessions under the same ``active()`` rule.
 
@@ -39,8 +39,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from lagom.runtime import torch_tap
-from lagom.runtime.torch_tap import coalesced, nbytes
+from lagom.runtime.apply import torch_tap
+from lagom.runtime.apply.torch_tap import coalesced, nbytes
 from lagom_deepspeed.groups import GroupNames
 
 log = logging.getLogger("lagom.deepspeed")

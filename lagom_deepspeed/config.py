@@ -13,8 +13,8 @@ from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from pydantic import Field, ValidationError, field_validator
 
 from lagom.errors import ConfigError
-from lagom.runtime.control import DEFAULT_TIMEOUT_S
-from lagom.runtime.live import DEFAULT_BUDGET_S
+from lagom.runtime.apply.control import DEFAULT_TIMEOUT_S
+from lagom.runtime.online.live import DEFAULT_BUDGET_S
 from lagom.search import STRATEGIES
 
 SECTION = "lagom"

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 
-from lagom.runtime.launch import run_script
+from lagom.runtime.apply.launch import run_script
 
 USAGE = "usage: python -m lagom_deepspeed.run SCRIPT.py [script args]  (a \"lagom\" section in its DeepSpeed config)"
 

@@ -23,8 +23,8 @@ import torch.distributed as dist
 from lagom.errors import ConfigError
 from lagom.hardware import Hardware
 from lagom.plan import Plan
-from lagom.runtime.control import Control
-from lagom.runtime.session import KnobChange, SessionOptions, TuningSession, choose_hardware
+from lagom.runtime.apply.control import Control
+from lagom.runtime.online.session import KnobChange, SessionOptions, TuningSession, choose_hardware
 from lagom_deepspeed import planning
 from lagom_deepspeed.comm import Subscription, subscribe
 from lagom_deepspeed.config import LagomConfig

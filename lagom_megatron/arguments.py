@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lagom.errors import ConfigError
-from lagom.runtime.live import DEFAULT_BUDGET_S
+from lagom.runtime.online.live import DEFAULT_BUDGET_S
 from lagom.search import STRATEGIES
 
 log = logging.getLogger("lagom.megatron")

@@ -17,7 +17,7 @@ Where each point is caught, and why there:
   ``_batched_p2p_ops`` and ``_p2p_ops`` that ``P2PCommunicator._communicate`` dispatches to.
 
 The calls recorded here are issued inside ``torch_tap.claimed``, so the torch.distributed tap
-(``lagom.runtime.torch_tap``, subscribed by ``install``) does not record them again; it records the
+(``lagom.runtime.apply.torch_tap``, subscribed by ``install``) does not record them again; it records the
 collectives that bypass these functions: Transformer Engine's layers, the embedding and layer-norm
 gradient all-reduces, the backward all-reduce of a linear without sequence parallel, MoE all-to-all.
 
@@ -38,8 +38,8 @@ import torch
 
 from lagom.calls import nccl_aggregates
 from lagom.flash_overlap import all_gather_matmul, matmul_reduce_scatter
-from lagom.runtime import torch_tap
-from lagom.runtime.session import FlashRouter
+from lagom.runtime.apply import torch_tap
+from lagom.runtime.online.session import FlashRouter
 from lagom_megatron.groups import GroupNames
 
 log = logging.getLogger("lagom.megatron")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from lagom.runtime.launch import run_script
+from lagom.runtime.apply.launch import run_script
 
 USAGE = "usage: python -m lagom_megatron.run SCRIPT.py [megatron args] --lagom [--lagom-* ...]"
 

@@ -8,7 +8,7 @@ sets the DDP bucket size, the NCCL options of each process group (through megatr
 ``get_nccl_options``), the process-wide NCCL variables and, with Transformer Engine, the userbuffers
 config. Explicit user flags win over the plan: the plan is made around them, and Lagom
 says once, at WARNING, what it would have changed and what not changing it is predicted to cost.
-Everything else (start plan, online tuning, drift, report) is ``lagom.runtime.session``.
+Everything else (start plan, online tuning, drift, report) is ``lagom.runtime.online.session``.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from lagom import emit
 from lagom.errors import ConfigError
 from lagom.hardware import Hardware
 from lagom.plan import Plan
-from lagom.runtime import report
-from lagom.runtime.apply import option_value
-from lagom.runtime.control import Control
-from lagom.runtime.session import KnobChange, SessionOptions, TuningSession, choose_hardware
+from lagom.runtime.apply.control import Control
+from lagom.runtime.apply.runtime import option_value
+from lagom.runtime.online import report
+from lagom.runtime.online.session import KnobChange, SessionOptions, TuningSession, choose_hardware
 from lagom.simulator import simulate
 from lagom.tune import make_plan, problem_for
 from lagom.workload import Workload

@@ -10,7 +10,7 @@ import pytest
 from lagom.cost_model import ring_shape
 from lagom.errors import ConfigError
 from lagom.hardware import load_hardware
-from lagom.runtime import calibrate
+from lagom.runtime.measure import calibrate
 from tests.distributed import run_ranks
 
 BASE = "a100-8x-100g"

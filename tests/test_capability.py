@@ -25,8 +25,8 @@ from lagom.comm_config import (
 from lagom.errors import ConfigError
 from lagom.hardware import load_hardware
 from lagom.plan import Plan
-from lagom.runtime import apply
-from lagom.runtime.session import SessionOptions, TuningSession
+from lagom.runtime.apply import runtime as apply
+from lagom.runtime.online.session import SessionOptions, TuningSession
 from lagom.search import Problem, SearchResult, run_strategy
 from lagom.search.base import groups
 from lagom.tune import Tuned, make_plan, plan_from, problem_for, registration

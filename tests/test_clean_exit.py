@@ -31,8 +31,8 @@ def destroy_paths(rank: int, world: int, store_path: str) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
-    from lagom.runtime import torch_tap
-    from lagom.runtime.recorder import Recorder
+    from lagom.runtime.apply import torch_tap
+    from lagom.runtime.apply.recorder import Recorder
 
     torch_functions = {name: getattr(distributed_c10d, name) for name in
                        ("_register_pg_in_world", "_unregister_process_group", "_unregister_all_process_groups")}

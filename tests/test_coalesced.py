@@ -33,8 +33,8 @@ def coalesced_ops(rank: int, world: int) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed import _coalescing_manager
 
-    from lagom.runtime import torch_tap
-    from lagom.runtime.recorder import Recorder
+    from lagom.runtime.apply import torch_tap
+    from lagom.runtime.apply.recorder import Recorder
 
     rec = Recorder(cuda=False)
     sub = torch_tap.subscribe(lambda group: "dp", rec)
@@ -73,7 +73,7 @@ def deepspeed_coalesced(rank: int, world: int) -> dict[str, Any]:
     import deepspeed
     import deepspeed.comm.comm as ds_comm
 
-    from lagom.runtime.recorder import Recorder
+    from lagom.runtime.apply.recorder import Recorder
     from lagom_deepspeed.comm import subscribe
     from lagom_deepspeed.groups import GroupNames
 

@@ -23,8 +23,8 @@ from lagom.cost_model import CostModel
 from lagom.hardware import closest_preset, load_hardware, preset_names
 from lagom.points import Collective
 from lagom.resources import HARDWARE_PATH_ENV
-from lagom.runtime import calibrate
-from lagom.runtime.contention_bench import rule_table
+from lagom.runtime.measure import calibrate
+from lagom.runtime.measure.contention_bench import rule_table
 from lagom.validate import measured_results, summarize
 
 BASE = "a100-8x-100g"
@@ -155,7 +155,7 @@ def test_a_cpu_profile_is_never_offered_for_a_gpu(cpu_profile: Path, monkeypatch
 
 COMM_KERNEL_CHECK = textwrap.dedent("""
     import torch
-    from lagom.runtime.comm_kernel import stream_chunks
+    from lagom.runtime.measure.comm_kernel import stream_chunks
     torch.manual_seed(0)
     for n, ctas, chunk in ((10_000, 3, 4096), (4097, 8, 1024), (300, 1, 4), (2048, 64, 512)):
         src, other = torch.randn(n), torch.randn(n)

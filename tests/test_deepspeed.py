@@ -243,7 +243,7 @@ def online(spy: Spy, rank: int, tmp: str, hw: str) -> dict[str, Any]:
     import time
 
     import lagom_deepspeed
-    from lagom.runtime.monitor import Monitor
+    from lagom.runtime.online.monitor import Monitor
 
     section = {"enabled": True, "mode": "online", "hardware": hw, "tune_steps": 2, "cache_dir": f"{tmp}/cache",
                "report": f"{tmp}/online", "monitor_interval": 1}

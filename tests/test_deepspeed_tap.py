@@ -59,8 +59,8 @@ def two_engines(rank: int, world: int) -> dict[str, Any]:
     import torch
     from deepspeed.utils import groups
 
-    from lagom.runtime import torch_tap
-    from lagom.runtime.recorder import Recorder
+    from lagom.runtime.apply import torch_tap
+    from lagom.runtime.apply.recorder import Recorder
     from lagom_deepspeed.comm import current_tap, subscribe
     from lagom_deepspeed.groups import GroupNames
 

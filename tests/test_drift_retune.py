@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import time
 
-from lagom.runtime.session import SessionOptions, TuningSession
+from lagom.runtime.online.session import SessionOptions, TuningSession
 from tests.test_capability import tiny_job
 
 STEP_S = 0.04
@@ -98,7 +98,7 @@ def test_a_device_clock_that_reads_steps_late_judges_each_setting_by_its_own_ste
     the step that many back, and skips steps that ran the settings before a switch: each trial's steps ran
     that trial's settings. Here the host clock is read with the GPU's lag, and the step's time is a known
     function of the channels in force (a plant)."""
-    from lagom.runtime.step_clock import DEVICE_LAG, StepClock
+    from lagom.runtime.apply.step_clock import DEVICE_LAG, StepClock
 
     wl, hw = tiny_job(tmp_path)
     options = SessionOptions(mode="online", tune_steps=30, cache_dir=tmp_path / "cache")

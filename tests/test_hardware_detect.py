@@ -11,8 +11,8 @@ import pytest
 
 from lagom.errors import ConfigError
 from lagom.hardware import closest_preset, gpu_family, load_hardware, with_cluster
-from lagom.runtime.calibrate import link_override
-from lagom.runtime.probe import FALLBACK_PRESET, Facts, from_preset, resolve_hardware
+from lagom.runtime.measure.calibrate import link_override
+from lagom.runtime.measure.probe import FALLBACK_PRESET, Facts, from_preset, resolve_hardware
 from tests.distributed import run_ranks
 
 

@@ -1,4 +1,4 @@
-"""The live search (lagom.runtime.live) driven step by step by a plant: a machine whose step time is a known
+"""The live search (lagom.runtime.online.live) driven step by step by a plant: a machine whose step time is a known
 function of the settings in force, with noise and drift, as the job's steps would be.
 
 The plant is the simulator (the "true" step under the settings in force) times a drift, plus Gaussian
@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import pytest
 
-from lagom.runtime.live import ALPHA, GUARD, NOISE_STEPS, LiveSearch
+from lagom.runtime.online.live import ALPHA, GUARD, NOISE_STEPS, LiveSearch
 from lagom.search import run_strategy
 from lagom.search.base import Problem, nccl_configs
 from lagom.search.priority import max_checks_per_key

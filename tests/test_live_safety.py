@@ -22,8 +22,8 @@ import torch.distributed as dist
 from lagom import nccl_tuner
 from lagom.hardware import load_hardware
 from lagom.nccl_tuner.live import LIVE_TABLE_ENV, LiveTable
-from lagom.runtime.control import ControlError
-from lagom.runtime.session import SessionOptions, TuningSession
+from lagom.runtime.apply.control import ControlError
+from lagom.runtime.online.session import SessionOptions, TuningSession
 from lagom.tune import make_plan
 from lagom.workload import load_workload
 from tests.distributed import free_port, run_ranks
@@ -239,7 +239,7 @@ def until_live(session: TuningSession, reader: LiveTable) -> None:
 def test_where_nccl_never_consults_the_plugin_only_routing_is_tried_live_and_the_report_says_so(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A job on NCCL whose NCCL never called the plugin while calibrating (no NCCL here: the counters stay at 0)."""
-    from lagom.runtime.live import ROUTED_FIELDS
+    from lagom.runtime.online.live import ROUTED_FIELDS
 
     monkeypatch.setattr(TuningSession, "_nccl_backend", lambda self: True)
     session = one_process_session(tmp_path)
@@ -257,7 +257,7 @@ def test_where_nccl_never_consults_the_plugin_only_routing_is_tried_live_and_the
         calls = session.report()["nccl_plugin"]
         assert calls == {"communicators": 0, "coll_infos_per_step": 0.0, "applied_per_step": 0.0,
                          "consulted_while_calibrating": False}
-        from lagom.runtime import report
+        from lagom.runtime.online import report
         assert "NCCL never consulted it while calibrating" in report.markdown(session.report())
     finally:
         session.close()

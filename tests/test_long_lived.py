@@ -60,8 +60,7 @@ def open_files() -> int:
 
 def lagom_hooks() -> int:
     """Process groups that still carry the torch tap's hooks (Lagom's hook id on either side)."""
-    from lagom.runtime import torch_tap
-
+    from lagom.runtime.apply import torch_tap
     tap = torch_tap.current_tap()
     return 0 if tap is None else len(tap._hooked)  # noqa: SLF001
 
@@ -71,7 +70,8 @@ def lagom_state() -> dict[str, Any]:
     import deepspeed.comm.comm as ds_comm
     import torch.distributed as dist
 
-    from lagom.runtime import apply, session
+    from lagom.runtime.apply import runtime as apply
+    from lagom.runtime.online import session
     from lagom_deepspeed import comm
 
     return {"torch_tap_hooks": lagom_hooks(), "backend_tap": comm.current_tap() is not None,
@@ -178,8 +178,8 @@ FAILURES = {  # case -> (mode, where rank 1 fails)
 @contextmanager
 def _injected(rank: int, what: str | None) -> Iterator[None]:
     """Rank 1 raises inside Lagom: before issuing the collective ``what``, or in its online bookkeeping."""
-    from lagom.runtime.control import Control
-    from lagom.runtime.online import OnlineTuner
+    from lagom.runtime.apply.control import Control
+    from lagom.runtime.online.tuner import OnlineTuner
 
     originals = (Control._run, OnlineTuner.add)  # noqa: SLF001
     if rank == 1 and what is None:

@@ -148,8 +148,7 @@ def ddp_rank(rank: int, world: int, report: Path) -> dict:
     # and neither session keeps a model alive or leaves a hook behind
     from megatron.core.tensor_parallel import mappings
 
-    from lagom.runtime import torch_tap
-
+    from lagom.runtime.apply import torch_tap
     alive: list = []
     again = argparse.Namespace(**{**vars(args), "lagom_report": f"{report}-second"})
     second = Session.start_for(again, options_from_args(again))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lagom.runtime import report
+from lagom.runtime.online import report
 from lagom_megatron import hooks
 from lagom_megatron.session import to_writers
 

@@ -10,7 +10,7 @@ import pytest
 
 from lagom.calls import CallRecord
 from lagom.errors import ConfigError
-from lagom.runtime.monitor import Monitor
+from lagom.runtime.online.monitor import Monitor
 
 
 def records(*keys: str) -> list[CallRecord]:

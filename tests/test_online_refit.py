@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from lagom.hardware import load_hardware
-from lagom.runtime.online import CalibratedModel, Calibration, Observation, refit
+from lagom.runtime.online.tuner import CalibratedModel, Calibration, Observation, refit
 from lagom.search.base import Problem, nccl_configs
 from lagom.simulator import Configs, Simulator
 from lagom.tune import problem_for

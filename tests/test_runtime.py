@@ -21,7 +21,7 @@ from lagom.errors import ConfigError
 from lagom.hardware import load_hardware
 from lagom.plan import Plan, PlanEntry
 from lagom.runtime import Recorder, init, nccl_options
-from lagom.runtime.recorder import STALE_STEPS
+from lagom.runtime.apply.recorder import STALE_STEPS
 from tests.distributed import run_ranks
 
 HW = "a100-8x-100g"
@@ -215,7 +215,7 @@ def test_cuda_path_uses_events_and_never_synchronises(monkeypatch):
 
 
 def test_step_clock_reads_device_steps_once_their_events_complete(monkeypatch):
-    from lagom.runtime.step_clock import DEVICE_LAG, StepClock
+    from lagom.runtime.apply.step_clock import DEVICE_LAG, StepClock
 
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: pytest.fail("synchronize called"))
@@ -355,20 +355,20 @@ def test_init_again_closes_the_previous_runtime():
     first = init(make_plan())
     second = init(make_plan())
     assert runtime.current() is second and first._closed  # noqa: SLF001
-    assert runtime.apply.open_runtimes() == [second] and dist.new_group.__wrapped__ is REAL_NEW_GROUP
+    assert runtime.apply.runtime.open_runtimes() == [second] and dist.new_group.__wrapped__ is REAL_NEW_GROUP
     second.close()
     assert dist.new_group is REAL_NEW_GROUP
 
 
 def test_runtimes_open_side_by_side_share_the_environment_until_the_last_closes():
     """Two sessions (engines) alive at once: closing one leaves the other's NCCL variables and group hook."""
-    first = runtime.apply.open_runtime(make_plan())
+    first = runtime.apply.runtime.open_runtime(make_plan())
     second = None
     try:
         exported = dict(first.env_set)
         assert exported and all(os.environ[k] == v for k, v in exported.items())
-        second = runtime.apply.open_runtime(make_plan())
-        assert second.env_set == exported and runtime.apply.open_runtimes() == [first, second]
+        second = runtime.apply.runtime.open_runtime(make_plan())
+        assert second.env_set == exported and runtime.apply.runtime.open_runtimes() == [first, second]
         first.close()
         assert all(os.environ[k] == v for k, v in exported.items()) and dist.new_group.__wrapped__ is REAL_NEW_GROUP
     finally:
@@ -376,7 +376,7 @@ def test_runtimes_open_side_by_side_share_the_environment_until_the_last_closes(
         if second is not None:
             second.close()
     assert not any(k in os.environ for k in exported) and dist.new_group is REAL_NEW_GROUP
-    assert runtime.apply.exported() == {} and runtime.apply.open_runtimes() == []
+    assert runtime.apply.runtime.exported() == {} and runtime.apply.runtime.open_runtimes() == []
 
 
 def test_nccl_options_rejects_bad_values():
@@ -392,8 +392,7 @@ def test_nccl_options_rejects_bad_values():
 
 def _init_records_through_the_tap(rank: int, world: int) -> dict:
     import lagom
-    from lagom.runtime import torch_tap as tap
-
+    from lagom.runtime.apply import torch_tap as tap
     rt = lagom.init(None)
     group = dist.new_group([0, 1], group_desc="dp")
     rt.recorder.begin_step(1)

@@ -1,4 +1,4 @@
-"""The torch.distributed tap (lagom.runtime.torch_tap) on 2 real gloo ranks, and with megatron-core.
+"""The torch.distributed tap (lagom.runtime.apply.torch_tap) on 2 real gloo ranks, and with megatron-core.
 
 One spawn runs it all: every collective kind torch.distributed offers, issued under its public
 names (aliases included), recorded once with its group's plan name and Lagom's byte convention;
@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from lagom.runtime.torch_tap import KINDS, call_sizes
+from lagom.runtime.apply.torch_tap import KINDS, call_sizes
 from tests.distributed import run_ranks
 
 
@@ -26,7 +26,7 @@ def _all_kinds(rank: int, pair: Any, solo: Any) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed import _coalescing_manager
 
-    from lagom.runtime.torch_tap import claimed
+    from lagom.runtime.apply.torch_tap import claimed
 
     peer = 1 - rank
     t = torch.full((4,), float(rank + 1))
@@ -86,8 +86,8 @@ def torch_only(rank: int, world: int) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
-    from lagom.runtime import torch_tap
-    from lagom.runtime.recorder import Recorder
+    from lagom.runtime.apply import torch_tap
+    from lagom.runtime.apply.recorder import Recorder
 
     registration = distributed_c10d._register_pg_in_world
     names: dict[int, str] = {id(dist.group.WORLD): "dp"}
@@ -153,8 +153,8 @@ def with_megatron(rank: int, world: int) -> dict[str, Any]:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import mappings
 
-    from lagom.runtime import torch_tap
-    from lagom.runtime.recorder import Recorder
+    from lagom.runtime.apply import torch_tap
+    from lagom.runtime.apply.recorder import Recorder
     from lagom_megatron.intercept import Interceptor
 
     parallel_state.initialize_model_parallel(2, 1)  # tp = both ranks, dp = one rank

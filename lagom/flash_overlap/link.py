@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from lagom.runtime.torch_tap import claimed
+from lagom.runtime.apply.torch_tap import claimed
 
 
 @functools.cache

@@ -6,7 +6,7 @@ package, so it never pays for torch.
 
 from __future__ import annotations
 
-from lagom.runtime.apply import Runtime, current, init, nccl_options
-from lagom.runtime.recorder import Recorder
+from lagom.runtime.apply.recorder import Recorder
+from lagom.runtime.apply.runtime import Runtime, current, init, nccl_options
 
 __all__ = ["Recorder", "Runtime", "current", "init", "nccl_options"]

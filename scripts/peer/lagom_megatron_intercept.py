@@ -21,7 +21,7 @@ _state: dict[str, Any] = {}
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    from lagom.runtime.recorder import Recorder
+    from lagom.runtime.apply.recorder import Recorder
     from lagom_megatron.intercept import Interceptor
 
     recorder = Recorder()

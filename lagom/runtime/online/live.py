@@ -49,7 +49,7 @@ from scipy.special import stdtr, stdtrit
 
 from lagom.capability import channel_cap
 from lagom.comm_config import CommConfig
-from lagom.runtime.online import Observation
+from lagom.runtime.online.tuner import Observation
 from lagom.search.base import Problem, SearchResult
 from lagom.search.driver import refine
 from lagom.simulator import Configs, Simulator, StepResult

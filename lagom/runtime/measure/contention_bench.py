@@ -9,7 +9,7 @@ How a setting is put in force: the tuner plugin's live table where the plugin is
 made with room for the most channels; chunk only where NCCL's tuner interface sets it, >= 2.30), else one
 communicator per channel count made with ``max_ctas = min_ctas = N``. On gloo the same schedule runs and
 NCCL's settings change nothing; on one GPU with no peer a comm-like Triton kernel stands in for the
-collective (``lagom.runtime.comm_kernel``) and the samples say so (``source: emulated``).
+collective (``lagom.runtime.measure.comm_kernel``) and the samples say so (``source: emulated``).
 
 Method: device events on a GPU (a compute and a comm stream), the wall clock and a second thread on CPU;
 two warm-up calls; the median of ``repeats`` runs, inputs redrawn before each; the slowest rank's figure.
@@ -225,7 +225,7 @@ class Collectives:
             return None
         key = max(self.settings.channels) if self.table is not None else cfg.channels
         if key not in self.groups:
-            from lagom.runtime.apply import nccl_options
+            from lagom.runtime.apply.runtime import nccl_options
 
             low = 1 if self.table is not None else key
             self.groups[key] = dist.new_group(list(range(self.world)),
@@ -277,7 +277,7 @@ class EmulatedCollectives:
         return cfg.protocol == self.settings.default.protocol
 
     def call(self, coll: Collective, cfg: CommConfig) -> Callable[[], None]:
-        from lagom.runtime.comm_kernel import stream_chunks
+        from lagom.runtime.measure.comm_kernel import stream_chunks
 
         bus = self.settings.comm_bytes[coll] // (1 if coll == Collective.ALL_REDUCE else 2)
         if coll not in self.buffers:

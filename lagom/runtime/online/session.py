@@ -54,14 +54,14 @@ from lagom.errors import ConfigError, LagomError
 from lagom.flash_overlap import FlashOverlapConfig
 from lagom.hardware import Hardware
 from lagom.plan import Plan, PlanEntry
-from lagom.runtime import report
-from lagom.runtime.apply import job_world_size, open_runtime, registration_message, runtime_capability
-from lagom.runtime.control import DEFAULT_TIMEOUT_S, Control
-from lagom.runtime.live import DEFAULT_BUDGET_S, ROUTED_FIELDS, LiveSearch, Trial, describe_live
-from lagom.runtime.monitor import Monitor
-from lagom.runtime.online import OnlineTuner, SearchThread, describe_changes
-from lagom.runtime.online import refit as online_refit
-from lagom.runtime.step_clock import KEEP, StepClock
+from lagom.runtime.apply.control import DEFAULT_TIMEOUT_S, Control
+from lagom.runtime.apply.runtime import job_world_size, open_runtime, registration_message, runtime_capability
+from lagom.runtime.apply.step_clock import KEEP, StepClock
+from lagom.runtime.online import report
+from lagom.runtime.online.live import DEFAULT_BUDGET_S, ROUTED_FIELDS, LiveSearch, Trial, describe_live
+from lagom.runtime.online.monitor import Monitor
+from lagom.runtime.online.tuner import OnlineTuner, SearchThread, describe_changes
+from lagom.runtime.online.tuner import refit as online_refit
 from lagom.tune import make_plan, running_workload
 from lagom.workload import Workload
 
@@ -103,12 +103,12 @@ _live_table_published = False
 
 
 def choose_hardware(explicit: str | None, world_size: int, cache_dir: Path, control: Control) -> tuple[Hardware, str]:
-    """The hardware to plan for and why (named, detected, or measured now; see lagom.runtime.probe),
+    """The hardware to plan for and why (named, detected, or measured now; see lagom.runtime.measure.probe),
     agreed through ``control``.
 
     A named profile must describe this job's world size: a plan for another cluster is refused.
     """
-    from lagom.runtime.probe import resolve_hardware
+    from lagom.runtime.measure.probe import resolve_hardware
 
     choice = resolve_hardware(explicit, world_size, cache_dir=cache_dir, control=control)
     hw = choice.hardware
@@ -751,7 +751,7 @@ class TuningSession:
 
     # -- live tuning ------------------------------------------------------------------------------
     def _start_live(self, only: set[str] | None = None) -> None:
-        """Try settings on the next steps, every step an agreed one; rank 0 runs the search (``lagom.runtime.live``)
+        """Try settings on the next steps, every step an agreed one; rank 0 runs the search (``lagom.runtime.online.live``)
         over every key, or over ``only`` (keys that drifted) with the others kept as they are."""
         plan = self.plan
         assert plan is not None and self.tuner is not None
@@ -808,7 +808,7 @@ class TuningSession:
         return [0.0, step_s, *(means.get(k, 0.0) for k in self.live_keys)]
 
     def _live_step(self, values: list[float]) -> Plan | None:
-        from lagom.runtime.live import Decision
+        from lagom.runtime.online.live import Decision
 
         if values[0] > 0:  # some rank cannot judge its step yet (or it ran the settings before): the next one
             if self.live is not None:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from lagom.calls import KeyIndex
 
 if TYPE_CHECKING:
-    from lagom.runtime.session import Measured, TuningSession
+    from lagom.runtime.online.session import Measured, TuningSession
 
 
 def _per_step(measured: Measured) -> dict[str, Any]:

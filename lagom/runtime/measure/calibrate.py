@@ -42,8 +42,8 @@ from lagom.errors import ConfigError
 from lagom.hardware import Hardware, load_hardware
 from lagom.outputs import output_file
 from lagom.points import Collective
-from lagom.runtime import contention_bench
-from lagom.runtime.contention_bench import BenchSettings
+from lagom.runtime.measure import contention_bench
+from lagom.runtime.measure.contention_bench import BenchSettings
 from lagom.workload import Workload, load_workload
 
 log = logging.getLogger("lagom.calibrate")
@@ -369,7 +369,7 @@ def measure_here(request: Request, backend: str, nodes: int) -> Measured:
     links = measure(request.sizes, request.iters, device) if world > 1 else {}
     if request.bench is None:
         return Measured(links, [], [], backend, world)
-    from lagom.runtime.apply import runtime_capability
+    from lagom.runtime.apply.runtime import runtime_capability
 
     deadline = time.perf_counter() + request.bench.budget_s
     capability = runtime_capability(load_hardware(request.base)) if backend == "nccl" else None

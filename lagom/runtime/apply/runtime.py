@@ -43,8 +43,8 @@ from lagom.errors import ConfigError
 from lagom.hardware import Hardware, load_hardware
 from lagom.plan import Plan
 from lagom.reconcile import Coverage, coverage
-from lagom.runtime import torch_tap
-from lagom.runtime.recorder import Recorder
+from lagom.runtime.apply import torch_tap
+from lagom.runtime.apply.recorder import Recorder
 
 log = logging.getLogger("lagom.runtime")
 

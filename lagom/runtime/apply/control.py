@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from lagom.errors import LagomError
-from lagom.runtime import torch_tap
+from lagom.runtime.apply import torch_tap
 
 log = logging.getLogger("lagom.runtime")
 

@@ -40,8 +40,8 @@ from lagom.hardware import (
     preset_link,
     with_cluster,
 )
-from lagom.runtime.calibrate import fit, measure, measured_profile, write_profile
-from lagom.runtime.control import Control
+from lagom.runtime.apply.control import Control
+from lagom.runtime.measure.calibrate import fit, measure, measured_profile, write_profile
 
 log = logging.getLogger("lagom.probe")
 

@@ -32,8 +32,8 @@ from lagom.hardware import Hardware, load_hardware
 from lagom.plan import Plan
 from lagom.points import Collective, ComputeSegment, Group
 from lagom.reconcile import reconcile
-from lagom.runtime import apply as runtime
-from lagom.runtime.control import Control
+from lagom.runtime.apply import runtime
+from lagom.runtime.apply.control import Control
 from lagom.search import STRATEGIES, Problem, SearchResult, run_strategy
 from lagom.search.base import SimulatedEvaluator, nccl_configs
 from lagom.simulator import Configs, Simulator, StepResult
