@@ -16,14 +16,16 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
-from dataclasses import dataclass, fields, is_dataclass, replace
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from functools import partial
+from pathlib import Path
 from typing import Any
 
+from lagom.config_file import read_mapping
 from lagom.contention import best_on
 from lagom.errors import ConfigError
 from lagom.hardware import Hardware, load_hardware
-from lagom.validate import COMM_KINDS, FidelityPoint, comm_figure, load_suite
+from lagom.validate import COMM_KINDS, FidelityPoint, Machines, comm_figure, load_suite
 
 SWEEPS = 3  # coordinate passes over the constants
 NUDGE = 0.05  # share of a constant's range it must be pinned within to count as set by the points
@@ -32,6 +34,7 @@ TIE = 1e-9  # loss per range of distance from the start value: on a flat stretch
 RANGES: dict[str, tuple[float, float]] = {
     "nccl.nvls_efficiency": (0.3, 1.0),
     "nccl.channel_gbps.nvlink": (5.0, 60.0),
+    "nccl.channel_gbps.ib": (2.0, 50.0),
     "nccl.step_overhead_us": (0.0, 20.0),
 }
 
@@ -80,36 +83,73 @@ class PublishedFit:
                 "points": self.points}
 
 
+def _built_on(point: FidelityPoint, preset: str) -> bool:
+    """Whether the point's one machine is the preset, or a hardware file of the suite whose ``base:`` chain
+    reaches it (a two-node file on the one-node preset inherits the preset's NCCL constants)."""
+    if len(point.spec.setup.hardware) != 1:
+        return False
+    ref, folder, seen = point.spec.setup.hardware[0], point.folder, set()
+    while ref.endswith((".yaml", ".yml")):
+        path = Path(ref) if Path(ref).is_absolute() else folder / ref
+        if path in seen:
+            return False
+        seen.add(path)
+        base = read_mapping(path).get("base")
+        if not base:
+            return False
+        ref, folder = str(base), path.parent
+    return ref == preset
+
+
 def fit_points(points: list[FidelityPoint], preset: str) -> list[FidelityPoint]:
-    """The suite's fit points measured on the preset itself (alone: no other machine), collective kinds only."""
-    return [p for p in points if p.spec.role == "fit" and p.spec.setup.kind in COMM_KINDS
-            and p.spec.setup.hardware == [preset]]
+    """The suite's fit points measured on the preset or a machine built on it alone, collective kinds only."""
+    return [p for p in points if p.spec.role == "fit" and p.spec.setup.kind in COMM_KINDS and _built_on(p, preset)]
 
 
-def _log_errors(hw: Hardware, points: list[FidelityPoint]) -> list[float]:
-    """log(predicted / measured) per point; a range counts from its nearer end (zero inside it)."""
-    out = []
-    for p in points:
-        predicted = comm_figure(hw, p.spec.setup.kind, p.spec.setup.comm)  # type: ignore[arg-type]
-        m = p.spec.measured
-        low, high = (m[0], m[1]) if isinstance(m, list) else (m, m)
-        out.append(0.0 if low <= predicted <= high else math.log(predicted / (low if predicted < low else high)))
-    return out
+@dataclass
+class _Machines:
+    """Each fit point's machine, loaded once; the fitted constants are set on each of them."""
 
+    points: list[FidelityPoint]
+    preset: Hardware
+    loaded: dict[str, Hardware] = field(init=False)
 
-def _loss(hw: Hardware, points: list[FidelityPoint]) -> float:
-    """Mean squared log ratio: a 2x miss counts the same either way, a small message as much as a large one."""
-    errs = _log_errors(hw, points)
-    return sum(e * e for e in errs) / max(1, len(errs))
+    def __post_init__(self) -> None:
+        self.loaded = {p.spec.id: Machines([]).get(p.spec.setup.hardware[0], p.folder) for p in self.points}
 
+    def check(self, constant: str) -> None:
+        """A machine built on the preset that sets the constant itself would not follow the fit."""
+        for pid, hw in self.loaded.items():
+            if get_constant(hw, constant) != get_constant(self.preset, constant):
+                raise ConfigError(f"fit point {pid}: {constant}", "its hardware file sets the constant itself",
+                                  "fit it on points whose machines inherit it from the preset")
 
-def _median_error(hw: Hardware, points: list[FidelityPoint]) -> float:
-    """Median relative error, as ``lagom validate`` counts it (exp of the log ratio, less one)."""
-    return statistics.median(abs(math.expm1(e)) for e in _log_errors(hw, points))
+    def log_errors(self, values: dict[str, float], points: list[FidelityPoint]) -> list[float]:
+        """log(predicted / measured) per point with the constants set; a range counts from its nearer end."""
+        out = []
+        for p in points:
+            hw = self.loaded[p.spec.id]
+            for c, x in values.items():
+                hw = set_constant(hw, c, x)
+            predicted = comm_figure(hw, p.spec.setup.kind, p.spec.setup.comm)  # type: ignore[arg-type]
+            m = p.spec.measured
+            low, high = (m[0], m[1]) if isinstance(m, list) else (m, m)
+            out.append(0.0 if low <= predicted <= high else math.log(predicted / (low if predicted < low else high)))
+        return out
+
+    def loss(self, values: dict[str, float], points: list[FidelityPoint]) -> float:
+        """Mean squared log ratio: a 2x miss counts the same either way, a small message as much as a large one."""
+        errs = self.log_errors(values, points)
+        return sum(e * e for e in errs) / max(1, len(errs))
+
+    def median_error(self, values: dict[str, float]) -> float:
+        """Median relative error over all the fit points, as ``lagom validate`` counts it."""
+        return statistics.median(abs(math.expm1(e)) for e in self.log_errors(values, self.points))
 
 
 def fit_preset(points: list[FidelityPoint], preset: str) -> PublishedFit:
-    """Fit the constants the preset's fit points name, by coordinate passes from the preset's own values."""
+    """Fit the constants the preset's fit points name, by coordinate passes from the preset's own values; each
+    constant on the points that name it."""
     mine = fit_points(points, preset)
     if not mine:
         raise ConfigError(f"--fit {preset}", "the suite has no fit point measured on this preset alone",
@@ -119,36 +159,32 @@ def fit_preset(points: list[FidelityPoint], preset: str) -> PublishedFit:
     if unknown:
         raise ConfigError(f"--fit {preset}", f"no range to search for {', '.join(unknown)}",
                           f"fit points may name {', '.join(RANGES)}")
-    base = load_hardware(preset)
-    start = {c: get_constant(base, c) for c in names}
+    machines = _Machines(mine, load_hardware(preset))
+    for c in names:
+        machines.check(c)
+    naming = {c: [p for p in mine if c in p.spec.constants] for c in names}
+    start = {c: get_constant(machines.preset, c) for c in names}
     values = dict(start)
-
-    def with_values(v: dict[str, float]) -> Hardware:
-        hw = base
-        for c, x in v.items():
-            hw = set_constant(hw, c, x)
-        return hw
 
     def loss(c: str, x: float) -> float:
         low, high = RANGES[c]
-        return _loss(with_values({**values, c: x}), [p for p in mine if c in p.spec.constants]) + \
-            TIE * abs(x - start[c]) / (high - low)
+        return machines.loss({**values, c: x}, naming[c]) + TIE * abs(x - start[c]) / (high - low)
 
-    def _moves(c: str) -> bool:
+    def pinned(c: str) -> bool:
         """Whether the points pin the constant: its loss rises a step (NUDGE of its range) either side of the fit
         (a link-bound ring, say, only bounds a channel's rate from below: that rate keeps the preset's value)."""
         low, high = RANGES[c]
         step = NUDGE * (high - low)
-        here = _loss(with_values(values), [p for p in mine if c in p.spec.constants])
-        return all(_loss(with_values({**values, c: x}), [p for p in mine if c in p.spec.constants]) > here * (1 + 1e-9)
+        here = machines.loss(values, naming[c])
+        return all(machines.loss({**values, c: x}, naming[c]) > here * (1 + 1e-9)
                    for x in (max(low, values[c] - step), min(high, values[c] + step)) if x != values[c])
 
     for _ in range(SWEEPS):
         for c in names:
             values[c] = best_on(partial(loss, c), *RANGES[c], values[c])
-    informed = {c: values[c] for c in names if _moves(c)}
+    informed = {c: values[c] for c in names if pinned(c)}
     return PublishedFit(preset, informed, start, [c for c in names if c not in informed], [p.spec.id for p in mine],
-                        _median_error(base, mine), _median_error(with_values({**start, **informed}), mine))
+                        machines.median_error(start), machines.median_error({**start, **informed}))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -102,7 +102,8 @@ def test_tree_all_reduce_halves_what_the_nic_carries_on_two_nodes():
     ring = model.comm_time(AR, group, nbytes, CommConfig(channels=16))
     tree = model.comm_time(AR, group, nbytes, CommConfig(algorithm=Algorithm.TREE, channels=16))
     chunk = 512 * 2**10  # NCCL's own tree chunk: one step of the 4 MiB buffer a 2 MiB ring chunk sizes
-    fill = 2 * chunk / 6e9  # three store-and-forward stages: two chunks' transmission on a 6 GB/s IB channel
+    # three store-and-forward stages: two chunks' transmission on one IB channel
+    fill = 2 * chunk / (A100X2.nccl.channel_gbps["ib"] * 1e9)
     # each node's NIC carries 2 (N-1)/N = 1 buffer per direction at 12.5 GB/s
     latency = (8.4 + 2 * (7 * 4.0 + 14.0)) * 1e-6
     assert tree == pytest.approx(latency + fill + nbytes / 12.5e9, rel=1e-12)

@@ -53,7 +53,7 @@ def test_the_fit_recovers_a_known_constant_and_keeps_one_its_points_do_not_move(
         fit_preset(points, "a100-8x-100g")
 
 
-@pytest.mark.parametrize("preset", ["h100-sxm-8x-400g", "h200-sxm-8x-400g"])
+@pytest.mark.parametrize("preset", ["a100-8x-100g", "h100-sxm-8x-400g", "h200-sxm-8x-400g"])
 def test_shipped_presets_keep_what_the_published_fit_gives_with_its_points(preset):
     """A preset marked published-fit holds the fit of the shipped suite's fit points, rounded as its record."""
     result = fit_preset(load_suite(), preset)
