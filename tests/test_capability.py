@@ -26,9 +26,10 @@ from lagom.errors import ConfigError
 from lagom.hardware import load_hardware
 from lagom.plan import Plan
 from lagom.runtime.apply import runtime as apply
-from lagom.runtime.online.session import SessionOptions, TuningSession
+from lagom.runtime.online.session import TuningSession
+from lagom.runtime.online.state import SessionOptions
 from lagom.search import Problem, SearchResult, run_strategy
-from lagom.search.base import groups
+from lagom.search.base import groups, nccl_configs
 from lagom.tune import Tuned, make_plan, plan_from, problem_for, registration
 from lagom.workload import load_workload
 from tests.helpers import gpt_workload, synthetic_problem, write_yaml
@@ -129,7 +130,10 @@ def applicable(problem: Problem, found: SearchResult) -> list[str]:
             wrong.append(f"{key}: CTA policy {cfg.cta_policy}")
         if cfg.algorithm == Algorithm.NVLS and not cap.nvls_applies(point.collective, point.group.nodes):
             wrong.append(f"{key}: NVLS")
-        if found.strategy != "nccl" and cfg not in candidates(point, hw, problem.with_process(process).space):
+        # a candidate of the space, or NCCL's own choice kept for a key no candidate beat
+        under = problem.with_process(process)
+        if (found.strategy != "nccl" and cfg not in candidates(point, hw, under.space)
+                and cfg != nccl_configs(under)[key]):
             wrong.append(f"{key}: {cfg.describe()} is not a candidate")
     for members in groups(problem).values():
         for knob in communicator_knobs(cap):
