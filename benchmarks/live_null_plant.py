@@ -27,7 +27,8 @@ from tests.distributed import run_ranks  # noqa: E402
 
 def rounds(rank: int, world: int, trials: int, noise: float, step_ms: float, tmp: str) -> dict[str, Any]:
     from lagom.runtime.online.live import ALPHA
-    from lagom.runtime.online.session import SessionOptions, TuningSession
+    from lagom.runtime.online.session import TuningSession
+    from lagom.runtime.online.state import SessionOptions
     from tests.test_live_safety import job
 
     rng = random.Random(1000 + rank)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from lagom import flash_overlap
-from lagom.runtime.online.session import FlashRouter
+from lagom.runtime.online.state import FlashRouter
 from lagom_deepspeed.comm import SPECS, argument
 
 log = logging.getLogger("lagom.deepspeed")

@@ -11,7 +11,7 @@ from dataclasses import replace
 from typing import Any
 
 from lagom.plan import Plan
-from lagom.runtime.online.session import KnobChange
+from lagom.runtime.online.state import KnobChange
 from lagom.workload import Workload
 from lagom_deepspeed.config import BucketPins
 from lagom_deepspeed.workload import zero_knobs

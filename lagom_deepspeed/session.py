@@ -24,7 +24,8 @@ from lagom.errors import ConfigError
 from lagom.hardware import Hardware
 from lagom.plan import Plan
 from lagom.runtime.apply.control import Control
-from lagom.runtime.online.session import KnobChange, SessionOptions, TuningSession, choose_hardware
+from lagom.runtime.online.session import TuningSession, choose_hardware
+from lagom.runtime.online.state import KnobChange, SessionOptions
 from lagom_deepspeed import planning
 from lagom_deepspeed.comm import Subscription, subscribe
 from lagom_deepspeed.config import LagomConfig

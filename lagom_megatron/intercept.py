@@ -39,7 +39,7 @@ import torch
 from lagom.calls import nccl_aggregates
 from lagom.flash_overlap import all_gather_matmul, matmul_reduce_scatter
 from lagom.runtime.apply import torch_tap
-from lagom.runtime.online.session import FlashRouter
+from lagom.runtime.online.state import FlashRouter
 from lagom_megatron.groups import GroupNames
 
 log = logging.getLogger("lagom.megatron")

@@ -28,7 +28,8 @@ from lagom.plan import Plan
 from lagom.runtime.apply.control import Control
 from lagom.runtime.apply.runtime import option_value
 from lagom.runtime.online import report
-from lagom.runtime.online.session import KnobChange, SessionOptions, TuningSession, choose_hardware
+from lagom.runtime.online.session import TuningSession, choose_hardware
+from lagom.runtime.online.state import KnobChange, SessionOptions
 from lagom.simulator import simulate
 from lagom.tune import make_plan, problem_for
 from lagom.workload import Workload

@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 import time
 
-from lagom.runtime.online.session import SessionOptions, TuningSession
+from lagom.runtime.online.session import TuningSession
+from lagom.runtime.online.state import SessionOptions
 from tests.test_capability import tiny_job
 
 STEP_S = 0.04

@@ -23,7 +23,8 @@ from lagom import nccl_tuner
 from lagom.hardware import load_hardware
 from lagom.nccl_tuner.live import LIVE_TABLE_ENV, LiveTable
 from lagom.runtime.apply.control import ControlError
-from lagom.runtime.online.session import SessionOptions, TuningSession
+from lagom.runtime.online.session import TuningSession
+from lagom.runtime.online.state import SessionOptions
 from lagom.tune import make_plan
 from lagom.workload import load_workload
 from tests.distributed import free_port, run_ranks

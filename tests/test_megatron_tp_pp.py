@@ -51,7 +51,7 @@ def tp_pp_rank(rank: int, world: int) -> dict:
     from megatron.core.transformer import TransformerConfig
 
     from lagom.runtime import Recorder
-    from lagom.runtime.online.session import FlashRouter
+    from lagom.runtime.online.state import FlashRouter
     from lagom_megatron.intercept import Interceptor
 
     out: dict = {}

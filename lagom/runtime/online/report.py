@@ -11,19 +11,54 @@ import json
 import os
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from lagom.calls import KeyIndex
+from lagom.hardware import Hardware
+from lagom.plan import Plan
+from lagom.runtime.online.live import Trial
+from lagom.runtime.online.state import FlashRouter, KnobChange, Measured, SessionOptions, StepStats
+from lagom.workload import Workload
 
-if TYPE_CHECKING:
-    from lagom.runtime.online.session import Measured, TuningSession
+
+class Reported(Protocol):
+    """What the report reads of a session. ``TuningSession`` is one; the report never imports the session,
+    which imports the report to write it."""
+
+    framework: str
+    workload: Workload | None
+    hw: Hardware | None
+    options: SessionOptions
+    world_size: int
+    plan: Plan | None
+    plan_source: str
+    hardware_reason: str
+    why_untuned: str
+    measured: Measured
+    baseline: Measured | None
+    steps: list[StepStats]
+    trials: list[Trial]
+    live_summary: dict[str, Any]
+    reconciled: dict[str, Any]
+    router: FlashRouter
+    applied_at_start: list[KnobChange]
+    applied_now: list[str]
+    next_start: list[str]
+    env_conflicts: list[str]
+    events: list[str]
+    off: str | None
+    off_at: int | None
+
+    def framework_report(self) -> dict[str, Any]: ...
+
+    def plugin_calls(self) -> dict[str, Any] | None: ...
 
 
 def _per_step(measured: Measured) -> dict[str, Any]:
     return {"steps": measured.steps, "step_ms": measured.mean_step_s * 1e3}
 
 
-def build(session: TuningSession) -> dict[str, Any]:
+def build(session: Reported) -> dict[str, Any]:
     """The report as plain data (the JSON file's content)."""
     plan, tuned, baseline = session.plan, session.measured, session.baseline
     predicted: dict[str, Any] = {}
