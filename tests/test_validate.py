@@ -325,11 +325,11 @@ def test_local_measure_keeps_only_the_compute_beside_the_collective(evaluator):
 #   this group; a contention model must at least beat that.
 # - phi2-window 25%: a model in which no setting matters (every speed-up 1.0) has a median error of 25.9%
 #   on this group; the window model exists to tell settings apart, so it must beat that.
-# - overlap-pairs 60%: no bound a model earns yet. On CoCoNet's V100 runs an all-reduce beside a GEMM that fills
+# - overlap-pairs 45%: no bound a model earns yet. On CoCoNet's V100 runs an all-reduce beside a GEMM that fills
 #   every SM takes twice as long and the pair 1.3-1.45x the time of running them back to back; the model has the
-#   pair at 0.64-0.68x (it lets the comm run beside the GEMM at a slowed rate), a median error of 54% where
+#   pair at 0.64-0.85x (it lets the comm run beside the GEMM at a slowed rate), a median error of 42% where
 #   "overlap changes nothing" (every ratio 1.0) scores 31%. The bound only keeps it from getting worse.
-CHECK_MEDIAN_BOUNDS = {"nccl-tests": 0.30, "gemm-contention": 0.40, "phi2-window": 0.25, "overlap-pairs": 0.60}
+CHECK_MEDIAN_BOUNDS = {"nccl-tests": 0.30, "gemm-contention": 0.40, "phi2-window": 0.25, "overlap-pairs": 0.45}
 
 
 def test_every_check_group_has_a_bound(suite):
