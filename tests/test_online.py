@@ -15,9 +15,10 @@ from lagom.comm_config import CommConfig, ProcessSettings, SearchSpace, Transpor
 from lagom.cost_model import CostModel, RunningComm
 from lagom.errors import ConfigError
 from lagom.hardware import load_hardware
+from lagom.model.calibrated import CalibratedModel
 from lagom.plan import Plan
 from lagom.points import Collective, ComputeSegment, Group
-from lagom.runtime.online.tuner import CalibratedModel, OnlineTuner, calibrate, describe_changes, service_times
+from lagom.runtime.online.tuner import OnlineTuner, calibrate, describe_changes, service_times
 from lagom.search.base import nccl_configs
 from lagom.simulator import Configs, simulate
 from lagom.tune import make_plan, problem_for

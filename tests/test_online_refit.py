@@ -8,7 +8,8 @@ from dataclasses import replace
 import pytest
 
 from lagom.hardware import load_hardware
-from lagom.runtime.online.tuner import CalibratedModel, Calibration, Observation, refit
+from lagom.model.calibrated import CalibratedModel
+from lagom.runtime.online.tuner import Calibration, Observation, refit
 from lagom.search.base import Problem, nccl_configs
 from lagom.simulator import Configs, Simulator
 from lagom.tune import problem_for
@@ -28,10 +29,7 @@ def observe(sim: Simulator, truth: CalibratedModel, configs: Configs) -> Observa
 
 def start(problem: Problem, sim: Simulator) -> Calibration:
     """A calibration as the start plan's steps leave it: the profile's model, unscaled."""
-    model = CalibratedModel(problem.hw)
-    cal = Problem(problem.graph, problem.hw, problem.open_space, problem.capability, problem.process)
-    cal.model = model  # type: ignore[misc]
-    return Calibration(cal, 1.0, 1.0, {}, sim)
+    return Calibration(problem.with_model(CalibratedModel(problem.hw)), 1.0, 1.0, {}, sim)
 
 
 def truth_model(problem: Problem, slots: float) -> CalibratedModel:

@@ -42,6 +42,7 @@ class Problem:
     space: SearchSpace = field(default_factory=SearchSpace)
     capability: Capability | None = None
     process: ProcessSettings | None = None
+    cost_model: CostModel | None = None  # what a step costs; None: the hardware's CostModel (a calibrated one enters here)
     open_space: SearchSpace = field(init=False)
     # what searches work out from the graph and model alone, kept for every search of them (shared by
     # ``with_process``); the model must not change once a search has run
@@ -53,6 +54,8 @@ class Problem:
         if self.process is None:
             n = self.hw.nccl
             self.process = ProcessSettings(n.default_threads, Transport.P2P, n.default_chunk_bytes)
+        if self.cost_model is None:
+            self.cost_model = CostModel(self.hw, self.capability)
         self.open_space = self.space.under(self.capability)
         self.space = self.open_space.pinned(self.process)
 
@@ -74,9 +77,8 @@ class Problem:
         """The same problem with other per-process values (graph, model and keys shared); ``one_chunk``
         also narrows the chunk to the process's, where the plugin would let it vary per size."""
         space = replace(self.open_space, chunks=(process.chunk_bytes,)) if one_chunk else self.open_space
-        other = Problem(self.graph, self.hw, space, self.capability, process)
-        other.__dict__["model"] = self.model  # one model, so what ``derived`` holds stays true for both
-        if "keys" in self.__dict__:
+        other = Problem(self.graph, self.hw, space, self.capability, process, self.model)  # one model, so what
+        if "keys" in self.__dict__:  # ``derived`` holds stays true for both
             other.__dict__["keys"] = self.__dict__["keys"]
         other.derived = self.derived
         return other
@@ -99,9 +101,17 @@ class Problem:
         choices.setdefault("chunk_bytes", list(dict.fromkeys((self.settings.chunk_bytes, *self.open_space.chunks))))
         return choices
 
-    @cached_property
+    @property
     def model(self) -> CostModel:
-        return CostModel(self.hw, self.cap)
+        """The cost model, typed (``__post_init__`` always sets it)."""
+        if self.cost_model is None:
+            raise ValueError("Problem.cost_model is set in __post_init__")
+        return self.cost_model
+
+    def with_model(self, model: CostModel) -> Problem:
+        """The same step, space, capability and per-process values priced by another model (a calibrated one):
+        nothing a search derived from the old model is kept."""
+        return Problem(self.graph, self.hw, self.open_space, self.capability, self.process, model)
 
     @cached_property
     def keys(self) -> dict[str, list[OverlapPoint]]:

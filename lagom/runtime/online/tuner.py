@@ -23,14 +23,13 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lagom.calls import SIZE_TOLERANCE, CallRecord, KeyIndex, TuningKey
+from lagom.calls import SIZE_TOLERANCE, CallRecord, KeyIndex
 from lagom.capability import Capability, capability_for
 from lagom.comm_config import PROCESS_FIELDS, CommConfig, Transport
-from lagom.cost_model import CostModel, RunningComm
 from lagom.errors import ConfigError, LagomError
 from lagom.hardware import Hardware, load_hardware
+from lagom.model.calibrated import CalibratedModel
 from lagom.plan import Plan
-from lagom.points import Collective, ComputeSegment, Group
 from lagom.reconcile import reconcile
 from lagom.runtime.apply import runtime
 from lagom.runtime.apply.control import Control
@@ -57,44 +56,6 @@ NEXT_START = {"priority": "priority (communicator high-priority stream)",
               "protocol": "protocol (NCCL tuner)", "transport": "transport"}
 
 
-class CalibratedModel(CostModel):
-    """The cost model scaled to a job's measurements: comm time per tuning key, compute overall.
-
-    A Flash-Overlap P2P step has no key of its own: it takes the mean scale of its group's keys.
-    The physical bound (``comm_peak_time``) is not scaled.
-    """
-
-    def __init__(self, hw: Hardware, capability: Capability | None = None) -> None:
-        super().__init__(hw, capability)
-        self.comm_scale: dict[str, float] = {}
-        self.compute_scale = 1.0
-        self._group_scale: dict[str, float] = {}
-
-    def set_comm_scale(self, scales: dict[str, float]) -> None:
-        self.comm_scale = dict(scales)
-        by_group: dict[str, list[float]] = {}
-        for key, s in scales.items():
-            by_group.setdefault(TuningKey.parse(key).group, []).append(s)
-        self._group_scale = {g: sum(v) / len(v) for g, v in by_group.items()}
-
-    def comm_time(self, coll: Collective, group: Group, nbytes: int, cfg: CommConfig, compute_hbm_util: float = 0.0,
-                  nic_share: float = 1.0) -> float:
-        scale = self.comm_scale.get(str(TuningKey(group.name, coll.value, int(nbytes))), 1.0)
-        return super().comm_time(coll, group, nbytes, cfg, compute_hbm_util, nic_share) * scale
-
-    def p2p_step_time(self, group: Group, nbytes: float, cfg: CommConfig, compute_hbm_util: float = 0.0,
-                      nic_share: float = 1.0) -> float:
-        return super().p2p_step_time(group, nbytes, cfg, compute_hbm_util, nic_share) * self._group_scale.get(group.name, 1.0)
-
-    def compute_solo(self, seg: ComputeSegment) -> float:
-        return super().compute_solo(seg) * self.compute_scale
-
-    def compute_time(self, seg: ComputeSegment, running: tuple[RunningComm, ...] = ()) -> float:
-        if not running:
-            return self.compute_solo(seg)
-        return super().compute_time(seg, running) * self.compute_scale
-
-
 @dataclass
 class Calibration:
     """The calibrated problem (its ``model`` is a CalibratedModel) and how it was fitted.
@@ -115,16 +76,16 @@ class Calibration:
 
     @property
     def model(self) -> CalibratedModel:
-        return self.problem.model  # type: ignore[return-value]
+        model = self.problem.model
+        assert isinstance(model, CalibratedModel), "a calibration's problem is priced by its calibrated model"
+        return model
 
     def under_buffsize(self, buffsize: int) -> Problem:
         """The calibrated problem under the NCCL_BUFFSIZE the running processes read once (a live trial cannot
         change it): its search never offers a chunk NCCL would cut, and its model prices the chunks NCCL runs."""
         capability = replace(self.problem.cap, buffsize=buffsize)
-        problem = Problem(self.problem.graph, self.problem.hw, self.problem.open_space, capability,
-                          self.problem.process)
-        problem.model = _rescaled(self.model, self.model.hw, capability)  # type: ignore[misc]
-        return problem
+        return Problem(self.problem.graph, self.problem.hw, self.problem.open_space, capability, self.problem.process,
+                       _rescaled(self.model, self.model.hw, capability))
 
 
 def service_times(records: Iterable[CallRecord]) -> list[tuple[CallRecord, float]]:
@@ -200,8 +161,7 @@ def calibrate(problem: Problem, configs: Configs, records: list[CallRecord], ste
     measured = {k: total[k] / calls[k] for k in total}
     model = CalibratedModel(problem.hw, problem.capability)
     simulator = simulator or Simulator(problem.graph)
-    cal = Problem(problem.graph, problem.hw, problem.open_space, problem.capability, problem.process)
-    cal.model = model  # type: ignore[misc]  # the search and its evaluator both read problem.model
+    cal = problem.with_model(model)
     lo, hi = SCALE_LIMITS
     for _ in range(CALIBRATION_ROUNDS):
         per_key = simulator.run(configs, model).per_key()
@@ -353,8 +313,8 @@ def refit(cal: Calibration, observations: list[Observation]) -> Refit:
             best = (loss, slots, model)
     assert best is not None
     _, slots, model = best
-    problem = Problem(cal.problem.graph, model.hw, cal.problem.open_space, cal.problem.capability, cal.problem.process)
-    problem.model = model  # type: ignore[misc]  # the search and its evaluator both read problem.model
+    problem = Problem(cal.problem.graph, model.hw, cal.problem.open_space, cal.problem.capability, cal.problem.process,
+                      model)
     refitted = replace(cal, problem=problem, calibrated_step_s=cal.simulator.run(observations[0].configs, model).step_s)
     after = [abs(math.expm1(e)) for e in _step_errors(cal, model, observations)]
     if statistics.median(after) > statistics.median(before):  # the scales' fit is not the step's: keep the calibration
