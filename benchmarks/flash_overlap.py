@@ -37,12 +37,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lagom.comm_config import CommConfig
-from lagom.cost_model import CostModel
 from lagom.flash_overlap import all_gather_matmul, matmul_reduce_scatter
 from lagom.hardware import load_hardware
-from lagom.points import Collective, ComputeSegment, Group, OverlapPoint, Phase, StepGraph
-from lagom.simulator import simulate
+from lagom.model.cost_model import CostModel
+from lagom.model.simulator import simulate
+from lagom.plan.comm_config import CommConfig
+from lagom.step.points import Collective, ComputeSegment, Group, OverlapPoint, Phase, StepGraph
 
 
 @dataclass(frozen=True)

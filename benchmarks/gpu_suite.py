@@ -337,8 +337,8 @@ def strategy_picks(profile: Path) -> dict[str, tuple[int, int]]:
     """(channels, chunk) of the parameter all-gather each strategy picks on the calibrated model."""
     from lagom.hardware import load_hardware, with_cluster
     from lagom.search import run_strategy
+    from lagom.step.workload import load_workload
     from lagom.tune import problem_for
-    from lagom.workload import load_workload
 
     wl = load_workload(WINDOW_WORKLOAD)
     hw = load_hardware(str(profile))
@@ -356,7 +356,7 @@ def part_window(out: Path, budget_s: float) -> None:
     import torch
 
     from lagom.runtime.measure.comm_kernel import stream_chunks
-    from lagom.workload import load_workload
+    from lagom.step.workload import load_workload
 
     profile = profile_path(out)
     if not profile.is_file():

@@ -1,5 +1,5 @@
 """Which share of the collectives a stock model issues under DeepSpeed are keys of Lagom's plan: the model's own
-keys, and the plan's after reconciliation with the measured steps (``lagom.reconcile``).
+keys, and the plan's after reconciliation with the measured steps (``lagom.model.reconcile``).
 
     .venv/bin/python benchmarks/key_coverage.py
 

@@ -25,7 +25,7 @@ steady on a shared machine, and the same as wall time on an idle core, since pla
   tune    lagom.tune.make_plan(strategy lagom, bucket search on): what `lagom tune` computes
   rss     the process's peak resident memory (ru_maxrss) after all of the above, in MB
 A cell that runs past --timeout seconds prints '>T'; one whose step graph Lagom refuses to build (more than
-lagom.workload's limit of segments and collectives) prints why. After the table: per (layers, world), the ratio of
+lagom.step.workload's limit of segments and collectives) prints why. After the table: per (layers, world), the ratio of
 the time at 1,024 micro-batches to the time at 16 (linear growth would be 64). ``--plot FILE`` draws the
 grid's times (tune where measured, else the cold step) against micro-batches, layers and world size on
 log-log axes, each line beside a dashed line of slope one through its first cell: a line no steeper than its
@@ -59,7 +59,7 @@ TARGETS = [("gpt3-13b-pp4", m) for m in (4, 8, 16, 128)] + [("llama3-70b-1024", 
 
 def grid_job(layers: int, world: int, micro_batches: int):
     from lagom.hardware import load_hardware
-    from lagom.workload import Framework, Model, Parallel, Training, Workload
+    from lagom.step.workload import Framework, Model, Parallel, Training, Workload
 
     tp, pp, dp = LAYOUTS[world]
     wl = Workload(
@@ -75,7 +75,7 @@ def grid_job(layers: int, world: int, micro_batches: int):
 
 def target_job(name: str, micro_batches: int):
     from lagom.hardware import load_hardware
-    from lagom.workload import load_workload
+    from lagom.step.workload import load_workload
 
     wl = load_workload(name)
     wl = replace(wl, training=replace(wl.training, global_batch=micro_batches * wl.training.micro_batch * wl.parallel.dp))
@@ -86,8 +86,8 @@ def compare_cell(name: str) -> dict:
     """Runs in the child process: `lagom compare` on a shipped workload, the three strategies timed apart from
     the exhaustive reference (the time of its first evaluation)."""
     from lagom.hardware import load_hardware
+    from lagom.step.workload import load_workload
     from lagom.tune import Progress, compare_strategies
-    from lagom.workload import load_workload
 
     wl = load_workload(name)
     hw = load_hardware(wl.hardware)
@@ -284,7 +284,7 @@ def main() -> None:
         quality(args.quality)
         return
     if args.compare is not None:
-        from lagom.workload import workload_names
+        from lagom.step.workload import workload_names
 
         shipped = workload_names()
         unknown = sorted(set(args.compare) - set(shipped))

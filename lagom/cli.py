@@ -19,7 +19,7 @@ def _load(args: argparse.Namespace):
     """Workload and hardware from the flags (hardware defaults to the workload's own)."""
     from lagom.errors import ConfigError
     from lagom.hardware import load_hardware
-    from lagom.workload import load_workload
+    from lagom.step.workload import load_workload
 
     wl = load_workload(args.workload)
     name = args.hardware or wl.hardware
@@ -31,14 +31,14 @@ def _load(args: argparse.Namespace):
 def _capability(args: argparse.Namespace, hw):
     """What the plan may set: the hardware's NCCL (or --nccl-version), this install's tuner plugin (unless
     --no-tuner-plugin), the hardware's topology."""
-    from lagom.capability import capability_for
+    from lagom.plan.capability import capability_for
 
     return capability_for(hw, args.nccl_version, False if args.no_tuner_plugin else None)
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from lagom import emit
     from lagom.nccl_tuner import UNAVAILABLE
+    from lagom.plan import emit
     from lagom.progress import PlanningProgress
     from lagom.report import plan_markdown, plan_table, print_table
     from lagom.tune import make_plan
@@ -96,8 +96,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    from lagom.model.simulator import simulate
     from lagom.plot import timeline
-    from lagom.simulator import simulate
     from lagom.tune import search_with_buckets
 
     plot_file = output_file(args.plot, "--plot") if args.plot else None

@@ -9,7 +9,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from lagom.simulator import PhaseResult, StepResult  # noqa: E402
+from lagom.model.simulator import PhaseResult, StepResult  # noqa: E402
 
 
 def _busiest_phase(result: StepResult) -> PhaseResult:

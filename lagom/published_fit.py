@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from lagom.config_file import read_mapping
-from lagom.contention import best_on
 from lagom.errors import ConfigError
 from lagom.hardware import Hardware, load_hardware
+from lagom.model.contention import best_on
 from lagom.validate import COMM_KINDS, FidelityPoint, Machines, comm_figure, load_suite
 
 SWEEPS = 3  # coordinate passes over the constants

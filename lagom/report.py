@@ -7,8 +7,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from lagom.plan import Plan
-from lagom.simulator import StepResult
+from lagom.model.simulator import StepResult
+from lagom.plan.plan import Plan
 
 
 def strategy_summary(result: StepResult, evaluations: int) -> dict[str, Any]:

@@ -7,17 +7,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from lagom.capability import Capability, capability_for
-from lagom.comm_config import CTAPolicy, ProcessSettings, under_process
 from lagom.hardware import Hardware
-from lagom.plan import Plan, PlanEntry
-from lagom.points import points_for
+from lagom.model.choices import under_process
+from lagom.model.simulator import Simulator, StepResult
+from lagom.plan.capability import Capability, capability_for
+from lagom.plan.comm_config import CTAPolicy, ProcessSettings
+from lagom.plan.plan import Plan, PlanEntry
 from lagom.search import Problem, SearchResult, exhaustive
 from lagom.search.base import Seen, SimulatedEvaluator
 from lagom.search.driver import drive
 from lagom.search.exhaustive import MAX_EVALUATIONS
-from lagom.simulator import Simulator, StepResult
-from lagom.workload import Workload, validate
+from lagom.step.points import points_for
+from lagom.step.workload import Workload, validate
 
 MAX_POINT_NAMES = 12
 BUCKET_SCALES = (0.5, 1.0, 2.0)  # bucket sizes the lagom strategy tries around the workload's own

@@ -35,19 +35,20 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from lagom.comm_config import CommConfig, SearchSpace, candidates
 from lagom.config_file import read_mapping
-from lagom.contention import ContentionSample, KernelShape, predict
-from lagom.cost_model import CostModel, RunningComm
 from lagom.errors import ConfigError
 from lagom.hardware import Hardware, gpu_family, load_hardware, with_cluster
+from lagom.model.choices import candidates
+from lagom.model.contention import ContentionSample, KernelShape, predict
+from lagom.model.cost_model import CostModel, RunningComm
+from lagom.model.simulator import simulate
 from lagom.outputs import output_folder
-from lagom.points import Collective, ComputeSegment, Group, OverlapPoint, Phase, StepGraph, points_for
+from lagom.plan.comm_config import CommConfig, SearchSpace
 from lagom.resources import FIDELITY_DIR
 from lagom.search.base import Problem, nccl_configs
 from lagom.search.priority import Window, estimate, windows
-from lagom.simulator import simulate
-from lagom.workload import load_workload
+from lagom.step.points import Collective, ComputeSegment, Group, OverlapPoint, Phase, StepGraph, points_for
+from lagom.step.workload import load_workload
 
 ROLES = ("fit", "check")
 

@@ -10,9 +10,9 @@ import copy
 from dataclasses import replace
 from typing import Any
 
-from lagom.plan import Plan
+from lagom.plan.plan import Plan
 from lagom.runtime.online.state import KnobChange
-from lagom.workload import Workload
+from lagom.step.workload import Workload
 from lagom_deepspeed.config import BucketPins
 from lagom_deepspeed.workload import zero_knobs
 

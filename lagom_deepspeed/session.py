@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from lagom.errors import ConfigError
 from lagom.hardware import Hardware
-from lagom.plan import Plan
+from lagom.plan.plan import Plan
 from lagom.runtime.apply.control import Control
 from lagom.runtime.online.session import TuningSession, choose_hardware
 from lagom.runtime.online.state import KnobChange, SessionOptions

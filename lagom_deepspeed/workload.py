@@ -18,11 +18,11 @@ taken as given and never inferred; the rest is inferred as follows (each choice 
   rules, "auto" values, aliases, defaults), so Lagom reads exactly what the engine will read.
 - parallel: pp from a ``PipelineModule``, tp from the ``mpu``, dp = world / (pp x tp).
 - framework.grad_tensors: the trainable parameters' sizes in the order backward completes their gradients, so that
-  the plan's gradient buckets are the ones DeepSpeed's own rule cuts from this model (``lagom.points``).
+  the plan's gradient buckets are the ones DeepSpeed's own rule cuts from this model (``lagom.step.points``).
 A model Lagom cannot describe (no embedding, no repeated blocks, a mixture of experts, a shape the
 workload checks refuse) is not an error: ``Derived.workload`` is None and ``missing``/``why`` say
 which workload fields would let Lagom plan for it, so the session can fall back and warn once.
-The parameter count the workload implies (lagom.points' per-layer count) is compared with the
+The parameter count the workload implies (lagom.step.points' per-layer count) is compared with the
 count on the model and both go to the report, so a poor inference is visible.
 """
 
@@ -39,8 +39,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from lagom.errors import ConfigError
-from lagom.points import rank_params
-from lagom.workload import (
+from lagom.step.points import rank_params
+from lagom.step.workload import (
     Framework,
     Model,
     Parallel,
@@ -343,7 +343,7 @@ def _merge(wl: Workload, overrides: dict[str, Any]) -> Workload:
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", None) or ""
         raise ConfigError(f"lagom.workload.{key}".rstrip("."), str(err).splitlines()[0],
-                          "override fields of lagom/workload.py's Workload") from None
+                          "override fields of lagom/step/workload.py's Workload") from None
 
 
 def grad_tensors(model: torch.nn.Module) -> list[int]:

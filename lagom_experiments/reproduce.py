@@ -29,14 +29,14 @@ from rich.console import Console  # noqa: E402
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from lagom.bound import step_bound  # noqa: E402
-from lagom.comm_config import CommConfig  # noqa: E402
-from lagom.cost_model import CostModel  # noqa: E402
 from lagom.errors import ConfigError  # noqa: E402
 from lagom.hardware import load_hardware  # noqa: E402
+from lagom.model.bound import step_bound  # noqa: E402
+from lagom.model.cost_model import CostModel  # noqa: E402
+from lagom.model.simulator import simulate  # noqa: E402
 from lagom.outputs import output_folder  # noqa: E402
+from lagom.plan.comm_config import CommConfig  # noqa: E402
 from lagom.plot import timeline  # noqa: E402
-from lagom.points import Collective, ComputeSegment, Group, OverlapPoint, Phase, StepGraph  # noqa: E402
 from lagom.progress import describe  # noqa: E402
 from lagom.report import print_table  # noqa: E402
 from lagom.resources import PUBLISHED_FILE  # noqa: E402
@@ -46,10 +46,10 @@ from lagom.search import (  # noqa: E402
     run_strategy,
 )
 from lagom.search.exhaustive import MAX_EVALUATIONS  # noqa: E402
-from lagom.simulator import simulate  # noqa: E402
+from lagom.step.points import Collective, ComputeSegment, Group, OverlapPoint, Phase, StepGraph  # noqa: E402
+from lagom.step.workload import Workload, load_workload  # noqa: E402
 from lagom.tune import Progress as PlanningStatus  # noqa: E402
 from lagom.tune import ProgressCallback, Tuned, compare_strategies, problem_for  # noqa: E402
-from lagom.workload import Workload, load_workload  # noqa: E402
 
 COMPARED = ("autoccl", "lagom")  # the strategies with published speedups
 TOLERANCE = 0.05  # rows further than this from the published figure get a line on why
@@ -190,7 +190,7 @@ def simulate_run(run: Run, exhaustive_limit: int, progress: ProgressCallback | N
 
 def bound(found: Iterable[Tuned]) -> float:
     """The shortest step any setting could give on the step graphs the strategies searched (the bucket sizes
-    they ended with): each graph's critical path with compute alone and comm at link peak (lagom.bound)."""
+    they ended with): each graph's critical path with compute alone and comm at link peak (lagom.model.bound)."""
     problems = {id(t.problem): t.problem for t in found}.values()
     return min(step_bound(p.graph, p.model, decompose=bool(p.space.splits)) for p in problems)
 

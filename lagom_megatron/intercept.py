@@ -36,10 +36,10 @@ from typing import Any
 
 import torch
 
-from lagom.calls import nccl_aggregates
 from lagom.flash_overlap import all_gather_matmul, matmul_reduce_scatter
 from lagom.runtime.apply import torch_tap
 from lagom.runtime.online.state import FlashRouter
+from lagom.step.calls import nccl_aggregates
 from lagom_megatron.groups import GroupNames
 
 log = logging.getLogger("lagom.megatron")

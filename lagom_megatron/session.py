@@ -21,18 +21,18 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from lagom import emit
 from lagom.errors import ConfigError
 from lagom.hardware import Hardware
-from lagom.plan import Plan
+from lagom.model.simulator import simulate
+from lagom.plan import emit
+from lagom.plan.plan import Plan
 from lagom.runtime.apply.control import Control
 from lagom.runtime.apply.runtime import option_value
 from lagom.runtime.online import report
 from lagom.runtime.online.session import TuningSession, choose_hardware
 from lagom.runtime.online.state import KnobChange, SessionOptions
-from lagom.simulator import simulate
+from lagom.step.workload import Workload
 from lagom.tune import make_plan, problem_for
-from lagom.workload import Workload
 from lagom_megatron.arguments import LagomOptions, flash_overlap_blockers
 from lagom_megatron.groups import megatron_pg_names
 from lagom_megatron.intercept import Interceptor

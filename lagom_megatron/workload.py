@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from lagom.errors import ConfigError
-from lagom.workload import Framework, Model, Parallel, Training, Workload, validate
+from lagom.step.workload import Framework, Model, Parallel, Training, Workload, validate
 
 
 def _get(args: argparse.Namespace, name: str, default=None):

@@ -87,7 +87,7 @@ assert resources.HARDWARE_DIR.is_relative_to(sys.argv[1]), resources.HARDWARE_DI
 assert sys.argv[2] == "0" or nccl_tuner.path() is not None, "the wheel's tuner plugin is not where lagom.nccl_tuner looks"
 from lagom.hardware import closest_preset  # what --lagom alone detects a job's machine with
 assert closest_preset("NVIDIA A100-SXM4-80GB", gpus_per_node=8, nodes=1) == "a100-8x-100g"
-from lagom.workload import workload_names
+from lagom.step.workload import workload_names
 from lagom_experiments.reproduce import load_published  # what lagom reproduce compares with
 assert "gpt2-tp8" in workload_names() and load_published().settings
 from importlib.metadata import version

@@ -1,4 +1,4 @@
-"""The step simulator as it was before issue 11 (lagom/simulator.py at 3159d50), kept for tests only.
+"""The step simulator as it was before issue 11 (lagom/model/simulator.py at 3159d50), kept for tests only.
 
 It re-rates every running task at every event and scans every stream for a task to start: simple, and
 quadratic-ish on long pipelines. The library's simulator must give the same step, exposed comm and
@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections import defaultdict, deque
 from dataclasses import dataclass
 
-from lagom.comm_config import CommConfig, can_decompose, default_config
-from lagom.cost_model import CostModel, RunningComm
-from lagom.points import Collective, ComputeSegment, OverlapPoint, Phase, StepGraph
+from lagom.model.cost_model import CostModel, RunningComm
+from lagom.plan.comm_config import CommConfig, can_decompose, default_config
+from lagom.step.points import Collective, ComputeSegment, OverlapPoint, Phase, StepGraph
 
 EPS = 1e-12
 

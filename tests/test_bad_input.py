@@ -22,8 +22,8 @@ import lagom
 from lagom.cli import main
 from lagom.errors import ConfigError, LagomError
 from lagom.hardware import load_hardware
-from lagom.points import points_for
-from lagom.workload import (
+from lagom.step.points import points_for
+from lagom.step.workload import (
     MAX_STEP_GRAPH_ITEMS,
     Framework,
     Model,

@@ -6,12 +6,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lagom.bound import step_bound
-from lagom.comm_config import SearchSpace
-from lagom.cost_model import CostModel
 from lagom.hardware import load_hardware
-from lagom.points import Collective, ComputeSegment, Group, OverlapPoint, Phase, StepGraph
+from lagom.model.bound import step_bound
+from lagom.model.cost_model import CostModel
+from lagom.plan.comm_config import SearchSpace
 from lagom.search import Problem, run_strategy
+from lagom.step.points import Collective, ComputeSegment, Group, OverlapPoint, Phase, StepGraph
 from tests.helpers import synthetic_problem
 
 HW = load_hardware("a40-2x8-nvlink")

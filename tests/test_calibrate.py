@@ -7,9 +7,9 @@ from dataclasses import asdict
 
 import pytest
 
-from lagom.cost_model import ring_shape
 from lagom.errors import ConfigError
 from lagom.hardware import load_hardware
+from lagom.model.cost_model import ring_shape
 from lagom.runtime.measure import calibrate
 from tests.distributed import run_ranks
 

@@ -8,30 +8,29 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lagom import emit
-from lagom.capability import Capability, Scope, capability_for
-from lagom.comm_config import (
+from lagom.errors import ConfigError
+from lagom.hardware import load_hardware
+from lagom.model.choices import candidates, nccl_choice
+from lagom.plan import emit
+from lagom.plan.capability import Capability, Scope, capability_for
+from lagom.plan.comm_config import (
     Algorithm,
     CommConfig,
     CTAPolicy,
     SearchSpace,
-    candidates,
     communicator_knobs,
     default_config,
     is_consistent,
-    nccl_choice,
     with_process,
 )
-from lagom.errors import ConfigError
-from lagom.hardware import load_hardware
-from lagom.plan import Plan
+from lagom.plan.plan import Plan
 from lagom.runtime.apply import runtime as apply
 from lagom.runtime.online.session import TuningSession
 from lagom.runtime.online.state import SessionOptions
 from lagom.search import Problem, SearchResult, run_strategy
 from lagom.search.base import groups, nccl_configs
+from lagom.step.workload import load_workload
 from lagom.tune import Tuned, make_plan, plan_from, problem_for, registration
-from lagom.workload import load_workload
 from tests.helpers import gpt_workload, synthetic_problem, write_yaml
 
 # Holds NCCL's defaults (8 and 32 channels, 512 threads, 2 MiB, every protocol), so NCCL's own choice is a candidate.

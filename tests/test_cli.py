@@ -85,8 +85,8 @@ def test_bad_input_exits_2_with_one_clear_line(tmp_path, override, args, message
     assert len(proc.stderr.strip().splitlines()) == 1 and message in proc.stderr
 
 
-PLANNING_MODULES = ("lagom.cli", "lagom.tune", "lagom.plan", "lagom.emit", "lagom.search", "lagom.simulator",
-                    "lagom.cost_model", "lagom.points", "lagom.workload", "lagom.hardware", "lagom.calls", "lagom.report")
+PLANNING_MODULES = ("lagom.cli", "lagom.tune", "lagom.plan.plan", "lagom.plan.emit", "lagom.search", "lagom.model.simulator",
+                    "lagom.model.cost_model", "lagom.step.points", "lagom.step.workload", "lagom.hardware", "lagom.step.calls", "lagom.report")
 
 
 def test_planning_and_the_parser_import_neither_torch_nor_matplotlib():

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from lagom.calls import nccl_aggregates
+from lagom.step.calls import nccl_aggregates
 from tests.distributed import run_ranks
 
 

@@ -4,7 +4,7 @@ import pytest
 
 from lagom.errors import ConfigError
 from lagom.hardware import load_hardware, preset_names
-from lagom.workload import load_workload, validate
+from lagom.step.workload import load_workload, validate
 from tests.helpers import gpt_workload, write_yaml
 
 REQUIRED_PRESETS = {"a100-8x-100g", "v100-4x-25g", "a40-2x8-nvlink", "a40-2x8-pcie", "h100-sxm-8x-400g"}

@@ -15,16 +15,17 @@ from pathlib import Path
 
 import pytest
 
-from lagom import contention, nccl_tuner
+from lagom import nccl_tuner
 from lagom.cli import main
-from lagom.comm_config import CommConfig
-from lagom.contention import ContentionSample, KernelShape, fit, is_held_out, predict, with_constants
-from lagom.cost_model import CostModel
 from lagom.hardware import closest_preset, load_hardware, preset_names
-from lagom.points import Collective
+from lagom.model import contention
+from lagom.model.contention import ContentionSample, KernelShape, fit, is_held_out, predict, with_constants
+from lagom.model.cost_model import CostModel
+from lagom.plan.comm_config import CommConfig
 from lagom.resources import HARDWARE_PATH_ENV
 from lagom.runtime.measure import calibrate
 from lagom.runtime.measure.contention_bench import rule_table
+from lagom.step.points import Collective
 from lagom.validate import measured_results, summarize
 
 BASE = "a100-8x-100g"

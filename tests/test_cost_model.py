@@ -6,10 +6,10 @@ from dataclasses import replace
 
 import pytest
 
-from lagom.comm_config import Algorithm, CommConfig, CTAPolicy, Protocol
-from lagom.cost_model import CostModel, RunningComm
 from lagom.hardware import load_hardware
-from lagom.points import Collective, ComputeSegment, Group
+from lagom.model.cost_model import CostModel, RunningComm
+from lagom.plan.comm_config import Algorithm, CommConfig, CTAPolicy, Protocol
+from lagom.step.points import Collective, ComputeSegment, Group
 
 A100 = load_hardware("a100-8x-100g")
 A100X2 = load_hardware("a100-2x8-100g")

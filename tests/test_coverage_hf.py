@@ -1,7 +1,7 @@
 """The plan is the job: stock Hugging Face causal LMs built from their configs (GPT-2; Llama with grouped KV heads)
 under DeepSpeed ZeRO-1, 2 and 3, with overlap_comm on and off, and DeepSpeed's pipeline engine (2 stages), on 2
 gloo ranks in online mode. After the
-calibration steps the model's keys are reconciled with the calls the job issued (``lagom.reconcile``): at least
+calibration steps the model's keys are reconciled with the calls the job issued (``lagom.model.reconcile``): at least
 95% of the calls and of the bytes per step are keys of the adopted plan, and the losses are those of the same
 job without Lagom. The model's own coverage (before reconciliation) is kept in each report, for the record.
 """

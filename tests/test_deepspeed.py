@@ -157,7 +157,7 @@ def scenarios(rank: int, world: int, tmp: str) -> dict[str, Any]:
     from deepspeed.utils import groups
 
     import lagom_deepspeed
-    from lagom.plan import Plan
+    from lagom.plan.plan import Plan
 
     hw = f"{tmp}/hw.yaml"
     out: dict[str, Any] = {}

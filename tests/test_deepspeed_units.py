@@ -15,8 +15,8 @@ from torch import nn
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from lagom.errors import ConfigError
-from lagom.plan import Plan, PlanEntry
-from lagom.points import rank_params
+from lagom.plan.plan import Plan, PlanEntry
+from lagom.step.points import rank_params
 from lagom_deepspeed import initialize
 from lagom_deepspeed.config import BucketPins, parse_section
 from lagom_deepspeed.groups import GroupNames
@@ -158,7 +158,7 @@ def test_implied_params_is_the_step_graphs_count() -> None:
 def test_zero_knobs_are_deepspeeds_reading_and_lagoms_defaults_agree() -> None:
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
-    from lagom.workload import Framework
+    from lagom.step.workload import Framework
 
     defaults = zero_knobs({})
     ds = DeepSpeedZeroConfig()

@@ -14,11 +14,11 @@ from collections.abc import Callable
 
 import pytest
 
+from lagom.model.simulator import Configs, Simulator
 from lagom.runtime.online.live import ALPHA, GUARD, NOISE_STEPS, LiveSearch
 from lagom.search import run_strategy
 from lagom.search.base import Problem, nccl_configs
 from lagom.search.priority import max_checks_per_key
-from lagom.simulator import Configs, Simulator
 from tests.helpers import two_all_reduces_one_gemm
 
 NOISE = 0.01  # relative standard deviation of one step

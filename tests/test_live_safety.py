@@ -25,8 +25,8 @@ from lagom.nccl_tuner.live import LIVE_TABLE_ENV, LiveTable
 from lagom.runtime.apply.control import ControlError
 from lagom.runtime.online.session import TuningSession
 from lagom.runtime.online.state import SessionOptions
+from lagom.step.workload import load_workload
 from lagom.tune import make_plan
-from lagom.workload import load_workload
 from tests.distributed import free_port, run_ranks
 from tests.helpers import gpt_workload, write_yaml
 from tests.test_long_lived import HW

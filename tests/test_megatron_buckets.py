@@ -1,10 +1,10 @@
-"""The gradient buckets Lagom models (lagom.points) against the ones megatron-core 0.19 DDP really builds.
+"""The gradient buckets Lagom models (lagom.step.points) against the ones megatron-core 0.19 DDP really builds.
 
 Four gloo ranks parse Megatron's own arguments (megatron.training), build megatron-core's GPTModel as
 Megatron-LM's pretrain_gpt.py does (local layer spec) and wrap it in megatron-core's DDP with
 overlapped gradient reduction, with and without the distributed optimizer. Every bucket's reduction
 (grad_data bytes) and parameter gather (param_data bytes) must match a key of the step graph the plan
-is made from, through the one size rule (lagom.calls.KeyIndex), as many times as the graph has it.
+is made from, through the one size rule (lagom.step.calls.KeyIndex), as many times as the graph has it.
 The model is exact for this layer spec, so the sizes are also compared byte for byte.
 """
 
@@ -15,7 +15,7 @@ from collections import Counter
 
 import pytest
 
-from lagom.calls import KeyIndex, TuningKey
+from lagom.step.calls import KeyIndex, TuningKey
 from tests.distributed import run_ranks
 from tests.test_megatron_ddp import cpu_megatron
 
@@ -84,7 +84,7 @@ def buckets_rank(rank: int, world: int) -> dict:
     from megatron.training.global_vars import unset_global_variables
 
     from lagom.hardware import load_hardware
-    from lagom.points import points_for
+    from lagom.step.points import points_for
     from lagom_megatron.groups import GroupNames
     from lagom_megatron.workload import workload_from_args
 

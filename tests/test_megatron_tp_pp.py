@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from lagom.comm_config import CommConfig
-from lagom.plan import Plan, PlanEntry
+from lagom.plan.comm_config import CommConfig
+from lagom.plan.plan import Plan, PlanEntry
 from tests.distributed import run_ranks
 
 SEQ, BATCH, HIDDEN, FFN = 8, 2, 16, 32  # full sequence; each of the 2 ranks holds SEQ / 2 rows

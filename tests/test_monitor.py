@@ -8,9 +8,9 @@ import re
 
 import pytest
 
-from lagom.calls import CallRecord
 from lagom.errors import ConfigError
 from lagom.runtime.online.monitor import Monitor
+from lagom.step.calls import CallRecord
 
 
 def records(*keys: str) -> list[CallRecord]:

@@ -16,24 +16,24 @@ from dataclasses import replace
 
 import pytest
 
-from lagom import emit
-from lagom.capability import Capability, channel_cap, chunk_ceiling, nccl_chunk
-from lagom.comm_config import (
+from lagom.errors import ConfigError
+from lagom.hardware import load_hardware
+from lagom.model.choices import candidates
+from lagom.model.cost_model import CostModel
+from lagom.nccl_tuner import build
+from lagom.plan import emit
+from lagom.plan.capability import Capability, channel_cap, chunk_ceiling, nccl_chunk
+from lagom.plan.comm_config import (
     Algorithm,
     CommConfig,
     Protocol,
     SearchSpace,
-    candidates,
     chunk_choices,
     communicator_knobs,
     run_chunk,
 )
-from lagom.cost_model import CostModel
-from lagom.errors import ConfigError
-from lagom.hardware import load_hardware
-from lagom.nccl_tuner import build
-from lagom.points import Collective, Group
 from lagom.search import Problem, run_strategy
+from lagom.step.points import Collective, Group
 from tests.helpers import synthetic_problem
 from tests.test_nccl_tuner import PROTO, Comm, TunerV6, compiler_or_skip, cost_table, entry, make_plan, nccl_choice
 

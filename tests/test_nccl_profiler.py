@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 
 from lagom import nccl_profiler
-from lagom.comm_config import Algorithm, CommConfig, CTAPolicy, Protocol
 from lagom.nccl_profiler import drain as profiler
 from lagom.nccl_profiler import what_ran
 from lagom.nccl_tuner import build
 from lagom.nccl_tuner.live import PluginCounters
-from lagom.plan import Plan, PlanEntry
+from lagom.plan.comm_config import Algorithm, CommConfig, CTAPolicy, Protocol
+from lagom.plan.plan import Plan, PlanEntry
 from tests.test_nccl_tuner import compiler_or_skip
 
 COLL, KERNEL_CH, CE_COLL, KERNEL_CH_STOP = 1 << 1, 1 << 6, 1 << 12, 22

@@ -18,12 +18,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lagom import emit, nccl_tuner, runtime
-from lagom.comm_config import CommConfig
+from lagom import nccl_tuner, runtime
 from lagom.errors import ConfigError
 from lagom.hardware import load_hardware
 from lagom.nccl_tuner import build
-from lagom.plan import Plan, PlanEntry
+from lagom.plan import emit
+from lagom.plan.comm_config import CommConfig
+from lagom.plan.plan import Plan, PlanEntry
 from lagom.runtime import init
 
 FUNC = {"all_gather": 2, "reduce_scatter": 3, "all_reduce": 4}
@@ -210,7 +211,7 @@ def test_every_planned_size_gets_its_algorithm_protocol_channels_and_chunk(v6, p
 
 
 def test_calls_match_exactly_the_sizes_the_runtime_matches_to_a_key(v6, plan, rules_file):
-    """Sizes around every range edge, checked against lagom.calls.KeyIndex (via Plan.lookup)."""
+    """Sizes around every range edge, checked against lagom.step.calls.KeyIndex (via Plan.lookup)."""
     comms = {(16, 2): Comm(v6, 16, 2), (8, 1): Comm(v6, 8, 1)}
     sizes = {950_000 + d for d in (-1, 0, 1)} | {1_030_000 + d for d in (-1, 0, 1, 2)} | {1_113_000 + d for d in (0, 1)}
     for planned in emit.tuner_entries(plan):

@@ -9,20 +9,21 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from lagom.calls import CallRecord
-from lagom.capability import capability_for
-from lagom.comm_config import CommConfig, ProcessSettings, SearchSpace, Transport, candidates, nccl_pick
-from lagom.cost_model import CostModel, RunningComm
 from lagom.errors import ConfigError
 from lagom.hardware import load_hardware
 from lagom.model.calibrated import CalibratedModel
-from lagom.plan import Plan
-from lagom.points import Collective, ComputeSegment, Group
+from lagom.model.choices import candidates, nccl_pick
+from lagom.model.cost_model import CostModel, RunningComm
+from lagom.model.simulator import Configs, simulate
+from lagom.plan.capability import capability_for
+from lagom.plan.comm_config import CommConfig, ProcessSettings, SearchSpace, Transport
+from lagom.plan.plan import Plan
 from lagom.runtime.online.tuner import OnlineTuner, calibrate, describe_changes, service_times
 from lagom.search.base import nccl_configs
-from lagom.simulator import Configs, simulate
+from lagom.step.calls import CallRecord
+from lagom.step.points import Collective, ComputeSegment, Group
+from lagom.step.workload import load_workload
 from lagom.tune import make_plan, problem_for
-from lagom.workload import load_workload
 from tests.distributed import run_ranks
 from tests.helpers import gpt_workload, write_yaml
 

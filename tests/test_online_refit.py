@@ -9,11 +9,11 @@ import pytest
 
 from lagom.hardware import load_hardware
 from lagom.model.calibrated import CalibratedModel
+from lagom.model.simulator import Configs, Simulator
 from lagom.runtime.online.tuner import Calibration, Observation, refit
 from lagom.search.base import Problem, nccl_configs
-from lagom.simulator import Configs, Simulator
+from lagom.step.workload import load_workload
 from lagom.tune import problem_for
-from lagom.workload import load_workload
 
 
 @pytest.fixture(scope="module")

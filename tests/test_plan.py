@@ -9,14 +9,14 @@ from dataclasses import replace
 import pytest
 import yaml
 
-from lagom import emit
-from lagom.capability import DEFAULT_BUFFSIZE, buffsize_for
-from lagom.comm_config import CommConfig
 from lagom.errors import ConfigError
 from lagom.hardware import load_hardware
-from lagom.plan import Plan
+from lagom.plan import emit
+from lagom.plan.capability import DEFAULT_BUFFSIZE, buffsize_for
+from lagom.plan.comm_config import CommConfig
+from lagom.plan.plan import Plan
+from lagom.step.workload import load_workload
 from lagom.tune import make_plan
-from lagom.workload import load_workload
 from tests.helpers import gpt_workload, write_yaml
 
 

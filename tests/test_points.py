@@ -6,8 +6,8 @@ from dataclasses import replace
 import pytest
 
 from lagom.hardware import load_hardware
-from lagom.points import Collective, deepspeed_buckets, make_groups, points_for, rank_params
-from lagom.workload import load_workload
+from lagom.step.points import Collective, deepspeed_buckets, make_groups, points_for, rank_params
+from lagom.step.workload import load_workload
 from tests.helpers import gpt_workload, write_yaml
 
 
@@ -153,7 +153,7 @@ def test_moe_gradients_split_dense_over_dp_and_experts_over_expt_dp(tmp_path):
 
 def test_megatron_bucket_layout_rules_by_hand():
     """megatron-core 0.19's layout on four tensors (registration order), computed by hand."""
-    from lagom.points import Bucket, ParamTensor, megatron_buckets
+    from lagom.step.points import Bucket, ParamTensor, megatron_buckets
 
     tensors = [ParamTensor(100, 0, "embed"), ParamTensor(30, 1, 0), ParamTensor(70, 2, 1), ParamTensor(50, 3, 1)]
 
@@ -191,8 +191,8 @@ def test_stamped_pipeline_graph_is_the_graph_built_block_by_block(tmp_path):
     """Stamping each stage's forward and backward for every micro-batch gives the graph the model's
     arithmetic gives block by block: every segment, collective and wiring equal, with odd micro-batch
     counts, fewer micro-batches than stages (all warm-up and cool-down) and many."""
-    from lagom.cost_model import CostModel
-    from lagom.simulator import simulate
+    from lagom.model.cost_model import CostModel
+    from lagom.model.simulator import simulate
 
     for hardware, overrides in PIPELINES:
         pp, dp = overrides["parallel"]["pp"], overrides["parallel"]["dp"]

@@ -1,17 +1,17 @@
-"""The modelled step reconciled with measured calls (lagom.reconcile): calls no key matched become keys placed
+"""The modelled step reconciled with measured calls (lagom.model.reconcile): calls no key matched become keys placed
 by their measured times, keys nothing called are dropped, and the coverage before and after is exact."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from lagom.calls import CallRecord
 from lagom.hardware import load_hardware
-from lagom.points import points_for
-from lagom.reconcile import coverage, reconcile
+from lagom.model.reconcile import coverage, reconcile
+from lagom.model.simulator import Simulator
 from lagom.search.base import Problem, nccl_configs
-from lagom.simulator import Simulator
-from lagom.workload import load_workload
+from lagom.step.calls import CallRecord
+from lagom.step.points import points_for
+from lagom.step.workload import load_workload
 from tests.helpers import gpt_workload, write_yaml
 
 

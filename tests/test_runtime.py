@@ -14,14 +14,14 @@ import torch
 import torch.distributed as dist
 
 from lagom import runtime
-from lagom.calls import CallRecord, KeyIndex
-from lagom.comm_config import CommConfig
-from lagom.emit import nccl_env
 from lagom.errors import ConfigError
 from lagom.hardware import load_hardware
-from lagom.plan import Plan, PlanEntry
+from lagom.plan.comm_config import CommConfig
+from lagom.plan.emit import nccl_env
+from lagom.plan.plan import Plan, PlanEntry
 from lagom.runtime import Recorder, init, nccl_options
 from lagom.runtime.apply.recorder import STALE_STEPS
+from lagom.step.calls import CallRecord, KeyIndex
 from tests.distributed import run_ranks
 
 HW = "a100-8x-100g"

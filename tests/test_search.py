@@ -4,14 +4,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lagom.comm_config import CommConfig
 from lagom.errors import LagomError
 from lagom.hardware import load_hardware
+from lagom.plan.comm_config import CommConfig
 from lagom.search import Problem, run_strategy
 from lagom.search.base import settle_bound
 from lagom.search.priority import max_checks_per_key
+from lagom.step.workload import load_workload
 from lagom.tune import problem_for
-from lagom.workload import load_workload
 from tests.helpers import SMALL_SPACE, THREE_CHANNELS, gpt_workload, synthetic_problem, write_yaml
 
 

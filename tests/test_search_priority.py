@@ -7,18 +7,11 @@ from dataclasses import replace
 
 import pytest
 
-from lagom.comm_config import CommConfig
+from lagom.model.windows import estimate, windows
+from lagom.plan.comm_config import CommConfig
 from lagom.search import Problem, SimulatedEvaluator, priority, run_strategy
 from lagom.search.base import settle_bound
-from lagom.search.priority import (
-    blocked_together,
-    estimate,
-    max_checks_per_key,
-    pairs,
-    revisits,
-    sharing_compute,
-    windows,
-)
+from lagom.search.priority import blocked_together, max_checks_per_key, pairs, revisits, sharing_compute
 from tests.helpers import SMALL_SPACE, THREE_CHANNELS, synthetic_problem, two_all_reduces_one_gemm
 
 US = 1e-6

@@ -6,11 +6,11 @@ from dataclasses import replace
 import pytest
 
 from lagom.hardware import load_hardware
+from lagom.model.simulator import Simulator
 from lagom.search import Problem, SimulatedEvaluator, run_strategy
 from lagom.search.base import nccl_configs
-from lagom.simulator import Simulator
+from lagom.step.workload import load_workload
 from lagom.tune import _Planner, _with_buckets, make_plan
-from lagom.workload import load_workload
 from tests.helpers import gpt_workload, two_all_reduces_one_gemm, write_yaml
 
 

@@ -6,12 +6,12 @@ from dataclasses import replace
 
 import pytest
 
-from lagom.comm_config import CommConfig, default_config
-from lagom.cost_model import CostModel, RunningComm
 from lagom.errors import LagomError
 from lagom.hardware import load_hardware
-from lagom.points import Collective, ComputeSegment, Group, OverlapPoint, Phase, StepGraph
-from lagom.simulator import simulate
+from lagom.model.cost_model import CostModel, RunningComm
+from lagom.model.simulator import simulate
+from lagom.plan.comm_config import CommConfig, default_config
+from lagom.step.points import Collective, ComputeSegment, Group, OverlapPoint, Phase, StepGraph
 from tests.helpers import synthetic_problem
 
 HW = load_hardware("a40-2x8-nvlink")

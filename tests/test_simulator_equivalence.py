@@ -13,10 +13,10 @@ from functools import cache
 import pytest
 
 from lagom.hardware import load_hardware
+from lagom.model.simulator import Simulator
 from lagom.search import run_strategy
-from lagom.simulator import Simulator
+from lagom.step.workload import load_workload, workload_names
 from lagom.tune import problem_for
-from lagom.workload import load_workload, workload_names
 from tests.reference_simulator import reference_simulate
 
 REL = 1e-9

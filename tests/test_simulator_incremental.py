@@ -6,12 +6,12 @@ from dataclasses import replace
 
 import pytest
 
-from lagom.cost_model import CostModel
 from lagom.hardware import load_hardware
+from lagom.model.cost_model import CostModel
+from lagom.model.simulator import Simulator
 from lagom.search.base import nccl_configs
-from lagom.simulator import Simulator
+from lagom.step.workload import load_workload
 from lagom.tune import problem_for
-from lagom.workload import load_workload
 
 
 def job(name: str, micro_batches: int | None = None):
@@ -118,7 +118,7 @@ def test_a_model_whose_settings_changed_is_not_reused():
 def test_memoised_shapes_stay_bounded_and_change_nothing(monkeypatch):
     """Each run lands its steady-state jumps elsewhere, so a long search would memoise ever more task
     shapes; past SHAPES_KEPT a Simulator drops them all and works them out again, with the same steps."""
-    import lagom.simulator
+    import lagom.model.simulator
 
     problem = job("gpt3-13b-pp4", 16)
     base = nccl_configs(problem)
@@ -126,7 +126,7 @@ def test_memoised_shapes_stay_bounded_and_change_nothing(monkeypatch):
     sim = Simulator(problem.graph)
     sim.run(base, problem.model)
     one_run = sum(lw.kept() for lw in sim._lowerings.values())
-    monkeypatch.setattr(lagom.simulator, "SHAPES_KEPT", one_run + 1)
+    monkeypatch.setattr(lagom.model.simulator, "SHAPES_KEPT", one_run + 1)
     forgot = False
     for channels in (2, 4):
         configs = {**base, tp[0]: replace(base[tp[0]], channels=channels)}

@@ -6,8 +6,8 @@ from rich.console import Console
 
 from lagom.hardware import load_hardware
 from lagom.progress import PlanningProgress
+from lagom.step.workload import load_workload
 from lagom.tune import make_plan
-from lagom.workload import load_workload
 from tests.helpers import gpt_workload, write_yaml
 
 

@@ -8,11 +8,11 @@ from dataclasses import replace
 import pytest
 
 from lagom.hardware import load_hardware
+from lagom.model.simulator import Simulator
 from lagom.report import compare_json
 from lagom.search.base import nccl_configs
-from lagom.simulator import Simulator
+from lagom.step.workload import load_workload
 from lagom.tune import Progress, compare_strategies, problem_for
-from lagom.workload import load_workload
 from tests.helpers import write_yaml
 
 LLAMA = "llama3-70b-1024"

@@ -10,14 +10,14 @@ from dataclasses import replace
 
 import pytest
 
-from lagom.comm_config import CommConfig, CTAPolicy, Decomposition, default_config
 from lagom.hardware import load_hardware
-from lagom.points import Collective, ComputeSegment, Group, OverlapPoint, Phase, StepGraph
+from lagom.model.simulator import Simulator
+from lagom.plan.comm_config import CommConfig, CTAPolicy, Decomposition, default_config
 from lagom.search import Problem
 from lagom.search.base import nccl_configs
-from lagom.simulator import Simulator
+from lagom.step.points import Collective, ComputeSegment, Group, OverlapPoint, Phase, StepGraph
+from lagom.step.workload import load_workload
 from lagom.tune import problem_for
-from lagom.workload import load_workload
 from tests.reference_simulator import reference_simulate
 
 REL = 1e-9
@@ -85,7 +85,7 @@ def test_band_tasks_are_shaped_as_their_images_a_period_back(how):
     """Inside the band a task's shape is copied from the one a period back with every position moved on
     a period: it equals the shape worked out from the step graph, for every task of the phase (compute,
     collectives, and Flash-Overlap pieces and P2P steps where a collective is split)."""
-    from lagom.lowering import END, Lowering, split_of
+    from lagom.model.lowering import END, Lowering, split_of
 
     problem = job("gpt3-13b-pp4", 13, layers=8)
     configs = nccl_configs(problem) if how is None else split(problem, how[0], how[1], **how[2])

@@ -9,14 +9,14 @@ from dataclasses import replace
 
 import pytest
 
-from lagom.comm_config import CommConfig
-from lagom.contention import KernelShape
-from lagom.cost_model import CostModel, RunningComm
 from lagom.errors import ConfigError
 from lagom.hardware import load_hardware
-from lagom.points import Collective, Group, OverlapPoint
-from lagom.search.priority import Window, estimate
-from lagom.simulator import simulate
+from lagom.model.contention import KernelShape
+from lagom.model.cost_model import CostModel, RunningComm
+from lagom.model.simulator import simulate
+from lagom.model.windows import Window, estimate
+from lagom.plan.comm_config import CommConfig
+from lagom.step.points import Collective, Group, OverlapPoint
 from lagom.validate import (
     Evaluator,
     add_parser,

@@ -8,9 +8,9 @@ import pytest
 
 from lagom.errors import ConfigError
 from lagom.hardware import load_hardware
-from lagom.points import Collective
+from lagom.step.points import Collective
+from lagom.step.workload import load_workload, workload_names
 from lagom.tune import problem_for
-from lagom.workload import load_workload, workload_names
 from lagom_experiments.reproduce import load_published
 
 PUBLISHED = load_published()

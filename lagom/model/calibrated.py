@@ -5,12 +5,12 @@ steps, and what its searches are priced with. The fit itself (which scales, from
 
 from __future__ import annotations
 
-from lagom.calls import TuningKey
-from lagom.capability import Capability
-from lagom.comm_config import CommConfig
-from lagom.cost_model import CostModel, RunningComm
 from lagom.hardware import Hardware
-from lagom.points import Collective, ComputeSegment, Group
+from lagom.model.cost_model import CostModel, RunningComm
+from lagom.plan.capability import Capability
+from lagom.plan.comm_config import CommConfig
+from lagom.step.calls import TuningKey
+from lagom.step.points import Collective, ComputeSegment, Group
 
 
 class CalibratedModel(CostModel):

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from lagom import nccl_profiler
-from lagom.calls import CallRecord
+from lagom.step.calls import CallRecord
 
 log = logging.getLogger("lagom.nccl_profiler")
 

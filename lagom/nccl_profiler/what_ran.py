@@ -21,10 +21,10 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from lagom.comm_config import CTAPolicy, Decomposition
 from lagom.nccl_profiler.drain import CollectiveRecord, GroupMatch
 from lagom.nccl_tuner.live import PluginCounters
-from lagom.plan import Plan, PlanEntry
+from lagom.plan.comm_config import CTAPolicy, Decomposition
+from lagom.plan.plan import Plan, PlanEntry
 
 
 @dataclass(frozen=True)

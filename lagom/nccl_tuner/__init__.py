@@ -1,7 +1,7 @@
 """Lagom's NCCL tuner plugin, a C library built at install time (see lagom_nccl_tuner.h).
 
 NCCL loads it from ``NCCL_TUNER_PLUGIN``; it reads the rules file named by ``LAGOM_NCCL_TUNER_FILE``
-(``lagom.emit.tuner_rules`` writes it) and applies each planned size's algorithm, protocol, channels
+(``lagom.plan.emit.tuner_rules`` writes it) and applies each planned size's algorithm, protocol, channels
 and chunk. Installed without a C compiler, the package has no library and ``path()`` says so.
 """
 

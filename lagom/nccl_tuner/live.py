@@ -89,7 +89,7 @@ def _counters(lib: ctypes.CDLL) -> PluginCounters:
 
 
 def body(rules_text: str, world_size: int) -> str:
-    """A live table from rules text (``lagom.emit.tuner_rules``); empty text is a table of no rules, which
+    """A live table from rules text (``lagom.plan.emit.tuner_rules``); empty text is a table of no rules, which
     leaves every call to NCCL."""
     return rules_text if rules_text.strip() else f"{HEADER}\nworld {world_size}\n"
 

@@ -5,6 +5,9 @@ Every strategy returns settings the target can apply (``Problem.capability``): t
 knobs one decision for the whole step and settles one value per communicator for the per-communicator ones
 (``search.base.settle_communicators``). The exhaustive search enumerates both itself; NCCL's baseline tunes
 nothing.
+
+May import: ``lagom.model``, ``lagom.plan``, ``lagom.step`` and the base modules. The planning API (``lagom.tune``)
+and the runtime build on it.
 """
 
 from __future__ import annotations

@@ -12,16 +12,10 @@ from __future__ import annotations
 from collections.abc import Generator
 from dataclasses import replace
 
-from lagom.comm_config import (
-    CommConfig,
-    channels_for,
-    chunk_choices,
-    default_config,
-    settable_subspaces,
-    tuner_sets_channels,
-)
-from lagom.points import OverlapPoint
+from lagom.model.choices import settable_subspaces
+from lagom.plan.comm_config import CommConfig, channels_for, chunk_choices, default_config, tuner_sets_channels
 from lagom.search.base import Evaluator, Problem, SearchResult
+from lagom.step.points import OverlapPoint
 
 PRUNE_MARGIN = 0.2  # drop subspaces whose starting point is >20% slower than the best start
 

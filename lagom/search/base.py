@@ -7,8 +7,12 @@ from dataclasses import dataclass, field, replace
 from functools import cache, cached_property
 from typing import Any, Protocol
 
-from lagom.capability import Capability, capability_for
-from lagom.comm_config import (
+from lagom.hardware import Hardware
+from lagom.model.choices import nccl_choice
+from lagom.model.cost_model import CostModel
+from lagom.model.simulator import Configs, PointTiming, Simulator, StepResult, simulate
+from lagom.plan.capability import Capability, capability_for
+from lagom.plan.comm_config import (
     ProcessSettings,
     SearchSpace,
     Transport,
@@ -17,15 +21,11 @@ from lagom.comm_config import (
     communicator_values,
     default_config,
     is_consistent,
-    nccl_choice,
     transports_for,
     with_communicator_value,
     with_process,
 )
-from lagom.cost_model import CostModel
-from lagom.hardware import Hardware
-from lagom.points import OverlapPoint, StepGraph
-from lagom.simulator import Configs, PointTiming, Simulator, StepResult, simulate
+from lagom.step.points import OverlapPoint, StepGraph
 
 
 @dataclass

@@ -22,9 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from lagom.comm_config import CommConfig, Decomposition, ProcessSettings, planned_chunk, under_process
 from lagom.errors import ConfigError
-from lagom.points import OverlapPoint
+from lagom.model.choices import under_process
+from lagom.plan.comm_config import CommConfig, Decomposition, ProcessSettings, planned_chunk
 from lagom.search import autoccl, exhaustive, nccl, priority
 from lagom.search.base import (
     Evaluator,
@@ -36,6 +36,7 @@ from lagom.search.base import (
     settle_communicators,
     step_time,
 )
+from lagom.step.points import OverlapPoint
 
 Strategy = Callable[[Problem, Evaluator], SearchResult]
 

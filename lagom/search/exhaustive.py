@@ -10,8 +10,9 @@ import math
 from dataclasses import replace
 from itertools import product
 
-from lagom.comm_config import ProcessSettings, candidates, communicator_knobs, is_consistent
 from lagom.errors import LagomError
+from lagom.model.choices import candidates
+from lagom.plan.comm_config import ProcessSettings, communicator_knobs, is_consistent
 from lagom.search.base import Evaluator, Problem, SearchResult, groups
 
 MAX_EVALUATIONS = 20_000

@@ -3,6 +3,6 @@
 clock (``step_clock``), Lagom's own collectives under a timeout (``control``) and the launchers' shared part
 (``launch``).
 
-May import: ``lagom.plan``, ``lagom.model``, ``lagom.step`` and the base modules. Not the online loop or the
+May import: ``lagom.plan.plan``, ``lagom.model``, ``lagom.step`` and the base modules. Not the online loop or the
 measurements, which build on it.
 """

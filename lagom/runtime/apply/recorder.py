@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from lagom.calls import CallRecord
+from lagom.step.calls import CallRecord
 
 log = logging.getLogger("lagom.runtime")
 

@@ -6,7 +6,7 @@ channels, chunk) and wraps ``torch.distributed.new_group`` so that communicators
 the plan's per-group options (CTAs, stream priority, CTA policy, NVLS CTAs). The runtime's ``Recorder``
 times every collective the adapters report.
 
-A plan is made under a capability (``lagom.capability``); ``init`` compares it with this process's
+A plan is made under a capability (``lagom.plan.capability``); ``init`` compares it with this process's
 (the NCCL torch loads, whether Lagom's plugin is built) and refuses a plan that needs what is missing,
 naming it. The adapters' sessions re-plan instead (they have the workload).
 """
@@ -26,8 +26,11 @@ from typing import Any
 import torch.distributed as dist
 
 from lagom import nccl_tuner
-from lagom.capability import Capability, capability_for
-from lagom.emit import (
+from lagom.errors import ConfigError
+from lagom.hardware import Hardware, load_hardware
+from lagom.model.reconcile import Coverage, coverage
+from lagom.plan.capability import Capability, capability_for
+from lagom.plan.emit import (
     ALGO_PROTO_ENV,
     CTA_POLICY_VALUES,
     TUNER_PLUGIN_ENV,
@@ -39,10 +42,7 @@ from lagom.emit import (
     tuner_env,
     tuner_rules,
 )
-from lagom.errors import ConfigError
-from lagom.hardware import Hardware, load_hardware
-from lagom.plan import Plan
-from lagom.reconcile import Coverage, coverage
+from lagom.plan.plan import Plan
 from lagom.runtime.apply import torch_tap
 from lagom.runtime.apply.recorder import Recorder
 

@@ -69,7 +69,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from lagom.calls import nccl_aggregates
+from lagom.step.calls import nccl_aggregates
 
 log = logging.getLogger("lagom.runtime")
 

@@ -6,7 +6,7 @@ per collective, latency and bandwidth are fitted by least squares on the cost mo
 overrides only the link it measured, plus the raw samples and fits under ``calibration``.
 With ``--contention`` it also times compute kernels alone and beside collectives
 (``contention_bench``), fits the contention constants to part of those samples and checks them on the
-rest (``lagom.contention``); the profile then overrides the constants the samples inform, marked
+rest (``lagom.model.contention``); the profile then overrides the constants the samples inform, marked
 ``source: measured``. Without it the contention constants stay the preset's.
 Run it alone (it spawns its own local ranks; one rank on one GPU profiles contention only) or under
 torchrun (it uses the launched ranks).
@@ -34,17 +34,18 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import yaml
 
-from lagom import contention, nccl_tuner
-from lagom.comm_config import CommConfig
-from lagom.contention import ContentionFit, ContentionSample, KernelShape
-from lagom.cost_model import ring_shape
+from lagom import nccl_tuner
 from lagom.errors import ConfigError
 from lagom.hardware import Hardware, load_hardware
+from lagom.model import contention
+from lagom.model.contention import ContentionFit, ContentionSample, KernelShape
+from lagom.model.cost_model import ring_shape
 from lagom.outputs import output_file
-from lagom.points import Collective
+from lagom.plan.comm_config import CommConfig
 from lagom.runtime.measure import contention_bench
 from lagom.runtime.measure.contention_bench import BenchSettings
-from lagom.workload import Workload, load_workload
+from lagom.step.points import Collective
+from lagom.step.workload import Workload, load_workload
 
 log = logging.getLogger("lagom.calibrate")
 
@@ -355,7 +356,7 @@ class Measured:
 def _use_tuner_plugin() -> None:
     """Point NCCL at Lagom's tuner plugin, so that its live table sets each sample's algorithm, protocol,
     channels and chunk; a tuner, algorithm or protocol the user set wins."""
-    from lagom.emit import ALGO_PROTO_ENV, TUNER_PLUGIN_ENV
+    from lagom.plan.emit import ALGO_PROTO_ENV, TUNER_PLUGIN_ENV
 
     plugin = nccl_tuner.path()
     if plugin is not None and not any(v in os.environ for v in (TUNER_PLUGIN_ENV, *ALGO_PROTO_ENV)):

@@ -32,12 +32,12 @@ import torch
 import torch.distributed as dist
 
 from lagom import nccl_tuner
-from lagom.calls import SIZE_TOLERANCE
-from lagom.capability import Capability, Scope
-from lagom.comm_config import CommConfig
-from lagom.contention import ContentionSample, KernelShape
-from lagom.emit import TUNER_COLL, TUNER_RULES_HEADER
-from lagom.points import Collective
+from lagom.model.contention import ContentionSample, KernelShape
+from lagom.plan.capability import Capability, Scope
+from lagom.plan.comm_config import CommConfig
+from lagom.plan.emit import TUNER_COLL, TUNER_RULES_HEADER
+from lagom.step.calls import SIZE_TOLERANCE
+from lagom.step.points import Collective
 
 log = logging.getLogger("lagom.calibrate")
 

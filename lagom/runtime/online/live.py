@@ -47,12 +47,12 @@ from typing import Any
 
 from scipy.special import stdtr, stdtrit
 
-from lagom.capability import channel_cap
-from lagom.comm_config import CommConfig
+from lagom.model.simulator import Configs, Simulator, StepResult
+from lagom.plan.capability import channel_cap
+from lagom.plan.comm_config import CommConfig
 from lagom.runtime.online.tuner import Observation
 from lagom.search.base import Problem, SearchResult
 from lagom.search.driver import refine
-from lagom.simulator import Configs, Simulator, StepResult
 
 log = logging.getLogger("lagom.online")
 

@@ -9,11 +9,11 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lagom import emit
-from lagom.calls import KeyIndex, mean_per_call
-from lagom.plan import Plan
+from lagom.plan import emit
+from lagom.plan.plan import Plan
 from lagom.runtime.online.live import ROUTED_FIELDS, LiveSearch, Trial, describe_live
 from lagom.runtime.online.state import buffsize_in_force, plugin_counters, rank
+from lagom.step.calls import KeyIndex, mean_per_call
 
 log = logging.getLogger("lagom.session")
 # Whether a live tuner table of a session is in force in this process's plugin (the table is process-wide and

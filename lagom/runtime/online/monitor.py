@@ -17,11 +17,11 @@ import logging
 from collections import deque
 from collections.abc import Iterable
 
-from lagom.calls import SIZE_TOLERANCE, CallRecord, KeyIndex, mean_per_call
 from lagom.errors import ConfigError
 from lagom.hardware import Hardware
-from lagom.plan import Plan
-from lagom.workload import Workload
+from lagom.plan.plan import Plan
+from lagom.step.calls import SIZE_TOLERANCE, CallRecord, KeyIndex, mean_per_call
+from lagom.step.workload import Workload
 
 log = logging.getLogger("lagom.monitor")
 MAX_KEYS_SHOWN = 5
@@ -69,7 +69,7 @@ class Monitor:
     @classmethod
     def for_plan(cls, workload: Workload, hw: Hardware, plan: Plan, **kwargs) -> Monitor:
         """A monitor whose expectations are the plan simulated on the job as it runs under it."""
-        from lagom.simulator import simulate
+        from lagom.model.simulator import simulate
         from lagom.tune import problem_for, running_workload
 
         problem = problem_for(running_workload(workload, plan), hw)

@@ -13,12 +13,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Protocol
 
-from lagom.calls import KeyIndex
 from lagom.hardware import Hardware
-from lagom.plan import Plan
+from lagom.plan.plan import Plan
 from lagom.runtime.online.live import Trial
 from lagom.runtime.online.state import FlashRouter, KnobChange, Measured, SessionOptions, StepStats
-from lagom.workload import Workload
+from lagom.step.calls import KeyIndex
+from lagom.step.workload import Workload
 
 
 class Reported(Protocol):

@@ -9,7 +9,7 @@ Both adapters run the same session; each subclasses it only for what its framewo
                A plan that needs more than this process can apply (an older NCCL, no tuner plugin) is
                made again within what it has; the report says what was missing.
   calibration  online: the first steps are measured; rank 0 reconciles the model with the calls they
-               issued (``lagom.reconcile``) and searches the calibrated model in a thread of its own;
+               issued (``lagom.model.reconcile``) and searches the calibrated model in a thread of its own;
                the ranks adopt its plan at the first agreed step after it is ready.
   every step   the recorder's calls of the step go to the online tuner while it measures, then to
                the measured totals and the drift monitor. A tuned plan is adopted on every rank at
@@ -42,11 +42,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from lagom.calls import CallRecord, KeyIndex
-from lagom.capability import Capability
 from lagom.errors import ConfigError
 from lagom.hardware import Hardware
-from lagom.plan import Plan
+from lagom.plan.capability import Capability
+from lagom.plan.plan import Plan
 from lagom.runtime.apply.control import Control
 from lagom.runtime.apply.runtime import job_world_size, open_runtime, runtime_capability
 from lagom.runtime.apply.step_clock import KEEP, StepClock
@@ -67,8 +66,9 @@ from lagom.runtime.online.state import (
 )
 from lagom.runtime.online.tuner import OnlineTuner, SearchThread, describe_changes
 from lagom.runtime.online.tuner import refit as online_refit
+from lagom.step.calls import CallRecord, KeyIndex
+from lagom.step.workload import Workload
 from lagom.tune import running_workload
-from lagom.workload import Workload
 
 log = logging.getLogger("lagom.session")
 CALIBRATION_STEPS = 5  # online: steps measured under the start plan before the model is fitted to them
@@ -130,7 +130,7 @@ class TuningSession(StartPlanning, LiveSwitching):
         self._first_steps: set[int] = set()  # steps that pay one-time costs of a new algorithm: never judged
         self._unagreed: StartPlan | None = None  # this rank's own start plan, before rank 0's is agreed
         self.searching = False  # online: rank 0 searches the calibrated model beside the job's steps
-        self.reconciled: dict[str, Any] = {}  # the model's keys against the measured calls (``lagom.reconcile``)
+        self.reconciled: dict[str, Any] = {}  # the model's keys against the measured calls (``lagom.model.reconcile``)
         self._search: SearchThread | None = None  # rank 0's
         self.trials: list[Trial] = []
         self.live_summary: dict[str, Any] = {}
@@ -195,7 +195,7 @@ class TuningSession(StartPlanning, LiveSwitching):
         """Online mode with the tuner plugin: the most channels the live search may give a call (communicators
         are made with room for it). Without the plugin, channels cannot change live: the plan's range stays."""
         from lagom import nccl_tuner
-        from lagom.comm_config import channel_choices
+        from lagom.plan.comm_config import channel_choices
 
         if self.options.mode != "online" or nccl_tuner.path() is None or self.hw is None:
             return None

@@ -10,9 +10,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lagom import emit
 from lagom.errors import ConfigError, LagomError
-from lagom.plan import Plan
+from lagom.plan import emit
+from lagom.plan.plan import Plan
 from lagom.runtime.apply.runtime import open_runtime, registration_message, runtime_capability
 from lagom.runtime.online import report
 from lagom.runtime.online.monitor import Monitor

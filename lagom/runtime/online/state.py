@@ -12,12 +12,12 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lagom.calls import CallRecord
-from lagom.capability import Capability
 from lagom.flash_overlap import FlashOverlapConfig
-from lagom.plan import Plan, PlanEntry
+from lagom.plan.capability import Capability
+from lagom.plan.plan import Plan, PlanEntry
 from lagom.runtime.apply.control import DEFAULT_TIMEOUT_S
 from lagom.runtime.online.live import DEFAULT_BUDGET_S
+from lagom.step.calls import CallRecord
 
 
 @dataclass(frozen=True)
@@ -146,7 +146,7 @@ def rank() -> int:
 def buffsize_in_force() -> int:
     """The NCCL_BUFFSIZE this process's NCCL read (once, at its first communicator): the environment's, else
     NCCL's default."""
-    from lagom.capability import DEFAULT_BUFFSIZE
+    from lagom.plan.capability import DEFAULT_BUFFSIZE
 
     value = os.environ.get("NCCL_BUFFSIZE", "")
     return int(value) if value.isdigit() and int(value) > 0 else DEFAULT_BUFFSIZE

@@ -23,21 +23,21 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lagom.calls import SIZE_TOLERANCE, CallRecord, KeyIndex
-from lagom.capability import Capability, capability_for
-from lagom.comm_config import PROCESS_FIELDS, CommConfig, Transport
 from lagom.errors import ConfigError, LagomError
 from lagom.hardware import Hardware, load_hardware
 from lagom.model.calibrated import CalibratedModel
-from lagom.plan import Plan
-from lagom.reconcile import reconcile
+from lagom.model.reconcile import reconcile
+from lagom.model.simulator import Configs, Simulator, StepResult
+from lagom.plan.capability import Capability, capability_for
+from lagom.plan.comm_config import PROCESS_FIELDS, CommConfig, Transport
+from lagom.plan.plan import Plan
 from lagom.runtime.apply import runtime
 from lagom.runtime.apply.control import Control
 from lagom.search import STRATEGIES, Problem, SearchResult, run_strategy
 from lagom.search.base import SimulatedEvaluator, nccl_configs
-from lagom.simulator import Configs, Simulator, StepResult
+from lagom.step.calls import SIZE_TOLERANCE, CallRecord, KeyIndex
+from lagom.step.workload import Workload, load_workload, validate
 from lagom.tune import Tuned, plan_from, problem_for
-from lagom.workload import Workload, load_workload, validate
 
 log = logging.getLogger("lagom.online")
 
@@ -529,7 +529,7 @@ class OnlineTuner:
         return self._built[1], self._built[2]
 
     def _reconciled(self) -> tuple[Problem, Simulator]:
-        """The modelled problem made to match the measured steps (``lagom.reconcile``): calls no key matched become
+        """The modelled problem made to match the measured steps (``lagom.model.reconcile``): calls no key matched become
         keys, keys nothing called are dropped; the modelled one, unchanged, where it matches already."""
         problem, simulator = self._problem()
         measured = [(t, step) for t, step in zip(self._steps, self._step_ids) if step is not None]

@@ -23,10 +23,10 @@ from __future__ import annotations
 from collections import defaultdict
 from operator import attrgetter
 
-from lagom.cost_model import CostModel
 from lagom.errors import LagomError
-from lagom.phase_index import NONE, PhaseIndex
-from lagom.points import Collective, ComputeSegment, Phase, StepGraph
+from lagom.model.cost_model import CostModel
+from lagom.model.phase_index import NONE, PhaseIndex
+from lagom.step.points import Collective, ComputeSegment, Phase, StepGraph
 
 _SIGNATURE = attrgetter("flops", "bytes", "ctas")
 

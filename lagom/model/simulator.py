@@ -9,7 +9,7 @@ slows the GEMM under it and retuning one collective moves the windows of the res
 
 Cost. An event touches only the streams it wakes and the tasks whose neighbours changed; the next
 completion comes off a heap: O(E log E) for E tasks. Tasks are built lazily by position
-(``lagom.lowering``), never a whole phase at once.
+(``lagom.model.lowering``), never a whole phase at once.
 
 Steady state. In a periodic band (a 1F1B pipeline once it fills: every stage repeats one forward and
 one backward per micro-batch) the simulator compares the state, once per period of one stage, with the
@@ -42,12 +42,12 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from operator import attrgetter
 
-from lagom.comm_config import CommConfig, default_config
-from lagom.cost_model import CostModel, RunningComm
 from lagom.errors import LagomError
-from lagom.lowering import COMPUTE, END, Lowering, Shape, split_of
-from lagom.phase_index import SLOT, PhaseIndex
-from lagom.points import Collective, ComputeSegment, StepGraph
+from lagom.model.cost_model import CostModel, RunningComm
+from lagom.model.lowering import COMPUTE, END, Lowering, Shape, split_of
+from lagom.model.phase_index import SLOT, PhaseIndex
+from lagom.plan.comm_config import CommConfig, default_config
+from lagom.step.points import Collective, ComputeSegment, StepGraph
 
 EPS = 1e-12
 DONE = 1e-9  # a task whose remaining fraction falls to this is finished

@@ -8,7 +8,7 @@ at position x" in O(1) and is built once per step graph, whatever the configs.
 It also finds the phase's periodic band: the stretch where shifting every device's compute by its
 period (one micro-batch per stage in a 1F1B pipeline, one layer on a single device) maps segments,
 collectives and every dependency between them onto identical ones. Inside the band the simulator may
-skip whole periods once it sees its state repeat (see ``lagom.simulator``).
+skip whole periods once it sees its state repeat (see ``lagom.model.simulator``).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from functools import cached_property
 from itertools import repeat
 from operator import attrgetter
 
-from lagom.comm_config import can_decompose
 from lagom.errors import LagomError
-from lagom.points import Phase, collector_paused
+from lagom.plan.comm_config import can_decompose
+from lagom.step.points import Phase, collector_paused
 
 SLOT = 1 << 32  # compute and P2P positions: segment index * SLOT + piece (pieces of one segment < SLOT)
 NONE = -1

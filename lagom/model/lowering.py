@@ -17,9 +17,9 @@ from __future__ import annotations
 from bisect import bisect_right
 from dataclasses import dataclass, field
 
-from lagom.comm_config import CommConfig, Decomposition
-from lagom.phase_index import END, NONE, SLOT, PhaseIndex
-from lagom.points import Collective
+from lagom.model.phase_index import END, NONE, SLOT, PhaseIndex
+from lagom.plan.comm_config import CommConfig, Decomposition
+from lagom.step.points import Collective
 
 COMPUTE, P2P, STREAM = 0, 1, 2  # kinds of task queue
 

@@ -7,7 +7,9 @@ from enum import StrEnum
 from itertools import product
 from typing import Any
 
-from lagom.capability import (
+from lagom.errors import ConfigError
+from lagom.hardware import Hardware
+from lagom.plan.capability import (
     DEFAULT_BUFFSIZE,
     PROTOCOL_GRAIN,
     Capability,
@@ -16,9 +18,7 @@ from lagom.capability import (
     capability_for,
     channel_cap,
 )
-from lagom.errors import ConfigError
-from lagom.hardware import Hardware
-from lagom.points import Collective, Group, OverlapPoint
+from lagom.step.points import Collective, Group, OverlapPoint
 
 TUNER_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")  # what NCCL asks a tuner about, of Lagom's
 SMALL_CHUNK_STEPS = 2  # halvings offered below a protocol's largest chunk when every chunk of the space exceeds it
@@ -177,7 +177,7 @@ def is_intra_node(point: OverlapPoint) -> bool:
     return point.group.nodes == 1
 
 
-def _capability(space: SearchSpace, hw: Hardware) -> Capability:
+def space_capability(space: SearchSpace, hw: Hardware) -> Capability:
     return space.capability if space.capability is not None else capability_for(hw)
 
 
@@ -192,7 +192,7 @@ def transports_for(point: OverlapPoint, hw: Hardware, space: SearchSpace = Searc
 def subspaces(point: OverlapPoint, hw: Hardware,
               space: SearchSpace = SearchSpace()) -> list[tuple[Algorithm, Protocol, Transport]]:
     """(algorithm, protocol, transport) combinations NCCL would offer for this point."""
-    cap = _capability(space, hw)
+    cap = space_capability(space, hw)
     algos = [Algorithm.RING]
     if point.collective == Collective.ALL_REDUCE and point.group.nodes >= hw.nccl.tree_min_nodes:
         algos.append(Algorithm.TREE)
@@ -230,7 +230,7 @@ def planned_chunk(cfg: CommConfig, collective: str, group: Group, hw: Hardware,
                   space: SearchSpace = SearchSpace()) -> int:
     """The chunk a plan keeps for ``cfg``: the one NCCL runs, within ``plan_buffsize`` (per process the
     process's own chunk, which sizes NCCL_BUFFSIZE: ``run_chunk`` turns it into each call's)."""
-    cap = _capability(space, hw)
+    cap = space_capability(space, hw)
     if cap.scope("chunk") == Scope.PER_PROCESS:
         return cfg.chunk_bytes
     return run_chunk(cfg, collective, group, hw, replace(cap, buffsize=plan_buffsize(space, cap)))
@@ -241,7 +241,7 @@ def chunk_choices(point: OverlapPoint, algorithm: Algorithm, protocol: Protocol,
     """The distinct chunks NCCL runs for the space's chunks on this point (no two that collapse to one),
     and where every chunk of the space exceeds the protocol's largest (LL's 32 KiB), its halvings too."""
     cfg = CommConfig(algorithm, protocol)
-    cfg = replace(cfg, by_tuner=tuner_sets_channels(point, cfg, _capability(space, hw)))
+    cfg = replace(cfg, by_tuner=tuner_sets_channels(point, cfg, space_capability(space, hw)))
     runs = {planned_chunk(replace(cfg, chunk_bytes=c), point.collective, point.group, hw, space) for c in space.chunks}
     if cfg.by_tuner and len(space.chunks) > 1 and len(runs) == 1 and max(runs) < min(space.chunks):
         grain, ceiling = PROTOCOL_GRAIN[str(protocol)], max(runs)
@@ -266,32 +266,6 @@ def default_config(hw: Hardware) -> CommConfig:
     return CommConfig(channels=n.default_channels, threads=n.default_threads, chunk_bytes=n.default_chunk_bytes)
 
 
-def nccl_choice(point: OverlapPoint, hw: Hardware, base: CommConfig, model: Any = None) -> CommConfig:
-    """``base`` with the algorithm and protocol NCCL's own tuning picks for this point (by the cost model);
-    NVLS on NCCL's own NVLS CTAs."""
-    from lagom.cost_model import CostModel  # the model imports this module
-
-    model = model if model is not None else CostModel(hw)
-    options = {(a, pr): replace(base, algorithm=a, protocol=pr,
-                                channels=hw.nccl.nvls_channels if a == Algorithm.NVLS else base.channels)
-               for a, pr, _ in subspaces(point, hw, replace(SearchSpace(), transports=(str(base.transport),)))}
-    return min(options.values(), key=lambda c: model.comm_time(point.collective, point.group, point.bytes, c))
-
-
-def settable_subspaces(point: OverlapPoint, hw: Hardware,
-                       space: SearchSpace = SearchSpace()) -> list[tuple[Algorithm, Protocol, Transport]]:
-    """The subspaces a plan can choose between: all of them with the tuner plugin; without it, per
-    transport, the algorithm and protocol NCCL picks itself."""
-    if _capability(space, hw).per_size:
-        return subspaces(point, hw, space)
-    return list(dict.fromkeys((*nccl_pick(point, hw, transport), transport) for transport in transports_for(point, hw, space)))
-
-
-def nccl_pick(point: OverlapPoint, hw: Hardware, transport: Transport) -> tuple[Algorithm, Protocol]:
-    """The algorithm and protocol NCCL picks for a point on a transport when nothing sets them."""
-    chosen = nccl_choice(point, hw, replace(default_config(hw), transport=transport))
-    return chosen.algorithm, chosen.protocol
-
 
 def channels_for(algorithm: Algorithm, hw: Hardware, space: SearchSpace = SearchSpace()) -> list[int]:
     """Channel counts a config of this algorithm can have: NVLS takes the communicator's NVLS CTAs, or
@@ -301,38 +275,6 @@ def channels_for(algorithm: Algorithm, hw: Hardware, space: SearchSpace = Search
         return [c for c in dict.fromkeys((*space.nvls_ctas, hw.nccl.nvls_channels)) if c <= most]
     return channel_choices(hw, space)
 
-
-def candidates(point: OverlapPoint, hw: Hardware, space: SearchSpace = SearchSpace()) -> list[CommConfig]:
-    """Every setting of the space for one point that the space's capability can apply.
-
-    Without the tuner plugin NCCL picks algorithm and protocol itself (``nccl_choice``); an NVLS
-    config's channels are the communicator's NVLS CTAs; the ZERO CTA policy runs the collective on
-    copy engines, so it has no channels to choose; Flash-Overlap decompositions are per point.
-    """
-    cap = _capability(space, hw)
-    combos = settable_subspaces(point, hw, space)
-    policies = [CTAPolicy(p) for p in space.cta_policies if p != CTAPolicy.ZERO]
-    out = []
-    for algo, proto, transport in combos:
-        tuned = tuner_sets_channels(point, CommConfig(algo, proto), cap)
-        out += [CommConfig(algo, proto, transport, nc, nt, chunk, prio, cta_policy=policy, by_tuner=tuned)
-                for nc, nt, chunk, prio, policy in product(channels_for(algo, hw, space), space.threads,
-                                                           chunk_choices(point, algo, proto, hw, space),
-                                                           space.priorities, policies)]
-    base = default_config(hw)
-    # copy engines and P2P steps ask NCCL for no chunk: one value (the process's where it is per process)
-    inert_chunk = space.chunks[0] if cap.scope("chunk") == Scope.PER_PROCESS else base.chunk_bytes
-    if CTAPolicy.ZERO in space.cta_policies and cap.zero_applies(point.collective, point.group.nodes, point.group.name):
-        algo, proto, _ = combos[0]
-        out += [replace(base, algorithm=algo, protocol=proto, transport=transport, threads=nt, chunk_bytes=inert_chunk,
-                        priority=prio, cta_policy=CTAPolicy.ZERO)
-                for transport, nt, prio in product(transports_for(point, hw, space), space.threads, space.priorities)]
-    if can_decompose(point):
-        out += [replace(base, decomposition=Decomposition.P2P, num_chunks=k, channels=nc, priority=prio, threads=nt,
-                        chunk_bytes=inert_chunk, transport=transport)
-                for k in space.splits for nc in channel_choices(hw, space) for prio in space.priorities
-                for nt in space.threads for transport in transports_for(point, hw, space)]
-    return out
 
 
 # -- what one value per process or per communicator means for each key ---------------------------------
@@ -346,18 +288,6 @@ def with_process(cfg: CommConfig, point: OverlapPoint, hw: Hardware, process: Pr
         values["transport"] = transports_for(point, hw, replace(SearchSpace(), transports=(process.transport,)))[0]
     return replace(cfg, **values)
 
-
-def under_process(cfg: CommConfig, point: OverlapPoint, hw: Hardware, process: ProcessSettings,
-                  cap: Capability) -> CommConfig:
-    """``cfg`` as it runs under the process's values: ``with_process``, and where no tuner sets the
-    algorithm and protocol, the ones NCCL picks on the transport the process gives the point."""
-    out = with_process(cfg, point, hw, process, cap.process_fields())
-    if cap.per_size or out.decomposition == Decomposition.P2P or out.transport == cfg.transport:
-        return out
-    algorithm, protocol = nccl_pick(point, hw, out.transport)
-    if (algorithm == Algorithm.NVLS) != (out.algorithm == Algorithm.NVLS):  # NVLS CTAs are not channels: NCCL's own
-        out = replace(out, channels=hw.nccl.nvls_channels if algorithm == Algorithm.NVLS else hw.nccl.default_channels)
-    return replace(out, algorithm=algorithm, protocol=protocol)
 
 
 COMMUNICATOR_KNOBS = ("cta_policy", "channels", "nvls_ctas", "priority")  # in the order they are settled

@@ -22,7 +22,7 @@ ARCHITECTURES = ("gpt", "bert", "t5", "moe")
 FRAMEWORKS = ("megatron", "deepspeed")
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
-# The step graph (lagom.points) holds every compute segment and collective of one step, about 300 bytes
+# The step graph (lagom.step.points) holds every compute segment and collective of one step, about 300 bytes
 # each; building 4M of them takes about a minute and 1.2 GB. A Llama-70B-like job on 1,024 GPUs (80
 # layers, pp 8, 256 micro-batches) is estimated at 0.67M and builds 0.58M.
 MAX_STEP_GRAPH_ITEMS = 4_000_000
@@ -164,7 +164,7 @@ def load_workload(source: str | Path) -> Workload:
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", None) or "workload"
         first = str(err).splitlines()[0]
-        raise ConfigError(f"{path.name}: {key}", first, "see the schema in lagom/workload.py") from None
+        raise ConfigError(f"{path.name}: {key}", first, "see the schema in lagom/step/workload.py") from None
     validate(wl)
     return wl
 
@@ -268,7 +268,7 @@ def _parameter_tensors(wl: Workload) -> int:
 
 
 def step_graph_size(wl: Workload) -> tuple[int, str]:
-    """An upper estimate of the segments and collectives ``lagom.points.points_for`` builds for one step,
+    """An upper estimate of the segments and collectives ``lagom.step.points.points_for`` builds for one step,
     and the workload key that drives most of it. Counted from the layout, without building anything."""
     m, p = wl.model, wl.parallel
     per_micro_batch = (m.layers + m.decoder_layers) * (LAYER_ITEMS + CP_ITEMS_PER_RANK * p.cp) + MICRO_BATCH_ITEMS

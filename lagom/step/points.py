@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import partial
 
-from lagom.calls import TuningKey
 from lagom.hardware import Hardware
-from lagom.workload import DTYPE_BYTES, Workload
+from lagom.step.calls import TuningKey
+from lagom.step.workload import DTYPE_BYTES, Workload
 
 
 class Collective(StrEnum):
@@ -28,7 +28,7 @@ class Collective(StrEnum):
     ALL_GATHER = "all_gather"
     ALL_TO_ALL = "all_to_all"
     SEND_RECV = "send_recv"
-    BROADCAST = "broadcast"  # no modelled point issues one; measured ones become points (lagom.reconcile)
+    BROADCAST = "broadcast"  # no modelled point issues one; measured ones become points (lagom.model.reconcile)
 
 
 @dataclass(frozen=True)

@@ -19,11 +19,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from lagom.comm_config import CommConfig
-from lagom.cost_model import CostModel, RunningComm
 from lagom.errors import ConfigError
 from lagom.hardware import Hardware
-from lagom.points import Collective, ComputeSegment, Group
+from lagom.model.cost_model import CostModel, RunningComm
+from lagom.plan.comm_config import CommConfig
+from lagom.step.points import Collective, ComputeSegment, Group
 
 BF16 = 2  # bytes per element of the kernels a sample describes by shape
 HELD_OUT_EVERY = 3  # one sample in three (by a hash of its id) is held out of the fit
@@ -158,7 +158,8 @@ PERSISTENT = Constant("gpu", "persistent_gemm", 0.0, 1.0)  # tried both ways
 
 def with_constants(hw: Hardware, values: dict[str, float]) -> Hardware:
     """``hw`` with the named constants (``CONSTANTS`` keys, and ``persistent_gemm``) replaced."""
-    contention = replace(hw.contention, **{c.key: values[c.key] for c in CONSTANTS if c.key in values})
+    changed: dict[str, Any] = {c.key: values[c.key] for c in CONSTANTS if c.key in values}
+    contention = replace(hw.contention, **changed)
     gpu = replace(hw.gpu, persistent_gemm=bool(values[PERSISTENT.key])) if PERSISTENT.key in values else hw.gpu
     return replace(hw, contention=contention, gpu=gpu)
 
@@ -223,8 +224,10 @@ def _descend(base: Hardware, samples: list[ContentionSample], start: dict[str, f
     values = dict(start)
     for _ in range(SWEEPS):
         for c in CONSTANTS:
-            values[c.key] = best_on(lambda v, key=c.key: _loss(with_constants(base, {**values, key: v}), samples),
-                                     c.low, c.high, values[c.key])
+            def along(v: float, key: str = c.key) -> float:
+                return _loss(with_constants(base, {**values, key: v}), samples)
+
+            values[c.key] = best_on(along, c.low, c.high, values[c.key])
 
     from scipy.optimize import minimize  # only a fit needs it: `lagom validate` reads samples without it
 

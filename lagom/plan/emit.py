@@ -12,13 +12,13 @@ from typing import Any
 import yaml
 
 from lagom import nccl_tuner
-from lagom.calls import SIZE_TOLERANCE  # a tuner row covers the sizes the runtime matches to its key
-from lagom.capability import DEFAULT_BUFFSIZE, Scope, buffsize_for
-from lagom.comm_config import Algorithm, CTAPolicy
 from lagom.errors import ConfigError
 from lagom.hardware import Hardware
 from lagom.nccl_tuner import RULES_FILE_ENV
-from lagom.plan import Plan, PlanEntry
+from lagom.plan.capability import DEFAULT_BUFFSIZE, Scope, buffsize_for
+from lagom.plan.comm_config import Algorithm, CTAPolicy
+from lagom.plan.plan import Plan, PlanEntry
+from lagom.step.calls import SIZE_TOLERANCE  # a tuner row covers the sizes the runtime matches to its key
 
 TUNER_COLL = {"all_reduce": "allreduce", "all_gather": "allgather", "reduce_scatter": "reducescatter"}
 TUNER_COLUMNS = "coll,min_bytes,max_bytes,algo,proto,channels,nNodes,nRanks,numPipeOps,regBuff"
@@ -190,7 +190,7 @@ class _TunerRule:
 def _tuner_rules_for(entries: list[PlanEntry], plan: Plan) -> tuple[list[_TunerRule], list[str]]:
     """Non-overlapping rules for one (ranks, nodes, collective), and a note per conflict resolved.
 
-    Each size gets the byte range ``lagom.calls.KeyIndex`` matches to it; where two ranges overlap they
+    Each size gets the byte range ``lagom.step.calls.KeyIndex`` matches to it; where two ranges overlap they
     are cut where a call is equally near both sizes (KeyIndex takes the nearest). Equal sizes from
     communicators the plugin cannot tell apart keep the settings of the one with more communication time.
     """

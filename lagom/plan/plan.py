@@ -3,7 +3,7 @@
 A plan is made for one workload on one machine; loading it for another world size, workload or
 hardware profile is an error that says which, so a stale plan never runs silently.
 
-It is also made under one capability (``lagom.capability``): the record is kept in the plan, the
+It is also made under one capability (``lagom.plan.capability``): the record is kept in the plan, the
 per-process knobs are held once in ``process`` (never per entry), and ``needs`` says what a
 process with less capability lacks to run it.
 """
@@ -16,12 +16,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lagom.calls import KeyIndex, TuningKey
-from lagom.capability import Capability, Scope
-from lagom.comm_config import TUNER_COLLECTIVES, Algorithm, CommConfig, CTAPolicy, Transport
 from lagom.errors import ConfigError
 from lagom.hardware import Hardware
-from lagom.workload import Workload
+from lagom.plan.capability import Capability, Scope
+from lagom.plan.comm_config import TUNER_COLLECTIVES, Algorithm, CommConfig, CTAPolicy, Transport
+from lagom.step.calls import KeyIndex, TuningKey
+from lagom.step.workload import Workload
 
 PLAN_VERSION = 2
 
@@ -137,7 +137,7 @@ class Plan:
         return out
 
     def lookup(self, group: str, collective: str, nbytes: int) -> PlanEntry | None:
-        """The entry for a call seen at run time, by the one matching rule of ``lagom.calls.KeyIndex``."""
+        """The entry for a call seen at run time, by the one matching rule of ``lagom.step.calls.KeyIndex``."""
         if self._index is None:
             self._index = KeyIndex(e.key for e in self.entries)
         key = self._index.match(TuningKey(group, collective, int(nbytes)))

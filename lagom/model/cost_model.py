@@ -20,11 +20,11 @@ import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from lagom.capability import Capability, channel_cap
-from lagom.comm_config import Algorithm, CommConfig, CTAPolicy, run_chunk
 from lagom.errors import ConfigError
 from lagom.hardware import Hardware, Protocol
-from lagom.points import Collective, ComputeSegment, Group
+from lagom.plan.capability import Capability, channel_cap
+from lagom.plan.comm_config import Algorithm, CommConfig, CTAPolicy, run_chunk
+from lagom.step.points import Collective, ComputeSegment, Group
 
 GB = 1e9
 US = 1e-6
