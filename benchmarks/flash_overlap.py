@@ -42,7 +42,7 @@ from lagom.hardware import load_hardware
 from lagom.model.cost_model import CostModel
 from lagom.model.simulator import simulate
 from lagom.plan.comm_config import CommConfig
-from lagom.step.points import Collective, ComputeSegment, Group, OverlapPoint, Phase, StepGraph
+from lagom.step.graph import Collective, ComputeSegment, Group, OverlapPoint, Phase, StepGraph
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,10 @@ from typing import Any
 
 from lagom.config_file import read_mapping
 from lagom.errors import ConfigError
+from lagom.fidelity import COMM_KINDS, FidelityPoint, load_suite
 from lagom.hardware import Hardware, load_hardware
 from lagom.model.contention import best_on
-from lagom.validate import COMM_KINDS, FidelityPoint, Machines, comm_figure, load_suite
+from lagom.validate import Machines, comm_figure
 
 SWEEPS = 3  # coordinate passes over the constants
 NUDGE = 0.05  # share of a constant's range it must be pinned within to count as set by the points

@@ -46,7 +46,7 @@ from lagom.search import (  # noqa: E402
     run_strategy,
 )
 from lagom.search.exhaustive import MAX_EVALUATIONS  # noqa: E402
-from lagom.step.points import Collective, ComputeSegment, Group, OverlapPoint, Phase, StepGraph  # noqa: E402
+from lagom.step.graph import Collective, ComputeSegment, Group, OverlapPoint, Phase, StepGraph
 from lagom.step.workload import Workload, load_workload  # noqa: E402
 from lagom.tune import Progress as PlanningStatus  # noqa: E402
 from lagom.tune import ProgressCallback, Tuned, compare_strategies, problem_for  # noqa: E402

@@ -10,7 +10,7 @@ import yaml
 from lagom.hardware import load_hardware
 from lagom.plan.comm_config import SearchSpace
 from lagom.search import Problem
-from lagom.step.points import Collective, ComputeSegment, Group, OverlapPoint, Phase, StepGraph
+from lagom.step.graph import Collective, ComputeSegment, Group, OverlapPoint, Phase, StepGraph
 
 
 def write_yaml(path: Path, data: dict) -> Path:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from lagom.model.cost_model import CostModel, RunningComm
 from lagom.plan.comm_config import CommConfig, can_decompose, default_config
-from lagom.step.points import Collective, ComputeSegment, OverlapPoint, Phase, StepGraph
+from lagom.step.graph import Collective, ComputeSegment, OverlapPoint, Phase, StepGraph
 
 EPS = 1e-12
 

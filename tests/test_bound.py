@@ -11,7 +11,7 @@ from lagom.model.bound import step_bound
 from lagom.model.cost_model import CostModel
 from lagom.plan.comm_config import SearchSpace
 from lagom.search import Problem, run_strategy
-from lagom.step.points import Collective, ComputeSegment, Group, OverlapPoint, Phase, StepGraph
+from lagom.step.graph import Collective, ComputeSegment, Group, OverlapPoint, Phase, StepGraph
 from tests.helpers import synthetic_problem
 
 HW = load_hardware("a40-2x8-nvlink")

@@ -25,7 +25,7 @@ from lagom.plan.comm_config import CommConfig
 from lagom.resources import HARDWARE_PATH_ENV
 from lagom.runtime.measure import calibrate
 from lagom.runtime.measure.contention_bench import rule_table
-from lagom.step.points import Collective
+from lagom.step.graph import Collective
 from lagom.validate import measured_results, summarize
 
 BASE = "a100-8x-100g"

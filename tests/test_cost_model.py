@@ -9,7 +9,7 @@ import pytest
 from lagom.hardware import load_hardware
 from lagom.model.cost_model import CostModel, RunningComm
 from lagom.plan.comm_config import Algorithm, CommConfig, CTAPolicy, Protocol
-from lagom.step.points import Collective, ComputeSegment, Group
+from lagom.step.graph import Collective, ComputeSegment, Group
 
 A100 = load_hardware("a100-8x-100g")
 A100X2 = load_hardware("a100-2x8-100g")

@@ -26,7 +26,8 @@ LAYERS = [  # (layer, module prefixes), lowest first; a module takes the layer o
     ("search", ("lagom.search",)),
     ("tune", ("lagom.tune",)),
     ("runtime", ("lagom.runtime", "lagom.flash_overlap", "lagom.nccl_profiler")),
-    ("top", ("lagom.cli", "lagom.__main__", "lagom.validate", "lagom.published_fit", "lagom.report", "lagom.plot",
+    ("top", ("lagom.cli", "lagom.__main__", "lagom.validate", "lagom.fidelity", "lagom.published_fit", "lagom.report",
+             "lagom.plot",
              "lagom.progress")),
 ]
 RANK = {name: i for i, (name, _) in enumerate(LAYERS)}

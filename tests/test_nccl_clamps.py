@@ -33,7 +33,7 @@ from lagom.plan.comm_config import (
     run_chunk,
 )
 from lagom.search import Problem, run_strategy
-from lagom.step.points import Collective, Group
+from lagom.step.graph import Collective, Group
 from tests.helpers import synthetic_problem
 from tests.test_nccl_tuner import PROTO, Comm, TunerV6, compiler_or_skip, cost_table, entry, make_plan, nccl_choice
 

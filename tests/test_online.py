@@ -21,7 +21,7 @@ from lagom.plan.plan import Plan
 from lagom.runtime.online.tuner import OnlineTuner, calibrate, describe_changes, service_times
 from lagom.search.base import nccl_configs
 from lagom.step.calls import CallRecord
-from lagom.step.points import Collective, ComputeSegment, Group
+from lagom.step.graph import Collective, ComputeSegment, Group
 from lagom.step.workload import load_workload
 from lagom.tune import make_plan, problem_for
 from tests.distributed import run_ranks

@@ -6,7 +6,9 @@ from dataclasses import replace
 import pytest
 
 from lagom.hardware import load_hardware
-from lagom.step.points import Collective, deepspeed_buckets, make_groups, points_for, rank_params
+from lagom.step.buckets import deepspeed_buckets
+from lagom.step.graph import Collective, make_groups
+from lagom.step.points import points_for, rank_params
 from lagom.step.workload import load_workload
 from tests.helpers import gpt_workload, write_yaml
 
@@ -153,7 +155,7 @@ def test_moe_gradients_split_dense_over_dp_and_experts_over_expt_dp(tmp_path):
 
 def test_megatron_bucket_layout_rules_by_hand():
     """megatron-core 0.19's layout on four tensors (registration order), computed by hand."""
-    from lagom.step.points import Bucket, ParamTensor, megatron_buckets
+    from lagom.step.buckets import Bucket, ParamTensor, megatron_buckets
 
     tensors = [ParamTensor(100, 0, "embed"), ParamTensor(30, 1, 0), ParamTensor(70, 2, 1), ParamTensor(50, 3, 1)]
 

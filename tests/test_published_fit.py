@@ -4,9 +4,10 @@
 import pytest
 
 from lagom.errors import ConfigError
+from lagom.fidelity import Comm, load_suite
 from lagom.hardware import load_hardware
 from lagom.published_fit import fit_points, fit_preset, get_constant, set_constant
-from lagom.validate import Comm, comm_figure, load_suite
+from lagom.validate import comm_figure
 from tests.helpers import write_yaml
 
 SOURCE = {"ref": "hand-made", "url": "https://example.org/none", "where": "this test"}

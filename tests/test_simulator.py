@@ -11,7 +11,7 @@ from lagom.hardware import load_hardware
 from lagom.model.cost_model import CostModel, RunningComm
 from lagom.model.simulator import simulate
 from lagom.plan.comm_config import CommConfig, default_config
-from lagom.step.points import Collective, ComputeSegment, Group, OverlapPoint, Phase, StepGraph
+from lagom.step.graph import Collective, ComputeSegment, Group, OverlapPoint, Phase, StepGraph
 from tests.helpers import synthetic_problem
 
 HW = load_hardware("a40-2x8-nvlink")

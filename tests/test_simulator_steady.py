@@ -15,7 +15,7 @@ from lagom.model.simulator import Simulator
 from lagom.plan.comm_config import CommConfig, CTAPolicy, Decomposition, default_config
 from lagom.search import Problem
 from lagom.search.base import nccl_configs
-from lagom.step.points import Collective, ComputeSegment, Group, OverlapPoint, Phase, StepGraph
+from lagom.step.graph import Collective, ComputeSegment, Group, OverlapPoint, Phase, StepGraph
 from lagom.step.workload import load_workload
 from lagom.tune import problem_for
 from tests.reference_simulator import reference_simulate

@@ -10,18 +10,18 @@ from dataclasses import replace
 import pytest
 
 from lagom.errors import ConfigError
+from lagom.fidelity import load_suite
 from lagom.hardware import load_hardware
 from lagom.model.contention import KernelShape
 from lagom.model.cost_model import CostModel, RunningComm
 from lagom.model.simulator import simulate
 from lagom.model.windows import Window, estimate
 from lagom.plan.comm_config import CommConfig
-from lagom.step.points import Collective, Group, OverlapPoint
+from lagom.step.graph import Collective, Group, OverlapPoint
 from lagom.validate import (
     Evaluator,
     add_parser,
     bus_factor,
-    load_suite,
     relative_error,
     report,
     run,

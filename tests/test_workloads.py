@@ -8,7 +8,7 @@ import pytest
 
 from lagom.errors import ConfigError
 from lagom.hardware import load_hardware
-from lagom.step.points import Collective
+from lagom.step.graph import Collective
 from lagom.step.workload import load_workload, workload_names
 from lagom.tune import problem_for
 from lagom_experiments.reproduce import load_published

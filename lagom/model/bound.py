@@ -26,7 +26,7 @@ from operator import attrgetter
 from lagom.errors import LagomError
 from lagom.model.cost_model import CostModel
 from lagom.model.phase_index import NONE, PhaseIndex
-from lagom.step.points import Collective, ComputeSegment, Phase, StepGraph
+from lagom.step.graph import Collective, ComputeSegment, Phase, StepGraph
 
 _SIGNATURE = attrgetter("flops", "bytes", "ctas")
 

@@ -10,7 +10,7 @@ from lagom.model.cost_model import CostModel, RunningComm
 from lagom.plan.capability import Capability
 from lagom.plan.comm_config import CommConfig
 from lagom.step.calls import TuningKey
-from lagom.step.points import Collective, ComputeSegment, Group
+from lagom.step.graph import Collective, ComputeSegment, Group
 
 
 class CalibratedModel(CostModel):

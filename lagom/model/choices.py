@@ -32,7 +32,7 @@ from lagom.plan.comm_config import (
     tuner_sets_channels,
     with_process,
 )
-from lagom.step.points import OverlapPoint
+from lagom.step.graph import OverlapPoint
 
 
 def nccl_choice(point: OverlapPoint, hw: Hardware, base: CommConfig, model: Any = None) -> CommConfig:

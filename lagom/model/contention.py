@@ -23,7 +23,7 @@ from lagom.errors import ConfigError
 from lagom.hardware import Hardware
 from lagom.model.cost_model import CostModel, RunningComm
 from lagom.plan.comm_config import CommConfig
-from lagom.step.points import Collective, ComputeSegment, Group
+from lagom.step.graph import Collective, ComputeSegment, Group
 
 BF16 = 2  # bytes per element of the kernels a sample describes by shape
 HELD_OUT_EVERY = 3  # one sample in three (by a hash of its id) is held out of the fit

@@ -24,7 +24,7 @@ from lagom.errors import ConfigError
 from lagom.hardware import Hardware, Protocol
 from lagom.plan.capability import Capability, channel_cap
 from lagom.plan.comm_config import Algorithm, CommConfig, CTAPolicy, run_chunk
-from lagom.step.points import Collective, ComputeSegment, Group
+from lagom.step.graph import Collective, ComputeSegment, Group
 
 GB = 1e9
 US = 1e-6

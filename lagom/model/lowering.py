@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from lagom.model.phase_index import END, NONE, SLOT, PhaseIndex
 from lagom.plan.comm_config import CommConfig, Decomposition
-from lagom.step.points import Collective
+from lagom.step.graph import Collective
 
 COMPUTE, P2P, STREAM = 0, 1, 2  # kinds of task queue
 

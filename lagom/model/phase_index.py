@@ -22,7 +22,8 @@ from operator import attrgetter
 
 from lagom.errors import LagomError
 from lagom.plan.comm_config import can_decompose
-from lagom.step.points import Phase, collector_paused
+from lagom.step.graph import Phase
+from lagom.step.points import collector_paused
 
 SLOT = 1 << 32  # compute and P2P positions: segment index * SLOT + piece (pieces of one segment < SLOT)
 NONE = -1

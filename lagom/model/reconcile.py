@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from lagom.hardware import Hardware
 from lagom.model.cost_model import CostModel
 from lagom.step.calls import SIZE_TOLERANCE, CallRecord, KeyIndex
-from lagom.step.points import Collective, Group, OverlapPoint, Phase, StepGraph, group_span
+from lagom.step.graph import Collective, Group, OverlapPoint, Phase, StepGraph, group_span
 
 COLLECTIVES = {c.value: c for c in Collective}
 RECEIVE = "recv"  # the receiving half of a send/recv: the same transfer as its sender's send_recv key

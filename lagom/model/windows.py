@@ -12,7 +12,7 @@ from operator import attrgetter
 
 from lagom.model.cost_model import CostModel, RunningComm
 from lagom.plan.comm_config import CommConfig, can_decompose
-from lagom.step.points import Collective, ComputeSegment, OverlapPoint, StepGraph
+from lagom.step.graph import Collective, ComputeSegment, OverlapPoint, StepGraph
 
 SEGMENT_SIGNATURE = attrgetter("flops", "bytes", "ctas")  # compute segments that cost alike
 

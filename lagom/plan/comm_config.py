@@ -18,7 +18,7 @@ from lagom.plan.capability import (
     capability_for,
     channel_cap,
 )
-from lagom.step.points import Collective, Group, OverlapPoint
+from lagom.step.graph import Collective, Group, OverlapPoint
 
 TUNER_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")  # what NCCL asks a tuner about, of Lagom's
 SMALL_CHUNK_STEPS = 2  # halvings offered below a protocol's largest chunk when every chunk of the space exceeds it

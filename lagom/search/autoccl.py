@@ -15,7 +15,7 @@ from dataclasses import replace
 from lagom.model.choices import settable_subspaces
 from lagom.plan.comm_config import CommConfig, channels_for, chunk_choices, default_config, tuner_sets_channels
 from lagom.search.base import Evaluator, Problem, SearchResult
-from lagom.step.points import OverlapPoint
+from lagom.step.graph import OverlapPoint
 
 PRUNE_MARGIN = 0.2  # drop subspaces whose starting point is >20% slower than the best start
 

@@ -25,7 +25,7 @@ from lagom.plan.comm_config import (
     with_communicator_value,
     with_process,
 )
-from lagom.step.points import OverlapPoint, StepGraph
+from lagom.step.graph import OverlapPoint, StepGraph
 
 
 @dataclass

@@ -36,7 +36,7 @@ from lagom.search.base import (
     settle_communicators,
     step_time,
 )
-from lagom.step.points import OverlapPoint
+from lagom.step.graph import OverlapPoint
 
 Strategy = Callable[[Problem, Evaluator], SearchResult]
 

@@ -40,7 +40,7 @@ from lagom.model.windows import (
 )
 from lagom.plan.comm_config import CommConfig, channel_choices, with_communicator_value
 from lagom.search.base import Evaluator, Problem, SearchResult, nccl_configs
-from lagom.step.points import ComputeSegment
+from lagom.step.graph import ComputeSegment
 
 CHECKED_PER_KEY = 4  # candidates per collective confirmed with the evaluator
 WINDOW_CHECKS = 2  # extra checks for a comm-bound collective, from the window ranking

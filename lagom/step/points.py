@@ -5,6 +5,10 @@ A phase holds, per device (one representative GPU per pipeline stage), the compu
 compute-stream order, and the overlap points: collectives that are released when one segment ends
 (``after``) and that another segment waits for (``before``; ``None`` means the end of the phase).
 Whatever runs between the two is the compute the collective can hide under.
+
+The graph's data types are ``lagom.step.graph``'s and the frameworks' bucket rules ``lagom.step.buckets``'; what
+is left here (about 680 lines) is one builder: the layers' arithmetic, the micro-batch and pipeline schedules and
+where each framework's collectives fall all write into the same per-device streams, so they stay together.
 """
 
 from __future__ import annotations
@@ -13,129 +17,17 @@ import gc
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
-from enum import StrEnum
+from dataclasses import dataclass
 from functools import partial
 
 from lagom.hardware import Hardware
-from lagom.step.calls import TuningKey
+from lagom.step.buckets import Bucket, ParamTensor, deepspeed_buckets, megatron_buckets
+from lagom.step.graph import Collective, ComputeSegment, Group, OverlapPoint, Phase, StepGraph, make_groups
 from lagom.step.workload import DTYPE_BYTES, Workload
-
-
-class Collective(StrEnum):
-    ALL_REDUCE = "all_reduce"
-    REDUCE_SCATTER = "reduce_scatter"
-    ALL_GATHER = "all_gather"
-    ALL_TO_ALL = "all_to_all"
-    SEND_RECV = "send_recv"
-    BROADCAST = "broadcast"  # no modelled point issues one; measured ones become points (lagom.model.reconcile)
-
-
-@dataclass(frozen=True)
-class Group:
-    """A process group as the cost model sees it: its name (megatron's: dp, tp, pp, ...) and span."""
-
-    name: str
-    size: int
-    ranks_per_node: int
-    nodes: int
-
-
-@dataclass(slots=True)
-class ComputeSegment:
-    """A group of kernels between two communication events on one device's compute stream."""
-
-    name: str
-    flops: float
-    bytes: float  # HBM traffic
-    ctas: int  # CTAs of the dominant kernel: what wave quantisation works on
-    device: int = 0
-
-
-@dataclass(slots=True)
-class OverlapPoint:
-    """One collective call of the step.
-
-    ``bytes`` is the whole buffer: the gathered output of an all-gather, the unreduced input of a
-    reduce-scatter, what one rank sends in total for all-to-all and send/recv.
-    """
-
-    name: str
-    collective: Collective
-    group: Group
-    bytes: int
-    after: str | None  # segment whose end releases it; None: the phase start
-    before: str | None  # segment that waits for it; None: the phase end
-    device: int = 0
-    peer_device: int | None = None  # send/recv: the receiving stage
-    fuse_with: str | None = None  # segment a P2P decomposition may split and fuse (Flash-Overlap)
-    phase: str = ""
-
-    @property
-    def key(self) -> str:
-        """Tuning key: the finest unit stock NCCL can configure (communicator, collective, size)."""
-        return str(TuningKey(self.group.name, self.collective.value, self.bytes))
-
-
-@dataclass
-class Phase:
-    name: str
-    repeat: int
-    segments: dict[int, list[ComputeSegment]]  # device -> compute-stream order
-    points: list[OverlapPoint]
-
-
-@dataclass
-class StepGraph:
-    workload: str
-    hardware: str
-    devices: int
-    phases: list[Phase]
-    groups: dict[str, Group] = field(default_factory=dict)
-
-    @property
-    def points(self) -> list[OverlapPoint]:
-        return [p for ph in self.phases for p in ph.points]
-
-    def keys(self) -> dict[str, list[OverlapPoint]]:
-        """Points grouped by tuning key, in first-seen order."""
-        out: dict[str, list[OverlapPoint]] = {}
-        named: dict[tuple[str, Collective, int], list[OverlapPoint]] = {}  # the key's parts: no string per point
-        for p in self.points:
-            what = (p.group.name, p.collective, p.bytes)
-            found = named.get(what)
-            if found is None:
-                found = named[what] = out.setdefault(p.key, [])
-            found.append(p)
-        return out
-
 
 # ---------------------------------------------------------------------------------------------
 # Process groups
 
-
-def group_span(size: int, stride: int, gpus_per_node: int) -> tuple[int, int]:
-    """(ranks per node, nodes) of a group whose ranks are ``stride`` apart in the global order."""
-    if size <= 1:
-        return 1, 1
-    per_node = 1 if stride >= gpus_per_node else max(1, min(size, gpus_per_node // stride))
-    return per_node, math.ceil(size / per_node)
-
-
-def make_groups(wl: Workload, hw: Hardware) -> dict[str, Group]:
-    """Megatron's default rank order tp-cp-ep-dp-pp: tp varies fastest, pp slowest."""
-    p = wl.parallel
-    gpn = hw.cluster.gpus_per_node
-    strides = {"tp": 1, "cp": p.tp, "dp": p.tp * p.cp, "pp": p.tp * p.cp * p.dp}
-    sizes = {"tp": p.tp, "cp": p.cp, "dp": p.dp, "pp": p.pp}
-    groups = {n: Group(n, sizes[n], *group_span(sizes[n], strides[n], gpn)) for n in sizes}
-    groups["ep"] = Group("ep", p.ep, *group_span(p.ep, p.tp * p.cp, gpn))  # size 1: no all-to-all points
-    if p.cp > 1:
-        groups["dp_cp"] = Group("dp_cp", p.dp * p.cp, *group_span(p.dp * p.cp, p.tp, gpn))
-    if p.ep > 1:  # expert gradients reduce over the data-parallel ranks that hold the same experts
-        edp = p.dp * p.cp // p.ep
-        groups["expt_dp"] = Group("expt_dp", edp, *group_span(edp, p.tp * p.cp * p.ep, gpn))
-    return groups
 
 
 # ---------------------------------------------------------------------------------------------
@@ -511,25 +403,6 @@ def _dp_group(b: _StepBuilder) -> Group:
     return b.groups["dp_cp" if b.wl.parallel.cp > 1 else "dp"]
 
 
-@dataclass(frozen=True)
-class ParamTensor:
-    """One parameter tensor of a pipeline stage, as megatron-core's DDP lays it out in a gradient buffer."""
-
-    numel: int  # elements this rank holds
-    seq: int  # position in registration order (model.parameters()); backward produces gradients in reverse
-    ready: int | str  # the backward block that completes its gradient: a layer index, "head" or "embed"
-    expert: bool = False
-    shared_embedding: bool = False  # the word embedding tied to the output layer across stages: own bucket
-
-
-@dataclass(frozen=True)
-class Bucket:
-    """One gradient bucket: its elements (padding included) and the tensor that completes it."""
-
-    numel: int
-    ready: int | str
-    seq: int
-
 
 def stage_tensors(b: _StepBuilder, stage: int) -> list[ParamTensor]:
     """The parameter tensors a pipeline stage holds, in megatron-core's registration order (GPTModel):
@@ -552,43 +425,6 @@ def stage_tensors(b: _StepBuilder, stage: int) -> list[ParamTensor]:
     return [ParamTensor(math.ceil(numel), seq, ready, expert, shared)
             for seq, (numel, ready, expert, shared) in enumerate(listed)]
 
-
-def megatron_buckets(tensors: list[ParamTensor], bucket_elems: int | None, dp: int, distributed_optimizer: bool,
-                     pad_for_busbw: bool = False) -> list[Bucket]:
-    """The buckets megatron-core 0.19 DDP cuts one gradient buffer into (param_and_grad_buffer.py).
-
-    Tensors go in reverse registration order; a bucket closes once it holds ``bucket_elems`` or more
-    (None: one bucket). The distributed optimizer's layout also starts every tensor on a 64-element
-    boundary, ends every bucket on a multiple of lcm(dp, 128) (and of 2^16 with ``pad_for_busbw``) so
-    it shards evenly, and gives a shared embedding a bucket of its own.
-    """
-    divisor = math.lcm(dp, 128, 2**16) if pad_for_busbw else math.lcm(dp, 128)
-    buckets: list[Bucket] = []
-    start = position = end = 0
-    last: ParamTensor | None = None  # the latest tensor of the open bucket
-
-    def close(at: int) -> None:
-        nonlocal start, position, last
-        if distributed_optimizer:
-            at = math.ceil(at / divisor) * divisor
-        buckets.append(Bucket(at - start, last.ready, last.seq))  # type: ignore[union-attr]
-        start = position = at
-        last = None
-
-    for tensor in reversed(tensors):
-        if distributed_optimizer:
-            position = math.ceil(position / 64) * 64
-            if tensor.shared_embedding and last is not None:
-                close(position)
-        end = position + tensor.numel
-        last = tensor
-        if (bucket_elems is not None and end - start >= bucket_elems) or (distributed_optimizer and tensor.shared_embedding):
-            close(end)
-        else:
-            position = end
-    if last is not None:
-        close(end)
-    return buckets
 
 
 def _megatron_buckets(b: _StepBuilder, stage: int) -> list[tuple[Group, str, Bucket]]:
@@ -631,22 +467,6 @@ def _data_parallel(b: _StepBuilder, s: _DeviceStream, stage: int, ready: dict[in
             s.comm(f"grad.bucket{n}{'.expert' if part == 'expert' else ''}", Collective.ALL_REDUCE, group,
                    elems * b.grad_b, wait=None, after=ready[ready_at] if wl.framework.overlap_comm else s.last)
 
-
-def deepspeed_buckets(numels: list[int], bucket_elems: int) -> list[int]:
-    """The gradient buckets DeepSpeed 0.19's ZeRO cuts backward into (``reduce_independent_p_g_buckets_and_remove_grads``
-    of stage_1_and_2.py and stage3.py): gradients join the open bucket in the order they are ready; the bucket is
-    reduced first when the next gradient would not fit (an empty one never is), and the last one when backward ends.
-    Elements per bucket."""
-    out: list[int] = []
-    elems = 0
-    for n in numels:
-        if n <= 0:
-            continue
-        if elems and elems + n > bucket_elems:
-            out.append(elems)
-            elems = 0
-        elems += n
-    return out + [elems] if elems else out
 
 
 def _deepspeed_buckets(b: _StepBuilder, stage: int) -> list[tuple[int | str, dict[str, float]]]:

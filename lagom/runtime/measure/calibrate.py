@@ -44,7 +44,7 @@ from lagom.outputs import output_file
 from lagom.plan.comm_config import CommConfig
 from lagom.runtime.measure import contention_bench
 from lagom.runtime.measure.contention_bench import BenchSettings
-from lagom.step.points import Collective
+from lagom.step.graph import Collective
 from lagom.step.workload import Workload, load_workload
 
 log = logging.getLogger("lagom.calibrate")

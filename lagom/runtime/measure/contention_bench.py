@@ -37,7 +37,7 @@ from lagom.plan.capability import Capability, Scope
 from lagom.plan.comm_config import CommConfig
 from lagom.plan.emit import TUNER_COLL, TUNER_RULES_HEADER
 from lagom.step.calls import SIZE_TOLERANCE
-from lagom.step.points import Collective
+from lagom.step.graph import Collective
 
 log = logging.getLogger("lagom.calibrate")
 
