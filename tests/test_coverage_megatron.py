@@ -22,23 +22,10 @@ TUNE = 4  # calibration steps: rank 0 reconciles and searches after them
 def train(rank: int, world: int, dist_opt: bool, overlap_gather: bool, session: Any = None) -> list[torch.Tensor]:
     """SGD by hand as tests/test_megatron_ddp.py does; with ``overlap_gather`` the updated shards are gathered
     asynchronously and each module's forward waits for its bucket (megatron's forward pre-hooks)."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer import TransformerConfig
-
     from tests.test_deepspeed import searched_by_rank0
-    from tests.test_megatron_ddp import BUCKET, FFN, HEADS, HIDDEN, LAYERS, LR, SEQ, VOCAB
+    from tests.test_megatron_ddp import SEQ, VOCAB, build, sgd_step
 
-    torch.manual_seed(0)
-    config = TransformerConfig(num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=HEADS,
-                               use_cpu_initialization=True, params_dtype=torch.float32, hidden_dropout=0.0,
-                               attention_dropout=0.0)
-    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=VOCAB, max_sequence_length=SEQ,
-                     share_embeddings_and_output_weights=True)
-    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
-        overlap_grad_reduce=True, use_distributed_optimizer=dist_opt, overlap_param_gather=overlap_gather,
-        bucket_size=BUCKET), model)
+    model, ddp = build(dist_opt, overlap_gather)
     data = torch.Generator().manual_seed(100 + rank)
     positions = torch.arange(SEQ).expand(2, SEQ)
     causal = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)
@@ -49,16 +36,7 @@ def train(rank: int, world: int, dist_opt: bool, overlap_gather: bool, session: 
         ddp.zero_grad_buffer()
         ddp(torch.randint(0, VOCAB, (2, SEQ), generator=data), positions, causal).pow(2).mean().backward()
         ddp.finish_grad_sync()
-        with torch.no_grad():
-            if dist_opt:  # each rank updates its shard of every bucket, then the shards are all-gathered
-                for buffer in ddp.buffers:
-                    for bucket in buffer.buckets:
-                        n = bucket.param_data.numel() // world
-                        bucket.param_data[rank * n:(rank + 1) * n] -= LR * bucket.grad_data[rank * n:(rank + 1) * n]
-                ddp.start_param_sync()  # with overlap_param_gather: dispatched, waited for by the next forward
-            else:
-                for p in model.parameters():
-                    p -= LR * p.main_grad
+        sgd_step(model, ddp, rank, world, dist_opt, force_sync=False)
         if session is not None:
             session.step_end()
     if overlap_gather:  # the last step's gathers: no forward follows to wait for them

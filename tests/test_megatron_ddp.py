@@ -47,7 +47,7 @@ def job_args(world: int, report: Path) -> argparse.Namespace:
         lagom_tune_iters=2, lagom_report=str(report), lagom_flash_overlap=False)
 
 
-def build(dist_opt: bool):
+def build(dist_opt: bool, overlap_param_gather: bool = False):
     """GPTModel with megatron's default layout (biases, LayerNorm, learned positions, tied output layer)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
@@ -61,7 +61,7 @@ def build(dist_opt: bool):
     model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=VOCAB, max_sequence_length=SEQ,
                      share_embeddings_and_output_weights=True)
     ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=True, use_distributed_optimizer=dist_opt,
-                                               bucket_size=BUCKET)
+                                               overlap_param_gather=overlap_param_gather, bucket_size=BUCKET)
     return model, DistributedDataParallel(config, ddp_config, model)
 
 
@@ -82,20 +82,26 @@ def train(rank: int, world: int, dist_opt: bool, session=None, alive: list | Non
         tokens = torch.randint(0, VOCAB, (2, SEQ), generator=data)
         ddp(tokens, positions, causal).pow(2).mean().backward()
         ddp.finish_grad_sync()
-        with torch.no_grad():
-            if dist_opt:  # each rank updates its shard of every bucket, then the shards are all-gathered
-                for buffer in ddp.buffers:
-                    for bucket in buffer.buckets:
-                        n = bucket.param_data.numel() // world
-                        bucket.param_data[rank * n:(rank + 1) * n] -= LR * bucket.grad_data[rank * n:(rank + 1) * n]
-                ddp.start_param_sync(force_sync=True)
-            else:
-                for p in model.parameters():
-                    p -= LR * p.main_grad
+        sgd_step(model, ddp, rank, world, dist_opt, force_sync=True)
         if session:
             session.step_end()
     sizes = [[b.grad_data.numel() * b.grad_data.element_size() for b in g.buckets] for g in ddp.bucket_groups]
     return [p.detach().clone() for p in model.parameters()], sizes
+
+
+def sgd_step(model, ddp, rank: int, world: int, dist_opt: bool, force_sync: bool) -> None:
+    """SGD by hand: with the distributed optimizer each rank updates its shard of every bucket, then the shards are
+    all-gathered (``force_sync=False`` with overlap_param_gather: dispatched, waited for by the next forward)."""
+    with torch.no_grad():
+        if dist_opt:
+            for buffer in ddp.buffers:
+                for bucket in buffer.buckets:
+                    n = bucket.param_data.numel() // world
+                    bucket.param_data[rank * n:(rank + 1) * n] -= LR * bucket.grad_data[rank * n:(rank + 1) * n]
+            ddp.start_param_sync(force_sync=force_sync)
+        else:
+            for p in model.parameters():
+                p -= LR * p.main_grad
 
 
 def ddp_rank(rank: int, world: int, report: Path) -> dict:
