@@ -33,9 +33,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         plugin = build.compile_profiler(out / "plugin.so")
-        driver = out / "driver"
-        subprocess.run([*compiler, "-std=c11", "-O2", f"-I{build.PROFILER.source_dir}", str(DRIVER), "-o", str(driver),
-                        "-ldl", "-lpthread"], check=True)
+        driver = build.compile_driver(DRIVER, out / "driver", [build.PROFILER.source_dir], ["-O2"])
         for threads in (1, 4):
             done = subprocess.run([str(driver), str(plugin), str(threads), str(args.collectives // threads),
                                    str(args.channels)], capture_output=True, text=True, check=True)

@@ -31,9 +31,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         plugin = build.compile_plugin(out / "plugin.so")
-        driver = out / "driver"
-        subprocess.run([*compiler, "-std=c11", "-O2", f"-I{build.SOURCE_DIR}", str(ROOT / "tests" / "nccl_tuner_live_stress.c"),
-                        "-o", str(driver), "-ldl", "-lpthread"], check=True)
+        driver = build.compile_driver(ROOT / "tests" / "nccl_tuner_live_stress.c", out / "driver", [build.SOURCE_DIR],
+                                      ["-O2"])
         for name, text in TABLES.items():
             (out / f"{name}.lagom").write_text(text)
             (out / f"{name}.lagom").chmod(0o600)

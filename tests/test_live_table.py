@@ -124,15 +124,13 @@ def test_counters_count_nccls_calls_and_the_rules_applied_not_lagoms_lookups(tab
 
 
 def _stress(tmp_path: Path, flags: list[str], threads: int, calls: int, reloads: int) -> str:
-    compiler = compiler_or_skip()
+    compiler_or_skip()
     plugin = build.compile_plugin(tmp_path / "plugin.so", [*flags, "-g", "-Werror"])
-    driver = tmp_path / "live-stress"
     try:
-        subprocess.run([*compiler, "-std=c11", "-g", "-O1", "-Wall", "-Wextra", "-Werror", *flags,
-                        f"-I{build.SOURCE_DIR}", str(LIVE_STRESS), "-o", str(driver), "-ldl", "-lpthread"],
-                       check=True, capture_output=True)
-    except subprocess.CalledProcessError as err:
-        pytest.skip(f"this compiler cannot build with {flags}: {err.stderr.decode()[-300:]}")
+        driver = build.compile_driver(LIVE_STRESS, tmp_path / "live-stress", [build.SOURCE_DIR],
+                                      ["-g", "-O1", "-Werror", *flags])
+    except build.BuildError as err:
+        pytest.skip(f"this compiler cannot build with {flags}: {str(err)[-300:]}")
     a, b = tmp_path / "a.lagom", tmp_path / "b.lagom"
     a.write_text(TABLE_A)
     b.write_text(TABLE_B)

@@ -359,14 +359,12 @@ def test_a_steps_records_become_the_recorders_rows_on_its_clock(nccl, library) -
 @pytest.mark.parametrize("sanitizer", list(SANITIZERS))
 def test_threads_calling_as_nccl_does_lose_and_tear_nothing_under_sanitizers(tmp_path, sanitizer) -> None:
     """tests/nccl_profiler_stress.c: launcher, proxy and reader threads; v4/v5; malformed calls; a full ring."""
-    compiler = compiler_or_skip()
+    compiler_or_skip()
     flags = [*SANITIZERS[sanitizer], "-g"]
-    driver = tmp_path / "stress"
     try:
         plugin = build.compile_profiler(tmp_path / "plugin.so", [*flags, "-Werror"])
-        subprocess.run([*compiler, "-std=c11", "-Wall", "-Wextra", "-Werror", *flags, f"-I{build.PROFILER.source_dir}",
-                        str(STRESS), "-o", str(driver), "-ldl", "-lpthread"], check=True, capture_output=True)
-    except (build.BuildError, subprocess.CalledProcessError) as err:
+        driver = build.compile_driver(STRESS, tmp_path / "stress", [build.PROFILER.source_dir], ["-Werror", *flags])
+    except build.BuildError as err:
         if sanitizer == "plain":
             raise
         pytest.skip(f"this compiler cannot build with {flags[0]}: {str(err)[-300:]}")

@@ -425,11 +425,9 @@ def _stress(command: list[str], stress_files: list[Path]) -> str:
 
 
 def _compile_stress(tmp_path: Path, flags: list[str]) -> tuple[Path, Path]:
-    compiler = compiler_or_skip()
+    compiler_or_skip()
     plugin = build.compile_plugin(tmp_path / "plugin.so", [*flags, "-g", "-Werror"])
-    driver = tmp_path / "stress"
-    subprocess.run([*compiler, "-std=c11", "-g", "-Wall", "-Wextra", "-Werror", *flags, f"-I{build.SOURCE_DIR}",
-                    str(STRESS_SOURCE), "-o", str(driver), "-ldl"], check=True, capture_output=True)
+    driver = build.compile_driver(STRESS_SOURCE, tmp_path / "stress", [build.SOURCE_DIR], ["-g", "-Werror", *flags])
     return plugin, driver
 
 
@@ -437,8 +435,8 @@ def test_thousands_of_calls_leak_nothing_under_address_sanitizer(tmp_path, stres
     flags = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=all"]
     try:
         plugin, driver = _compile_stress(tmp_path, flags)
-    except subprocess.CalledProcessError as err:
-        pytest.skip(f"this compiler cannot build with -fsanitize=address: {err.stderr.decode()[-300:]}")
+    except build.BuildError as err:
+        pytest.skip(f"this compiler cannot build with -fsanitize=address: {str(err)[-300:]}")
     out = _stress([str(driver), str(plugin), "200"], stress_files)
     # 200 rounds x 5 files x 3 interfaces; rules applied only from the good file, to the 16-rank communicator.
     assert out.startswith("inits=3000 calls=") and " applied=0 " not in out and " chunks=0 " not in out, out

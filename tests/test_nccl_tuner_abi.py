@@ -26,11 +26,9 @@ def test_the_plugin_has_nccls_abi_and_answers_nccls_calls(tmp_path: Path) -> Non
     headers = (source / "plugins" / "tuner" / "example", source / "src" / "include")
     if not all((h / name).is_file() for h, name in zip(headers, ("nccl/tuner.h", "plugin/tuner/tuner_v4.h"))):
         pytest.skip("LAGOM_NCCL_SOURCE does not name an NCCL checkout with its tuner headers")
-    compiler = compiler_or_skip()
+    compiler_or_skip()
     plugin = build.compile_plugin(tmp_path / "plugin.so")
-    harness = tmp_path / "abi"
-    subprocess.run([*compiler, "-std=c11", "-Wall", "-Wextra", "-Werror", *(f"-I{h}" for h in headers),
-                    f"-I{build.SOURCE_DIR}", str(HARNESS), "-o", str(harness), "-ldl"], check=True, capture_output=True)
+    harness = build.compile_driver(HARNESS, tmp_path / "abi", [*headers, build.SOURCE_DIR], ["-Werror"])
     rules = tmp_path / "rules.lagom"
     rules.write_text(RULES)
     done = subprocess.run([str(harness), str(plugin)], env={**os.environ, "LAGOM_NCCL_TUNER_FILE": str(rules),

@@ -77,11 +77,25 @@ def compile_library(library: CLibrary, output: Path, extra_flags: Sequence[str] 
         chosen = os.environ.get("CC", "").strip()
         raise BuildError(f"CC={chosen} names no program" if chosen else "no C compiler found (set CC, or install gcc or clang)")
     output.parent.mkdir(parents=True, exist_ok=True)
-    command = [*compiler, *FLAGS, *extra_flags, *(str(library.source_dir / name) for name in library.sources), "-o", str(output)]
+    return _compile([*compiler, *FLAGS, *extra_flags, *(str(library.source_dir / name) for name in library.sources),
+                     "-o", str(output)], output)
+
+
+def compile_driver(source: Path, output: Path, include_dirs: Sequence[Path], extra_flags: Sequence[str] = ()) -> Path:
+    """Builds a C program that loads a plugin with dlopen, as NCCL does (a test harness, a benchmark's driver);
+    BuildError says why it could not."""
+    compiler = c_compiler()
+    if compiler is None:
+        raise BuildError("no C compiler found (set CC, or install gcc or clang)")
+    return _compile([*compiler, "-std=c11", "-Wall", "-Wextra", *extra_flags, *(f"-I{d}" for d in include_dirs),
+                     str(source), "-o", str(output), "-ldl", "-lpthread"], output)
+
+
+def _compile(command: list[str], output: Path) -> Path:
     try:
         done = subprocess.run(command, capture_output=True, text=True, check=False)
     except OSError as err:
-        raise BuildError(f"{compiler[0]} could not run ({err})") from None
+        raise BuildError(f"{command[0]} could not run ({err})") from None
     if done.returncode != 0:
         raise BuildError(f"{shlex.join(command)} failed:\n{done.stderr.strip()}")
     return output
