@@ -7,7 +7,9 @@ import each other, even through others or inside a function.
     model    lagom/model    what a step costs under given settings: cost model, contention, simulator
     search   lagom/search   how settings are chosen: the strategies and the one driver
     tune     lagom/tune.py  the planning API: workload in, plan out
-    runtime  lagom/runtime, flash_overlap, nccl_profiler   what runs inside a job
+    apply    lagom/runtime/apply, flash_overlap, nccl_profiler   a plan in force in one process
+    measure  lagom/runtime/measure   measuring a machine (calibrate, probe)
+    online   lagom/runtime/online    the online loop of one job (session, tuner, live trials, monitor, report)
     top      cli, validate, published_fit, report, plot, progress   the commands
 """
 
@@ -25,7 +27,9 @@ LAYERS = [  # (layer, module prefixes), lowest first; a module takes the layer o
     ("model", ("lagom.model",)),
     ("search", ("lagom.search",)),
     ("tune", ("lagom.tune",)),
-    ("runtime", ("lagom.runtime", "lagom.flash_overlap", "lagom.nccl_profiler")),
+    ("apply", ("lagom.runtime", "lagom.runtime.apply", "lagom.flash_overlap", "lagom.nccl_profiler")),
+    ("measure", ("lagom.runtime.measure",)),
+    ("online", ("lagom.runtime.online",)),
     ("top", ("lagom.cli", "lagom.__main__", "lagom.validate", "lagom.fidelity", "lagom.published_fit", "lagom.report",
              "lagom.plot",
              "lagom.progress")),
