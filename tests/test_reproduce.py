@@ -156,8 +156,10 @@ def test_real_runs_find_the_points_of_each_framework_and_keep_the_losses(tmp_pat
         assert len(r.losses_plain) == 2 and all(len(x) == 4 for x in r.losses_plain)
         assert r.losses_plain[0][-1] < r.losses_plain[0][0] + 0.5  # it trains, it does not blow up
         assert r.predicted["lagom"] <= r.predicted["nccl"]
-    # ZeRO-3 gathers parameters and reduce-scatters gradients over the data-parallel ranks
-    assert {p["key"].split("/")[1] for p in ds.points} == {"all_gather", "reduce_scatter"}
+    # ZeRO-3 gathers parameters and reduce-scatters gradients over the data-parallel ranks, and all-reduces the
+    # gradients' squared norm (fp64: 8 bytes) before stepping
+    assert {p["key"].split("/")[1] for p in ds.points} == {"all_gather", "reduce_scatter", "all_reduce"}
+    assert [p["key"] for p in ds.points if "/all_reduce/" in p["key"]] == ["dp/all_reduce/8"]
     # encoder blocks and (larger, cross-attending) decoder blocks are gathered in calls of different sizes
     assert len({p["key"] for p in ds.points if "/all_gather/" in p["key"]}) >= 2
     assert any(k.startswith("dp/reduce_scatter/") for k in ds.seen)
