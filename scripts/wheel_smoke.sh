@@ -8,8 +8,8 @@
 #   - `lagom patch megatron --path` on a copy of the installed megatron: patch, again, revert to the bytes;
 #   - a 2-rank DeepSpeed run (CPU, gloo) with a lagom section whose hardware is a user's preset found
 #     through LAGOM_HARDWARE_PATH;
-#   - the sdist installed with a C compiler builds the plugin; with CC=/nonexistent it installs, says
-#     the plugin was not built, and Lagom reports it unavailable.
+#   - the sdist installed with a C compiler builds the plugins; with CC=/nonexistent it installs, says
+#     neither plugin was built, and Lagom reports them unavailable.
 # Usage: scripts/wheel_smoke.sh   (PYTHON=/path/to/python: the project environment, default .venv/bin/python)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -161,8 +161,13 @@ install "$work/venv-sdist" -q "$sdist"
 step "the sdist with CC=/nonexistent: installs, and says the plugin is unavailable"
 fresh_venv "$work/venv-nocc"
 CC=/nonexistent install "$work/venv-nocc" -v "$sdist" > nocc.log 2>&1 || { tail -40 nocc.log; fail "the install without a compiler failed"; }
-grep -q "tuner plugin was not built: CC=/nonexistent names no program" nocc.log || fail "the install did not say the plugin was not built"
-"$work/venv-nocc/bin/python" -c 'from lagom import nccl_tuner; assert nccl_tuner.path() is None; print(nccl_tuner.UNAVAILABLE)'
+for library in libnccl-tuner-lagom.so libnccl-profiler-lagom.so; do
+  grep -q "NCCL plugin $library was not built: CC=/nonexistent names no program" nocc.log \
+    || fail "the install did not say $library was not built"
+done
+"$work/venv-nocc/bin/python" -c 'from lagom import nccl_profiler, nccl_tuner
+assert nccl_tuner.path() is None and nccl_profiler.path() is None
+print(nccl_tuner.UNAVAILABLE)'
 "$work/venv-nocc/bin/lagom" compare gpt2-tp8 --json | "$py" -c 'import json, sys; assert json.load(sys.stdin)["capability"]["tuner_plugin"] is False' \
   || fail "Lagom without the plugin plans as if it had it"
 
