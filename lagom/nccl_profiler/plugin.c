@@ -170,25 +170,23 @@ static void atomic_max(_Atomic uint64_t* target, uint64_t value) {
   }
 }
 
-/* A collective's fields as every version gives them (v4 .. v6 share the Coll layout up to proto). */
-static void start_coll(const comm_context* ctx, void** handle, const lagom_prof_coll_v4* coll, int rank) {
+/* A slot for a new collective of this communicator, its record's common fields set and its times cleared; the
+   caller sets what its kind adds and publishes the slot by storing ``pending`` last. NULL when the pool is full. */
+static slot* begin_record(const comm_context* ctx, void** handle, int rank, uint64_t seq_number, uint64_t count,
+                          const char* func, const char* datatype, uint8_t kind) {
   slot* s = take_slot();
   *handle = s;
-  if (s == NULL) return;
+  if (s == NULL) return NULL;
   lagom_prof_record* r = &s->record;
   memset(r, 0, sizeof *r);
   r->comm_hash = ctx->comm_hash;
   r->n_ranks = ctx->n_ranks;
   r->rank = rank;
-  r->seq_number = coll->seqNumber;
-  r->count = coll->count;
-  r->func = lookup(coll->func, FUNCTIONS);
-  r->algorithm = lookup(coll->algo, ALGORITHMS);
-  r->protocol = lookup(coll->proto, PROTOCOLS);
-  r->type_size = type_size(coll->datatype);
-  r->channels = coll->nChannels;
-  r->warps = coll->nWarps;
-  r->kind = LAGOM_PROF_KIND_KERNEL;
+  r->seq_number = seq_number;
+  r->count = count;
+  r->func = lookup(func, FUNCTIONS);
+  r->type_size = type_size(datatype);
+  r->kind = kind;
   r->host_start_ns = host_now_ns();
   atomic_store_explicit(&s->owner, ctx, memory_order_relaxed);
   s->channel.parent = s;
@@ -196,30 +194,28 @@ static void start_coll(const comm_context* ctx, void** handle, const lagom_prof_
   atomic_store_explicit(&s->gpu_stop, 0, memory_order_relaxed);
   atomic_store_explicit(&s->host_stop, 0, memory_order_relaxed);
   atomic_store_explicit(&s->channel_events, 0, memory_order_relaxed);
+  return s;
+}
+
+/* A collective's fields as every version gives them (v4 .. v6 share the Coll layout up to proto). */
+static void start_coll(const comm_context* ctx, void** handle, const lagom_prof_coll_v4* coll, int rank) {
+  slot* s = begin_record(ctx, handle, rank, coll->seqNumber, coll->count, coll->func, coll->datatype,
+                         LAGOM_PROF_KIND_KERNEL);
+  if (s == NULL) return;
+  s->record.algorithm = lookup(coll->algo, ALGORITHMS);
+  s->record.protocol = lookup(coll->proto, PROTOCOLS);
+  s->record.channels = coll->nChannels;
+  s->record.warps = coll->nWarps;
   atomic_store_explicit(&s->pending, 1 + (ctx->gpu_times ? coll->nChannels : 0), memory_order_release);
 }
 
+/* A copy-engine collective (v6): no algorithm, protocol or kernel channels; host times only. */
 static void start_ce_coll(const comm_context* ctx, void** handle, const lagom_prof_ce_coll* ce, int rank) {
-  slot* s = take_slot();
-  *handle = s;
+  slot* s = begin_record(ctx, handle, rank, ce->seqNumber, ce->count, ce->func, ce->datatype,
+                         LAGOM_PROF_KIND_COPY_ENGINE);
   if (s == NULL) return;
-  lagom_prof_record* r = &s->record;
-  memset(r, 0, sizeof *r);
-  r->comm_hash = ctx->comm_hash;
-  r->n_ranks = ctx->n_ranks;
-  r->rank = rank;
-  r->seq_number = ce->seqNumber;
-  r->count = ce->count;
-  r->func = lookup(ce->func, FUNCTIONS);
-  r->algorithm = LAGOM_PROF_UNKNOWN;
-  r->protocol = LAGOM_PROF_UNKNOWN;
-  r->type_size = type_size(ce->datatype);
-  r->kind = LAGOM_PROF_KIND_COPY_ENGINE;
-  r->host_start_ns = host_now_ns();
-  atomic_store_explicit(&s->owner, ctx, memory_order_relaxed);
-  s->channel.parent = s;
-  atomic_store_explicit(&s->host_stop, 0, memory_order_relaxed);
-  atomic_store_explicit(&s->channel_events, 0, memory_order_relaxed);
+  s->record.algorithm = LAGOM_PROF_UNKNOWN;
+  s->record.protocol = LAGOM_PROF_UNKNOWN;
   atomic_store_explicit(&s->pending, 1, memory_order_release);
 }
 
