@@ -1,4 +1,10 @@
-"""The one-way flow: workload -> overlap points -> model -> search -> plan."""
+"""The planning API, the one-way flow end to end: workload -> step (``lagom.step.points``) -> search over every
+dimension of the plan (``lagom.search.driver``, pricing with ``lagom.model``) -> ``Plan`` (``plan_from``).
+
+``make_plan`` is what ``lagom tune`` and the sessions' start-up search run; ``compare_strategies`` is
+``lagom compare``. The planner here only supplies the driver with the problem at each bucket scale (one problem,
+simulator and set of results per graph, shared by every strategy of one call).
+"""
 
 from __future__ import annotations
 
