@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from lagom.runtime.apply.step_clock import device_now
 from lagom.step.calls import CallRecord
 
 log = logging.getLogger("lagom.runtime")
@@ -43,14 +44,8 @@ class _Open:
     def finish_cuda(self, _future: Any = None) -> None:
         # Run by the future with current streams that wait for the work's kernels: this event
         # completes when the collective does, and nothing on the host waits for it.
-        self.end = _event()
+        self.end = device_now(True)
         self.future = None
-
-
-def _event() -> Any:
-    ev = torch.cuda.Event(enable_timing=True)
-    ev.record()
-    return ev
 
 
 class _TimedWork:
@@ -94,7 +89,7 @@ class Recorder:
         self._totals: dict[str, list[float]] = {}  # key -> [count, total seconds]
 
     def _now(self) -> Any:
-        return _event() if self.cuda else time.perf_counter()
+        return device_now(self.cuda)
 
     @property
     def pending(self) -> int:

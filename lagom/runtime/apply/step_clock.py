@@ -20,6 +20,16 @@ DEVICE_LAG = 2  # steps between a step's end and its judgement on a GPU
 KEEP = 16  # steps whose times are kept, at least ``lag`` + 1
 
 
+def device_now(cuda: bool) -> Any:
+    """A mark of now: a CUDA event recorded on the current stream (it completes when the work enqueued before it
+    has), else ``time.perf_counter`` seconds. The step clock and the collective recorder both time with it."""
+    if not cuda:
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
 class StepClock:
     """``begin(step)``/``end(step)`` around each step; ``seconds(step)`` once known (None before)."""
 
@@ -28,22 +38,15 @@ class StepClock:
         self.lag = (DEVICE_LAG if cuda else 0) if lag is None else lag
         self._marks: dict[int, list[Any]] = {}  # step -> [start, end]: events on a GPU, perf_counter seconds else
 
-    def _mark(self) -> Any:
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
     def begin(self, step: int) -> None:
-        self._marks[step] = [self._mark(), None]
+        self._marks[step] = [device_now(self.cuda), None]
         for old in [s for s in self._marks if s <= step - max(KEEP, self.lag + 1)]:
             del self._marks[old]
 
     def end(self, step: int) -> None:
         marks = self._marks.get(step)
         if marks is not None:
-            marks[1] = self._mark()
+            marks[1] = device_now(self.cuda)
 
     def seconds(self, step: int) -> float | None:
         """The step's time if it has ended and (on a GPU) its end event has completed; never blocks."""
