@@ -120,6 +120,8 @@ def test_candidates_offer_cta_policies_and_nvls_only_where_allowed():
 def applicable(problem: Problem, found: SearchResult) -> list[str]:
     """Every way ``found`` breaks what ``problem.capability`` can apply (empty: none)."""
     cap, hw, process = problem.cap, problem.hw, found.process
+    under = problem.with_process(process)
+    nccls_own = nccl_configs(under)
     wrong = []
     for key, cfg in found.configs.items():
         point = problem.keys[key][0]
@@ -130,9 +132,7 @@ def applicable(problem: Problem, found: SearchResult) -> list[str]:
         if cfg.algorithm == Algorithm.NVLS and not cap.nvls_applies(point.collective, point.group.nodes):
             wrong.append(f"{key}: NVLS")
         # a candidate of the space, or NCCL's own choice kept for a key no candidate beat
-        under = problem.with_process(process)
-        if (found.strategy != "nccl" and cfg not in candidates(point, hw, under.space)
-                and cfg != nccl_configs(under)[key]):
+        if found.strategy != "nccl" and cfg not in candidates(point, hw, under.space) and cfg != nccls_own[key]:
             wrong.append(f"{key}: {cfg.describe()} is not a candidate")
     for members in groups(problem).values():
         for knob in communicator_knobs(cap):

@@ -356,18 +356,25 @@ def test_a_steps_records_become_the_recorders_rows_on_its_clock(nccl, library) -
     assert 0 <= rows[0].start_s <= rows[1].start_s <= step_end - step_start
 
 
-@pytest.mark.parametrize("sanitizer", list(SANITIZERS))
-def test_threads_calling_as_nccl_does_lose_and_tear_nothing_under_sanitizers(tmp_path, sanitizer) -> None:
-    """tests/nccl_profiler_stress.c: launcher, proxy and reader threads; v4/v5; malformed calls; a full ring."""
+def built_under(sanitizer: str, tmp_path: Path, driver: Path, include_dirs: list[Path]) -> tuple[Path, Path]:
+    """The profiler and a C driver of it, both built under ``sanitizer`` (skipped where this compiler lacks it; the
+    plain build must always work)."""
     compiler_or_skip()
     flags = [*SANITIZERS[sanitizer], "-g"]
     try:
         plugin = build.compile_profiler(tmp_path / "plugin.so", [*flags, "-Werror"])
-        driver = build.compile_driver(STRESS, tmp_path / "stress", [build.PROFILER.source_dir], ["-Werror", *flags])
+        program = build.compile_driver(driver, tmp_path / driver.stem, include_dirs, ["-Werror", *flags])
     except build.BuildError as err:
         if sanitizer == "plain":
             raise
         pytest.skip(f"this compiler cannot build with {flags[0]}: {str(err)[-300:]}")
+    return plugin, program
+
+
+@pytest.mark.parametrize("sanitizer", list(SANITIZERS))
+def test_threads_calling_as_nccl_does_lose_and_tear_nothing_under_sanitizers(tmp_path, sanitizer) -> None:
+    """tests/nccl_profiler_stress.c: launcher, proxy and reader threads; v4/v5; malformed calls; a full ring."""
+    plugin, driver = built_under(sanitizer, tmp_path, STRESS, [build.PROFILER.source_dir])
     done = subprocess.run([str(driver), str(plugin)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr[-4000:]
     assert done.stdout.endswith("stress ok\n") and "WARNING: ThreadSanitizer" not in done.stderr

@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 
 from lagom.nccl_tuner import build
-from tests.test_nccl_profiler import SANITIZERS
-from tests.test_nccl_tuner import compiler_or_skip
+from tests.test_nccl_profiler import built_under
 
 HARNESS = Path(__file__).with_name("nccl_profiler_abi.c")
 
@@ -27,16 +26,7 @@ def test_the_profiler_has_nccls_abi_and_answers_nccls_calls(tmp_path: Path, sani
     headers = Path(os.environ.get("LAGOM_NCCL_SOURCE", "/nonexistent")) / "plugins" / "profiler" / "example"
     if not (headers / "nccl" / "profiler.h").is_file():
         pytest.skip("LAGOM_NCCL_SOURCE does not name an NCCL checkout with its profiler headers")
-    compiler_or_skip()
-    flags = [*SANITIZERS[sanitizer], "-g"]
-    try:
-        plugin = build.compile_profiler(tmp_path / "plugin.so", [*flags, "-Werror"])
-        harness = build.compile_driver(HARNESS, tmp_path / "abi", [headers, build.PROFILER.source_dir],
-                                       ["-Werror", *flags])
-    except build.BuildError as err:
-        if sanitizer == "plain":
-            raise
-        pytest.skip(f"this compiler cannot build with {flags[0]}: {str(err)[-300:]}")
+    plugin, harness = built_under(sanitizer, tmp_path, HARNESS, [headers, build.PROFILER.source_dir])
     done = subprocess.run([str(harness), str(plugin)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr[-4000:]
     assert done.stdout.endswith("abi ok\n")
