@@ -499,7 +499,8 @@ def _cut_deepspeed_buckets(b: _StepBuilder, stage: int) -> list[tuple[int | str,
         parts: dict[str, float] = {}
         while at < len(modelled):  # the modelled tensors up to the share of elements this bucket closes at
             t = modelled[at]
-            parts["expert" if t.expert else "dense"] = parts.get("expert" if t.expert else "dense", 0.0) + t.numel
+            part = "expert" if t.expert else "dense"
+            parts[part] = parts.get(part, 0.0) + t.numel
             done += t.numel
             at += 1
             if done >= closed / total * modelled_total * (1 - 1e-12):
