@@ -1,9 +1,10 @@
-"""Builds Lagom's NCCL plugins (C, no CUDA): the tuner into lagom/nccl_tuner/lib/, the profiler into
-lagom/nccl_profiler/lib/; everything else is in pyproject.toml.
+"""Builds Lagom's C libraries (no CUDA): the NCCL tuner plugin into lagom/nccl_tuner/lib/, the profiler
+plugin into lagom/nccl_profiler/lib/, the simulator's event loop into lagom/model/lib/; everything else is
+in pyproject.toml.
 
-Each plugin is an optional extension: without a C compiler the install goes on, prints why, and
-``lagom.nccl_tuner.path()`` / ``lagom.nccl_profiler.path()`` return None. An editable install
-(``pip install -e .``) builds them in place.
+Each is an optional extension: without a C compiler the install goes on and prints why;
+``lagom.nccl_tuner.path()`` / ``lagom.nccl_profiler.path()`` return None and planning runs on the Python
+event loop. An editable install (``pip install -e .``) builds them in place.
 """
 
 from __future__ import annotations
@@ -34,11 +35,14 @@ plugin_build = _load_build_module()
 PLUGIN_MODULE = f"lagom.nccl_tuner.{plugin_build.LIBRARY_DIR}.nccl_tuner_plugin"
 PROFILER_DIR = "lagom/nccl_profiler"
 PROFILER_MODULE = f"lagom.nccl_profiler.{plugin_build.LIBRARY_DIR}.nccl_profiler_plugin"
+EVENT_LOOP_DIR = "lagom/model"
+EVENT_LOOP_MODULE = f"lagom.model.{plugin_build.LIBRARY_DIR}.event_loop"
 # Per plugin extension: what it builds, and what a job loses without it.
 PLUGINS = {
     PLUGIN_MODULE: (plugin_build.TUNER, "planned algorithms, protocols, channels and chunks per size are then left to NCCL."),
     PROFILER_MODULE: (plugin_build.PROFILER, "collectives are then measured through torch's hooks alone, and the "
                       "report cannot say which algorithm, protocol and channels NCCL ran."),
+    EVENT_LOOP_MODULE: (plugin_build.EVENT_LOOP, "planning then runs on the Python event loop, about 50 times slower."),
 }
 
 
@@ -51,7 +55,8 @@ def _plugin(fullname: str):
 
 
 class BuildTunerPlugin(build_ext):
-    """Compiles each plugin as a plain shared library, under NCCL's name for it rather than a Python module's."""
+    """Compiles each C library as a plain shared library, under its own name (NCCL's for the plugins) rather than a
+    Python module's."""
 
     def get_ext_filename(self, fullname: str) -> str:
         plugin = _plugin(fullname)
@@ -74,7 +79,7 @@ class BuildTunerPlugin(build_ext):
         try:
             plugin_build.compile_library(library, Path(self.get_ext_fullpath(ext.name)))
         except plugin_build.BuildError as err:
-            self.warn(f"Lagom's NCCL plugin {library.name} was not built: {err}\nLagom works without it; {without}")
+            self.warn(f"Lagom's C library {library.name} was not built: {err}\nLagom works without it; {without}")
 
 
 setup(
@@ -84,6 +89,7 @@ setup(
         depends=[f"{folder}/{name}" for name in library.headers],
         optional=True,
     ) for module, folder, library in ((PLUGIN_MODULE, PLUGIN_DIR, plugin_build.TUNER),
-                                      (PROFILER_MODULE, PROFILER_DIR, plugin_build.PROFILER))],
+                                      (PROFILER_MODULE, PROFILER_DIR, plugin_build.PROFILER),
+                                      (EVENT_LOOP_MODULE, EVENT_LOOP_DIR, plugin_build.EVENT_LOOP))],
     cmdclass={"build_ext": BuildTunerPlugin},
 )

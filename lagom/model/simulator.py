@@ -47,6 +47,7 @@ from functools import cached_property
 from operator import attrgetter
 
 from lagom.errors import LagomError
+from lagom.model import compiled
 from lagom.model.cost_model import CostModel, RunningComm
 from lagom.model.lowering import COMPUTE, END, Lowering, Shape, split_of
 from lagom.model.phase_index import SLOT, PhaseIndex
@@ -69,6 +70,7 @@ CHECKPOINT_EVERY = 400  # tasks started between checkpoints
 TRAILS_KEPT = 3  # earlier runs whose checkpoints a Simulator keeps
 LOWERINGS_KEPT = 8  # decomposition choices whose task shapes a Simulator keeps
 SHAPES_KEPT = 200_000  # task shapes a Simulator keeps over all its lowerings (about 400 bytes each)
+ARRAYS_KEPT = 4_000_000  # tasks a Simulator keeps lowered to arrays for the compiled loop (about 60 bytes each)
 INF = float("inf")
 
 Configs = dict[str, CommConfig]
@@ -203,10 +205,14 @@ class Simulator:
     changed configs cannot have mattered yet. The model may change between runs: a run resumes only
     from runs under the same model object with the same settings. The graph must not change."""
 
-    def __init__(self, graph: StepGraph) -> None:
+    def __init__(self, graph: StepGraph, *, compiled_loop: bool | None = None) -> None:
+        """``compiled_loop``: run on the compiled event loop (None: where it is built and LAGOM_SIMULATOR does not
+        say python). The Python loop is the reference, with steady-state jumps and resumable checkpoints."""
         self.graph = graph
+        self.compiled_loop = compiled.enabled() if compiled_loop is None else compiled_loop
         self._indexes: list[PhaseIndex | None] = [None] * len(graph.phases)
         self._lowerings: dict[tuple[int, frozenset, bool], Lowering] = {}
+        self._arrays: dict[tuple[int, frozenset], compiled.PhaseArrays] = {}
         self._statics: dict[int, tuple[dict, dict]] = {}
         self._trails: list[_Trail] = []
 
@@ -246,6 +252,11 @@ class Simulator:
                 phases.append(reuse[0])
                 left.append(reuse)
                 continue
+            if self.compiled_loop and not keep_spans:
+                result, first_start = self._compiled(i, split, configs, model, default)
+                phases.append(result)
+                left.append((result, first_start, [], []))  # no checkpoints: a later run reuses it whole or not at all
+                continue
             run = _PhaseRun(self._lowering(i, split, extrapolate), configs, model, default, keep_spans)
             phases.append(run.simulate(*self._static(i, model), resume=start))
             left.append(None if keep_spans else (phases[-1], run.first_start, run.checkpoints, run.records))
@@ -275,6 +286,24 @@ class Simulator:
             keys = set(trail.configs) | set(configs)
             out.append(({k for k in keys if trail.configs.get(k, default) != configs.get(k, default)}, trail))
         return out
+
+    def _compiled(self, i: int, split: frozenset, configs: Configs, model: CostModel, default: CommConfig) -> tuple[PhaseResult, dict[str, float]]:
+        """One phase on the compiled loop: every task, from arrays lowered once per choice of decompositions; with
+        when each key's first collective started (what tells a later run whether it may reuse this phase)."""
+        arrays = self._arrays.pop((i, split), None) or compiled.lower(self._lowering(i, split, True))
+        self._arrays[(i, split)] = arrays  # most recently used last
+        while sum(a.tasks for a in self._arrays.values()) > ARRAYS_KEPT and len(self._arrays) > 1:
+            del self._arrays[next(iter(self._arrays))]
+        run = _PhaseRun(arrays.lowering, configs, model, default, False)
+        outcome = compiled.simulate_phase(arrays, run, model)
+
+        def timings() -> list[PointTiming]:
+            run.records = outcome.records(arrays)
+            return run._point_timings()
+
+        phase = self.graph.phases[i]
+        return PhaseResult(phase.name, phase.repeat, outcome.now, outcome.exposed, *self._static(i, model),
+                           outcome.key_totals, [], outcome.tasks, 0, None, timings), outcome.first_start
 
     def _lowering(self, i: int, split: frozenset, band: bool) -> Lowering:
         key = (i, split, band)

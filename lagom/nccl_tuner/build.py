@@ -1,8 +1,8 @@
-"""Compiles Lagom's NCCL plugins (the tuner, and the profiler in lagom/nccl_profiler/) with the system C
-compiler: no CUDA, no NCCL headers, no Python API.
+"""Compiles Lagom's C libraries with the system C compiler (no CUDA, no NCCL headers, no Python API): the NCCL
+plugins (the tuner, and the profiler in lagom/nccl_profiler/) and the simulator's event loop (lagom/model/).
 
 setup.py loads this file by path (the package is not importable while it is being built) and calls
-``compile_plugin`` and ``compile_profiler`` for every install; the tests call them for sanitizer builds.
+``compile_library`` for each of them at every install; the tests call it for sanitizer builds.
 Only the standard library is imported here.
 """
 
@@ -42,6 +42,8 @@ TUNER = CLibrary(LIBRARY_NAME, SOURCE_DIR, SOURCES, HEADERS)
 # NCCL's naming for profiler plugins (libnccl-profiler-<name>.so); exports ncclProfiler_v4..v6 and the drain.
 PROFILER = CLibrary("libnccl-profiler-lagom.so", SOURCE_DIR.parent / "nccl_profiler", ("plugin.c", "ring.c"),
                     ("lagom_nccl_profiler.h", "ring.h"))
+# The simulator's compiled event loop (lagom.model.compiled loads it with ctypes; no NCCL naming to follow).
+EVENT_LOOP = CLibrary("liblagom-event-loop.so", SOURCE_DIR.parent / "model", ("event_loop.c",), ("event_loop.h",))
 
 
 class BuildError(RuntimeError):

@@ -1,0 +1,47 @@
+/* The ABI between lagom/model/compiled.py (ctypes) and the compiled event loop: one phase lowered to flat
+ * arrays, a cost callback, and the results. Field order here is the order of compiled.py's Structures. */
+#ifndef LAGOM_EVENT_LOOP_H
+#define LAGOM_EVENT_LOOP_H
+
+#include <stdint.h>
+
+#define LAGOM_EVENT_LOOP_ABI 1 /* bumped whenever a struct below changes */
+
+enum { LAGOM_SIM_OK = 0, LAGOM_SIM_NOMEM = 1, LAGOM_SIM_CALLBACK = 2, LAGOM_SIM_DEADLOCK = 3, LAGOM_SIM_STALLED = 4 };
+
+/* What the callback is asked; the key holds (cost, util, share), (cost, duration) or (cost, then a
+ * (comm cost, HBM rate) pair per collective running beside it). It returns NaN when Python failed. */
+enum { LAGOM_COST_COMM = 0, LAGOM_COST_RATE = 1, LAGOM_COST_COMPUTE = 2 };
+typedef double (*lagom_cost_fn)(int kind, int n, const double *key);
+
+typedef struct {
+    int32_t n_tasks, n_queues, n_devices, n_blame;
+    const int32_t *queue_first; /* n_queues + 1: a queue's tasks are [queue_first[q], queue_first[q + 1]) */
+    /* per task */
+    const uint8_t *comm, *first, *last;
+    const int32_t *device, *cost, *record; /* record: its slot in the results (comm tasks), else -1 */
+    const int32_t *dev_off, *dev_list;     /* n_tasks + 1 offsets: the devices whose resources it uses */
+    const int32_t *dep_off, *dep_list;     /* the tasks it waits for, in lowering order */
+    const int32_t *wake_off, *wake_list;   /* the queues whose heads may wait for it, besides its own */
+    /* per cost: comm costs have a key, NIC use and launch wait; compute costs an HBM share */
+    const int32_t *cost_key;
+    const uint8_t *cost_cross, *cost_one_way;
+    const double *cost_solo, *cost_launch, *cost_util;
+    /* per device */
+    const int32_t *compute_queue;          /* -1: a device without compute (a send's peer) */
+    const int32_t *blame_device;           /* n_blame: devices whose idle compute is charged, in order */
+} lagom_phase_t;
+
+typedef struct {
+    double now, exposed_total;
+    int64_t tasks;    /* tasks started */
+    double *totals;   /* per key: comm time, solo time, exposed time, count */
+    int32_t *touched; /* per key: 1 + the order in which the run first touched it, or 0 */
+    double *first_start; /* per key: when its first collective started (INFINITY: it has none) */
+    double *start, *end, *solo, *exposed; /* per record */
+    int32_t *heads;   /* per queue: the head when the run ended (where it stuck, on an error) */
+} lagom_result_t;
+
+int lagom_simulate_phase(const lagom_phase_t *phase, lagom_cost_fn cost, lagom_result_t *out);
+
+#endif
