@@ -21,7 +21,7 @@ from lagom.plan.comm_config import CTAPolicy, ProcessSettings
 from lagom.plan.plan import Plan, PlanEntry
 from lagom.search import Problem, SearchResult, exhaustive
 from lagom.search.base import Seen, SimulatedEvaluator
-from lagom.search.driver import drive
+from lagom.search.driver import Budget, drive
 from lagom.search.exhaustive import MAX_EVALUATIONS
 from lagom.step.points import points_for
 from lagom.step.workload import Workload, validate
@@ -134,11 +134,11 @@ class _Planner:
 
         return SimulatedEvaluator(problem, simulator, report, seen)
 
-    def search(self, wl: Workload, strategy: str, search_buckets: bool = True) -> Tuned:
+    def search(self, wl: Workload, strategy: str, search_buckets: bool = True, budget: Budget | None = None) -> Tuned:
         """Strategy ``strategy`` over every dimension of the plan (``lagom.search.driver``); the bucket sizes
-        around the workload's own unless ``search_buckets`` is off (the user pinned them)."""
+        around the workload's own unless ``search_buckets`` is off (the user pinned them); within ``budget``."""
         space = _BucketSpace(self, wl, strategy, BUCKET_SCALES if search_buckets else (1.0,))
-        found = drive(strategy, space)
+        found = drive(strategy, space, budget)
         return Tuned(space.at(found.scale), found.problem, found.result)
 
 
@@ -176,10 +176,15 @@ def search_with_buckets(wl: Workload, hw: Hardware, strategy: str, search_bucket
 
 
 def make_plan(wl: Workload, hw: Hardware, strategy: str = "lagom", search_buckets: bool = True,
-              progress: ProgressCallback | None = None, capability: Capability | None = None) -> Plan:
-    """The plan of one strategy, within ``capability`` (default: what ``hw``'s profile and this install have)."""
+              progress: ProgressCallback | None = None, capability: Capability | None = None,
+              budget: Budget | None = None) -> Plan:
+    """The plan of one strategy, within ``capability`` (default: what ``hw``'s profile and this install have).
+
+    ``budget`` (``lagom.search.driver.Budget``): the search stops between two evaluations once it is spent, and the
+    plan holds the best settings found so far; each entry's note says so, and so does ``budget.cut`` afterwards.
+    NCCL's baseline, one evaluation, is priced whatever the budget."""
     planner = _Planner(hw, progress, capability)
-    tuned = planner.search(wl, strategy, search_buckets)
+    tuned = planner.search(wl, strategy, search_buckets, budget)
     baseline = planner.search(wl, "nccl").result.result.step_s
     return plan_from(tuned, wl, hw, {"nccl": baseline, strategy: tuned.result.result.step_s})
 

@@ -14,17 +14,34 @@ A plan has three kinds of decision, and ``drive`` takes them in one pass, in thi
 Evaluations stay linear in the keys: the strategy's own twice, plus one per step-wide value, plus the changed
 keys' per other bucket scale. NCCL's baseline and the exhaustive search enumerate their whole space themselves
 and skip 2 and 3. The objective is the step, except for AutoCCL, whose objective is its collectives' own time.
+
+**A budget** (``Budget``) stops a search between two evaluations: after ``seconds`` of wall clock, or when its
+``stop`` event is set (a session closing). ``drive`` then returns the best settings it has evaluated that NCCL can
+run as they are (one value per communicator for each per-communicator knob), with a note on every key that says
+the search was cut, and ``Budget.cut`` says why. A search cut before it evaluated any such settings returns
+NCCL's own choice, evaluated once. ``Budget.pause`` runs before every evaluation: a search beside a running job
+yields the CPU there.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from lagom.errors import ConfigError
 from lagom.model.choices import under_process
-from lagom.plan.comm_config import CommConfig, Decomposition, ProcessSettings, planned_chunk
+from lagom.model.simulator import Configs, StepResult
+from lagom.plan.comm_config import (
+    CommConfig,
+    Decomposition,
+    ProcessSettings,
+    communicator_knobs,
+    is_consistent,
+    planned_chunk,
+)
 from lagom.search import autoccl, exhaustive, nccl, priority
 from lagom.search.base import (
     Evaluator,
@@ -33,6 +50,8 @@ from lagom.search.base import (
     SearchResult,
     SimulatedEvaluator,
     comm_time,
+    groups,
+    nccl_configs,
     settle_communicators,
     step_time,
 )
@@ -96,6 +115,81 @@ class Found:
     result: SearchResult
 
 
+class BudgetSpent(Exception):
+    """A search's budget ran out between two evaluations; ``drive`` catches it and returns the best so far."""
+
+
+@dataclass
+class Budget:
+    """When a search stops before its end, and what it does before each evaluation (see the module docstring).
+
+    ``seconds``: the wall-clock allowance, counted from the budget's creation (None: none); ``stop``: an event
+    another thread may set; ``pause``: called before every evaluation. ``cut``: why the search stopped early,
+    None while it has not.
+    """
+
+    seconds: float | None = None
+    stop: threading.Event | None = None
+    pause: Callable[[], None] | None = None
+    cut: str | None = None
+    started: float = field(default_factory=time.perf_counter)
+
+    def check(self) -> None:
+        """Before an evaluation: pause, then raise ``BudgetSpent`` if the budget is spent (and stay spent)."""
+        if self.pause is not None:
+            self.pause()
+        if self.cut is None and self.stop is not None and self.stop.is_set():
+            self.cut = "stopped before its end"
+        if self.cut is None and self.seconds is not None and time.perf_counter() - self.started >= self.seconds:
+            self.cut = f"cut at its budget of {self.seconds:g} s"
+        if self.cut is not None:
+            raise BudgetSpent(self.cut)
+
+
+class _BestSoFar:
+    """The evaluator a budgeted search runs through: the budget checked before each evaluation, and the best
+    settings evaluated so far (by the strategy's objective) that NCCL can run as they are."""
+
+    def __init__(self, inner: Evaluator, problem: Problem, objective: Objective, budget: Budget) -> None:
+        self.inner, self.problem, self.objective, self.budget = inner, problem, objective, budget
+        self.best: tuple[float, Configs, StepResult] | None = None
+
+    @property
+    def evaluations(self) -> int:
+        return self.inner.evaluations
+
+    @evaluations.setter
+    def evaluations(self, value: int) -> None:
+        self.inner.evaluations = value
+
+    def evaluate(self, configs: Configs) -> StepResult:
+        self.budget.check()
+        result = self.inner.evaluate(configs)
+        score = self.objective(result)
+        if (self.best is None or score < self.best[0]) and self._runnable(configs):
+            self.best = (score, dict(configs), result)
+        return result
+
+    def _runnable(self, configs: Configs) -> bool:
+        """Every key set, with one value per communicator of each per-communicator knob (a strategy's
+        intermediate moves may give a communicator's keys different values until they are settled)."""
+        problem = self.problem
+        if set(configs) != set(problem.keys):
+            return False
+        knobs = communicator_knobs(problem.cap)
+        return all(is_consistent(knob, [(problem.keys[k][0], configs[k]) for k in keys], problem.cap)
+                   for keys in groups(problem).values() for knob in knobs)
+
+    def found(self, name: str) -> SearchResult:
+        """The best so far as a result (NCCL's own choice, evaluated once past the budget, where there is none)."""
+        if self.best is None:
+            configs = nccl_configs(self.problem)
+            self.best = (0.0, configs, self.inner.evaluate(configs))
+        _, configs, result = self.best
+        note = f"the best settings evaluated when the search was {self.budget.cut} ({self.evaluations} evaluations)"
+        return SearchResult(name, configs, result, self.evaluations, {k: note for k in configs})
+
+
 def strategy(name: str) -> Strategy:
     """A registered strategy by name, or a ConfigError naming the choices."""
     if name not in STRATEGIES:
@@ -103,21 +197,29 @@ def strategy(name: str) -> Strategy:
     return STRATEGIES[name]
 
 
-def drive(name: str, space: Space) -> Found:
-    """Search every dimension of ``space`` with strategy ``name`` (see the module docstring)."""
+def drive(name: str, space: Space, budget: Budget | None = None) -> Found:
+    """Search every dimension of ``space`` with strategy ``name`` (see the module docstring), within ``budget``
+    (default: none): once it is spent, the best found so far."""
     run = strategy(name)
-    problem, evaluator = space.problem(1.0), space.evaluator(1.0)
-    if name in WHOLE_SPACE:
-        return Found(1.0, problem, replace(run(problem, evaluator), process=problem.settings))
-    found = Found(1.0, problem, _keys_and_step_wide(run, problem, evaluator, OBJECTIVES.get(name, step_time)))
+    budget = budget or Budget()
+    problem = space.problem(1.0)
+    objective = OBJECTIVES.get(name, step_time)
+    evaluator = _BestSoFar(space.evaluator(1.0), problem, objective, budget)
+    try:
+        if name in WHOLE_SPACE:
+            return Found(1.0, problem, replace(run(problem, evaluator), process=problem.settings))
+        found = Found(1.0, problem, _keys_and_step_wide(run, problem, evaluator, objective))
+    except BudgetSpent:
+        return Found(1.0, problem, evaluator.found(name))
     if name not in BUCKET_SCALED or not _has_buckets(problem):
         return found
-    return _bucket_sizes(space, found)
+    return _bucket_sizes(space, found, budget)
 
 
-def run_strategy(name: str, problem: Problem, evaluator: Evaluator | None = None) -> SearchResult:
-    """One problem searched by strategy ``name`` (no bucket dimension)."""
-    return drive(name, OneProblem(problem, evaluator or SimulatedEvaluator(problem))).result
+def run_strategy(name: str, problem: Problem, evaluator: Evaluator | None = None,
+                 budget: Budget | None = None) -> SearchResult:
+    """One problem searched by strategy ``name`` (no bucket dimension), within ``budget``."""
+    return drive(name, OneProblem(problem, evaluator or SimulatedEvaluator(problem)), budget).result
 
 
 def refine(problem: Problem, evaluator: Evaluator, start: SearchResult | None, only: set[str] | None) -> SearchResult:
@@ -182,18 +284,25 @@ def _step_wide(cfg: CommConfig, point: OverlapPoint, problem: Problem, process: 
     return out
 
 
-def _bucket_sizes(space: Space, central: Found) -> Found:
+def _bucket_sizes(space: Space, central: Found, budget: Budget) -> Found:
     """Dimension 3: the other bucket scales, each searched only on the keys its size changes (their count of
-    points differs), the rest keeping the central choice, under the central per-process values."""
+    points differs), the rest keeping the central choice, under the central per-process values. A scale the
+    budget cuts offers the best it evaluated; no later scale is searched."""
     best, evaluations = central, central.result.evaluations
     for scale in space.scales:
-        if scale == 1.0:
+        if scale == 1.0 or budget.cut is not None:
             continue
         space.rest(best.scale)  # searched: at most its baseline is asked for again, from its results
         problem = space.problem(scale).with_process(central.result.process or central.problem.settings)
         changed = {k for k, pts in problem.keys.items() if len(central.problem.keys.get(k, ())) != len(pts)}
-        evaluator = space.evaluator(scale)
-        found = settle_communicators(problem, evaluator, refine(problem, evaluator, central.result, changed))
+        evaluator = _BestSoFar(space.evaluator(scale), problem, step_time, budget)
+        try:
+            found = settle_communicators(problem, evaluator, refine(problem, evaluator, central.result, changed))
+        except BudgetSpent:
+            if evaluator.best is None:  # nothing at this scale NCCL could run: the scales before stand
+                space.forget(scale)
+                continue
+            found = evaluator.found(central.result.strategy)
         found.process = problem.settings
         evaluations += found.evaluations
         if found.result.step_s < best.result.result.step_s:
