@@ -14,6 +14,7 @@ from pydantic import Field, ValidationError, field_validator
 
 from lagom.errors import ConfigError
 from lagom.runtime.apply.control import DEFAULT_TIMEOUT_S
+from lagom.runtime.online.background import DEFAULT_SEARCH_S
 from lagom.runtime.online.live import DEFAULT_BUDGET_S
 from lagom.search import STRATEGIES
 
@@ -61,6 +62,9 @@ class LagomConfig(DeepSpeedConfigModel):
     """online: the step budget of tuning; the first 5 steps fit the model, the rest try settings live."""
     tune_seconds: float = Field(DEFAULT_BUDGET_S, gt=0.0)
     """online: the wall-clock budget of trying settings live."""
+    search_seconds: float = Field(DEFAULT_SEARCH_S, gt=0.0)
+    """The wall-clock budget of each search Lagom runs beside the job (at start-up without a plan, on the
+    calibrated model, after a drift); at its end the best plan found so far is taken, and the report says so."""
     report: str | None = None
     """Path prefix: writes <report>.json and <report>.md on rank 0; None writes no report."""
     workload: str | dict[str, Any] | None = None

@@ -44,7 +44,8 @@ def session_options(section: LagomConfig) -> SessionOptions:
         Path(f"{section.report}-plan.json") if section.report else None)
     flash = section.flash_overlap
     return SessionOptions(
-        mode=section.mode, strategy=section.strategy, tune_steps=section.tune_steps, tune_seconds=section.tune_seconds, plan_in=plan_in,
+        mode=section.mode, strategy=section.strategy, tune_steps=section.tune_steps, tune_seconds=section.tune_seconds,
+        search_seconds=section.search_seconds, plan_in=plan_in,
         plan_out=plan_out, cache_dir=Path(section.cache_dir), report_files=report, flash_overlap=flash.enabled,
         flash_num_chunks=flash.num_chunks, flash_stream_priority=flash.comm_stream_priority or None,
         strict_env=section.strict_env, retune_threshold=section.retune_threshold,

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lagom.errors import ConfigError
+from lagom.runtime.online.background import DEFAULT_SEARCH_S
 from lagom.runtime.online.live import DEFAULT_BUDGET_S
 from lagom.search import STRATEGIES
 
@@ -75,6 +76,10 @@ def add_lagom_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                             "model, the rest try settings on live steps (default 60)")
     group.add_argument("--lagom-tune-seconds", type=_positive_float, default=DEFAULT_BUDGET_S, metavar="S",
                        help=f"online mode: the wall-clock budget of trying settings live (default {DEFAULT_BUDGET_S:g})")
+    group.add_argument("--lagom-search-seconds", type=_positive_float, default=DEFAULT_SEARCH_S, metavar="S",
+                       help="the wall-clock budget of each search Lagom runs beside the job (at start-up without a "
+                            "plan, on the calibrated model, after a drift); at its end the best plan found so far "
+                            f"is taken and the report says so (default {DEFAULT_SEARCH_S:g})")
     group.add_argument("--lagom-report", metavar="PATH",
                        help="where the tuning report goes: a .json file (Markdown beside it) or a directory")
     group.add_argument("--lagom-out", metavar="DIR",
@@ -102,6 +107,7 @@ class LagomOptions:
     strategy: str
     tune_iters: int
     tune_seconds: float
+    search_seconds: float
     report: Path | None
     out_dir: Path  # plans Lagom makes and the userbuffers config
     cache_dir: Path  # online plan cache
@@ -123,7 +129,7 @@ class LagomOptions:
 
 
 _DEFAULTS = {"lagom_plan": None, "lagom_mode": "offline", "lagom_hardware": None, "lagom_strategy": "lagom",
-             "lagom_tune_iters": 60, "lagom_tune_seconds": DEFAULT_BUDGET_S, "lagom_report": None, "lagom_out": None, "lagom_cache_dir": None,
+             "lagom_tune_iters": 60, "lagom_tune_seconds": DEFAULT_BUDGET_S, "lagom_search_seconds": DEFAULT_SEARCH_S, "lagom_report": None, "lagom_out": None, "lagom_cache_dir": None,
              "lagom_flash_overlap": False}
 
 
@@ -200,5 +206,6 @@ def options_from_args(args: argparse.Namespace) -> LagomOptions | None:
                         hardware=getattr(args, "lagom_hardware", None),
                         strategy=getattr(args, "lagom_strategy", "lagom"),
                         tune_iters=getattr(args, "lagom_tune_iters", 60),
-                        tune_seconds=getattr(args, "lagom_tune_seconds", DEFAULT_BUDGET_S), report=report, out_dir=out_dir,
+                        tune_seconds=getattr(args, "lagom_tune_seconds", DEFAULT_BUDGET_S),
+                        search_seconds=getattr(args, "lagom_search_seconds", DEFAULT_SEARCH_S), report=report, out_dir=out_dir,
                         cache_dir=Path(cache) if cache else DEFAULT_CACHE, flash_overlap=flash and not blockers)

@@ -31,6 +31,7 @@ from lagom.runtime.apply.runtime import option_value
 from lagom.runtime.online import report
 from lagom.runtime.online.session import TuningSession, choose_hardware
 from lagom.runtime.online.state import KnobChange, SessionOptions
+from lagom.search.driver import Budget
 from lagom.step.workload import Workload
 from lagom.tune import make_plan, problem_for
 from lagom_megatron.arguments import LagomOptions, flash_overlap_blockers
@@ -44,7 +45,8 @@ USER_COMM_FLAGS = "--nccl-communicator-config-path / --high-priority-stream-grou
 
 def session_options(options: LagomOptions, args: argparse.Namespace) -> SessionOptions:
     return SessionOptions(
-        mode=options.mode, strategy=options.strategy, tune_steps=options.tune_iters, tune_seconds=options.tune_seconds, plan_in=options.plan,
+        mode=options.mode, strategy=options.strategy, tune_steps=options.tune_iters, tune_seconds=options.tune_seconds,
+        search_seconds=options.search_seconds, plan_in=options.plan,
         plan_out=options.plan_out, cache_dir=options.cache_dir, report_files=options.report_files,
         flash_overlap=options.flash_overlap, warmup_steps=1,
         search_buckets=getattr(args, "ddp_bucket_size", None) is None)
@@ -135,23 +137,25 @@ class Session(TuningSession):
             if user != bucket:
                 self.event(f"--ddp-bucket-size {user} is kept (explicit flags win); the plan was made around it",
                            level=logging.WARNING)
-            self._cost_of_pinned_buckets(user)
             return
         self.args.ddp_bucket_size = bucket
         self.applied_at_start.append(KnobChange("ddp_bucket_size", self.workload.ddp_bucket_elems, bucket,  # type: ignore[union-attr]
                                                 f"plan ({plan.strategy})"))
 
-    def _cost_of_pinned_buckets(self, user: int) -> None:
-        """Say once what the user's bucket size costs against the bucket size Lagom would pick."""
-        if self.options.mode != "offline" or self.plan is None or self.options.plan_in is not None:
-            return
+    def start_search_notes(self, plan: Plan, budget: Budget) -> list[str]:
+        """In the start-up search's thread, where the user pinned --ddp-bucket-size: what keeping it costs against
+        the bucket size Lagom would pick (a second search, within what is left of the same budget)."""
+        user = getattr(self.args, "ddp_bucket_size", None)
+        if user is None or not getattr(self.args, "overlap_grad_reduce", False) or budget.cut is not None:
+            return []
         free = make_plan(self.workload, self.hw, self.options.strategy,  # type: ignore[arg-type]
-                         capability=self.capability)
-        mine, theirs = free.predicted_step_s[free.strategy], self.plan.predicted_step_s[self.plan.strategy]
+                         capability=self.capability, budget=budget)
+        mine, theirs = free.predicted_step_s[free.strategy], plan.predicted_step_s[plan.strategy]
         wanted = free.framework["megatron"]["bucket_size"]
-        if wanted != user:
-            self.event(f"Lagom would set --ddp-bucket-size {wanted} (kept: {user}); predicted cost of keeping it: "
-                       f"{(theirs - mine) * 1e3:+.3f} ms per step", level=logging.WARNING)
+        if wanted == user:
+            return []
+        return [f"Lagom would set --ddp-bucket-size {wanted} (kept: {user}); predicted cost of keeping it: "
+                f"{(theirs - mine) * 1e3:+.3f} ms per step"]
 
     def _apply_te(self, plan: Plan) -> None:
         if not getattr(self.args, "tp_comm_overlap", False):

@@ -314,11 +314,7 @@ class Runtime:
         if plugin is None:
             log.warning(nccl_tuner.UNAVAILABLE)
             return
-        overriding = [var for var in ALGO_PROTO_ENV if var in os.environ]
-        if os.environ.get(TUNER_PLUGIN_ENV, str(plugin)) != str(plugin):
-            overriding.insert(0, TUNER_PLUGIN_ENV)
-        if overriding:
-            log.info("NCCL tuner plugin left off: %s set in the environment", ", ".join(overriding))
+        if self._tuner_overridden(plugin):
             return
         rules_file = os.environ.get(nccl_tuner.RULES_FILE_ENV)
         if rules_file is None:
@@ -334,6 +330,27 @@ class Runtime:
             if _export(self, var, value, cleanup):
                 self.tuner_env_set[var] = value
         log.info("NCCL tuner plugin on: %s reads %s", plugin, rules_file)
+
+    @staticmethod
+    def _tuner_overridden(plugin: Path) -> bool:
+        """Whether the user's environment keeps Lagom's plugin off (another tuner, or NCCL_ALGO/NCCL_PROTO), said once."""
+        overriding = [var for var in ALGO_PROTO_ENV if var in os.environ]
+        if os.environ.get(TUNER_PLUGIN_ENV, str(plugin)) != str(plugin):
+            overriding.insert(0, TUNER_PLUGIN_ENV)
+        if overriding:
+            log.info("NCCL tuner plugin left off: %s set in the environment", ", ".join(overriding))
+        return bool(overriding)
+
+    def plugin_without_rules(self) -> bool:
+        """Turn Lagom's tuner plugin on with no rules file, for a session that starts without a plan and may put
+        one in force later through the live table: NCCL loads a tuner only when it makes a communicator, and
+        tunes every size itself until a table is published. False where the plugin is not built or the
+        user's environment keeps it off."""
+        plugin = nccl_tuner.path()
+        if plugin is None or self._tuner_overridden(plugin) or not _export(self, TUNER_PLUGIN_ENV, str(plugin)):
+            return False
+        self.tuner_env_set[TUNER_PLUGIN_ENV] = str(plugin)
+        return True
 
     def _write_tuner_rules(self, plan: Plan) -> Path | None:
         """The plan's rules in a file of this process's own (removed with its variable), or None if it cannot be written."""

@@ -48,6 +48,8 @@ class Reported(Protocol):
     events: list[str]
     off: str | None
     off_at: int | None
+    searching: bool
+    search_cuts: list[str | None]
 
     def framework_report(self) -> dict[str, Any]: ...
 
@@ -117,6 +119,9 @@ def build(session: Reported) -> dict[str, Any]:
         "nccl_plugin": session.plugin_calls(),
         "coverage": session.reconciled,
         "switched_off": {"why": session.off, "at_step": session.off_at} if session.off else None,
+        # the searches beside the job: one still under way, and per search adopted why it stopped early (None: it ran
+        # to its end; else its budget was spent and the plan is the best it had found)
+        "search": {"underway": session.searching, "cut": session.search_cuts},
         "details": session.framework_report(),
     }
 
@@ -147,6 +152,12 @@ def markdown(report: dict[str, Any]) -> str:
                         if calls["consulted_while_calibrating"] is False else ""))
     if report["why_untuned"]:
         lines.append(f"- not tuned: {report['why_untuned']}")
+    search = report["search"]
+    if search["underway"]:
+        lines.append("- search: rank 0 is searching beside the job; its plan is adopted at the first step after it is ready")
+    for n, cut in enumerate(search["cut"], 1):
+        if cut:
+            lines.append(f"- search {n}: {cut}; the plan adopted is the best it had found")
     cap = report["capability"]
     if cap["planned"]:
         lines.append(f"- planned for: {cap['planned']}")

@@ -3,11 +3,14 @@
 Both adapters run the same session; each subclasses it only for what its framework fixes at start-up
 (``apply_at_startup``) and what its report adds (``framework_report``). Data flows one way:
 
-  start plan   online: the plan an earlier run cached; else the plan file (read only); else a search
-               with the cost model, on rank 0; every rank receives rank 0's (where no process group
-               exists yet, at ``agree_start``, before the framework makes its NCCL communicators).
-               A plan that needs more than this process can apply (an older NCCL, no tuner plugin) is
-               made again within what it has; the report says what was missing.
+  start plan   online: the plan an earlier run cached; else the plan file (read only); else none.
+               offline: the plan file; else the plan a search beside an earlier run cached; else none,
+               and rank 0 searches beside the job (``start``). Every rank receives rank 0's (where no
+               process group exists yet, at ``agree_start``, before the framework makes its NCCL
+               communicators). A plan that needs more than this process can apply (an older NCCL, no
+               tuner plugin) is searched again within what it has, beside the job; the report says what
+               was missing. No rank waits for a search: each runs in a thread on rank 0, within
+               ``search_seconds``, and is adopted at an agreed step.
   calibration  online: the first steps are measured; rank 0 reconciles the model with the calls they
                issued (``lagom.model.reconcile``) and searches the calibrated model in a thread of its own;
                the ranks adopt its plan at the first agreed step after it is ready.
@@ -50,6 +53,7 @@ from lagom.runtime.apply.control import Control
 from lagom.runtime.apply.runtime import job_world_size, open_runtime, runtime_capability
 from lagom.runtime.apply.step_clock import KEEP, StepClock
 from lagom.runtime.online import report
+from lagom.runtime.online.background import SearchThread
 from lagom.runtime.online.live import LiveSearch, Trial
 from lagom.runtime.online.live_switch import LiveSwitching
 from lagom.runtime.online.monitor import Monitor
@@ -64,7 +68,7 @@ from lagom.runtime.online.state import (
     plugin_counters,
     rank,
 )
-from lagom.runtime.online.tuner import OnlineTuner, SearchThread, describe_changes
+from lagom.runtime.online.tuner import OnlineTuner, describe_changes
 from lagom.runtime.online.tuner import refit as online_refit
 from lagom.step.calls import CallRecord, KeyIndex
 from lagom.step.workload import Workload
@@ -132,6 +136,9 @@ class TuningSession(StartPlanning, LiveSwitching):
         self.searching = False  # online: rank 0 searches the calibrated model beside the job's steps
         self.reconciled: dict[str, Any] = {}  # the model's keys against the measured calls (``lagom.model.reconcile``)
         self._search: SearchThread | None = None  # rank 0's
+        self._search_kind = "online"  # what the search beside the job makes: "start" (offline start-up) or "online"
+        self.search_at_start = False  # offline, no plan at start-up: rank 0 searches one beside the job
+        self.search_cuts: list[str | None] = []  # per search adopted, why it stopped before its end (None: it did not)
         self.trials: list[Trial] = []
         self.live_summary: dict[str, Any] = {}
         self.hardware_reason = hardware_reason
@@ -212,8 +219,9 @@ class TuningSession(StartPlanning, LiveSwitching):
                            cache_dir=self.options.cache_dir, capability=self.capability)
 
 
-    def _measuring(self, plan: Plan) -> None:
-        """Online: the tuner measures the job as it runs under ``plan`` (its bucket sizes included)."""
+    def _measuring(self, plan: Plan | None) -> None:
+        """Online: the tuner measures the job as it runs under ``plan`` (its bucket sizes included; None: the
+        framework's own settings)."""
         if self.tuner is None:
             return
         self.tuner.running_plan = plan
@@ -365,25 +373,30 @@ class TuningSession(StartPlanning, LiveSwitching):
                        "NCCL_TUNER_PLUGIN, NCCL_ALGO or NCCL_PROTO, or a communicator made before Lagom set its "
                        "environment: NCCL keeps a failed plugin load for the whole process), so live trials change "
                        "only what Lagom routes itself (Flash-Overlap)", level=logging.WARNING)
-        self.searching = True
+        self.searching, self._search_kind = True, "online"
         self._next_agreement = self.steps_seen + 1
         if rank() == 0:
-            self._search = self.tuner.search_in_background()
+            self._search = self.tuner.search_in_background(self.options.search_seconds)
 
     def _searched(self, ready: bool) -> Plan | None:
         """Rank 0's search is over on every rank's word: its plan, adopted on every rank at this step; else the job
         runs one more step on the plan in force (no rank ever waits for the search)."""
-        assert self.tuner is not None
         if not ready:
             self._next_agreement = self.steps_seen + 1
             return None
         payload = self._search.payload if self._search is not None else None
-        payload = self.control.broadcast(payload, "the online plan")
+        start = self._search_kind == "start"
+        payload = self.control.broadcast(payload, "the start-up plan" if start else "the online plan")
         self.searching, self._search = False, None
+        if start:
+            return self._start_searched(payload)
+        assert self.tuner is not None
         plan = self.tuner.take(payload)
         self.reconciled = self.tuner.reconciled
+        self.search_cuts.append(self.tuner.cut)
         self._next_agreement = self.steps_seen + self.options.drift_check_steps
-        self.adopt(plan, self.iteration, (self.tuner.applies_now, self.tuner.next_start))
+        what = "online plan" + (f" ({self.tuner.cut}: the best found so far)" if self.tuner.cut else "")
+        self.adopt(plan, self.iteration, (self.tuner.applies_now, self.tuner.next_start), what=what)
         if self.options.tune_steps > self.calibration_steps:
             self._start_live()
         return plan
@@ -438,6 +451,8 @@ class TuningSession(StartPlanning, LiveSwitching):
         if self.live is not None:
             self.live.stop()
         self.tuning = self.live_on = self.searching = False
+        if self._search is not None:
+            self._search.stop(wait=False)  # at its next evaluation; the step hook does not wait for it
         self._search = None
         self.tuner = self.live = None
         self.monitor = None
@@ -450,11 +465,12 @@ class TuningSession(StartPlanning, LiveSwitching):
         log.error("Lagom switched itself off on rank %d: %s. The job runs on with the framework's own settings.",
                   rank(), why)
 
-    def adopt(self, plan: Plan, step: int, changes: tuple[list[str], list[str]] | None = None) -> None:
+    def adopt(self, plan: Plan, step: int, changes: tuple[list[str], list[str]] | None = None,
+              what: str = "online plan") -> None:
         """Take a plan found while running: the routing applies now, the rest on the next start.
 
         ``changes``: (applies now, applies on the next start) as the tuner described them; by default
-        they are worked out from the plan in force.
+        they are worked out from the plan in force. ``what``: the plan's name in the log.
         """
         old = self.plan.configs() if self.plan is not None else {}
         now, later = changes if changes is not None else describe_changes(old, plan.configs())
@@ -466,7 +482,7 @@ class TuningSession(StartPlanning, LiveSwitching):
         self.measured = Measured()
         self.applied_now, self.next_start = now, later
         self._save(plan)
-        self.event(f"step {step}: online plan taken ({plan.strategy}, {plan.evaluations} evaluations, cached in "
+        self.event(f"step {step}: {what} taken ({plan.strategy}, {plan.evaluations} evaluations, cached in "
                    f"{self.options.cache_dir}). Applied now: {'; '.join(now) or 'nothing'}. On the next start "
                    f"(fixed when communicators and buffers are made): {'; '.join(later) or 'nothing'}")
         self.write_report()
@@ -527,6 +543,9 @@ class TuningSession(StartPlanning, LiveSwitching):
         next collective. It is the same on every rank, and the next session of the process puts the start
         rules back at its own agreed start (``_restore_start_rules``)."""
         _open_sessions.discard(self)
+        if self._search is not None:
+            self._search.stop()
+            self._search = None
         if self.live is not None:
             self.live.stop()
             self.live = None

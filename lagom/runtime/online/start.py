@@ -1,5 +1,17 @@
-"""The start plan of a session: where it comes from (cache, file, a search on rank 0), its agreement
-across ranks before the framework makes its communicators, and what puts it in force."""
+"""The start plan of a session: where it comes from (cache or file, both fast), its agreement across ranks before
+the framework makes its communicators, what puts it in force, and the search that runs beside a job that
+starts without one.
+
+No rank waits for a search at start-up. A job with no plan file and no cached plan starts on the framework's
+own settings at once. Offline, rank 0 then searches the cost model in a thread beside the job (within
+``search_seconds``, see ``lagom.runtime.online.background``); at each step the ranks agree whether it is
+ready, and at the step where it is every rank adopts the part of the plan that can change while the job runs
+(the tuner plugin's rules through the live table, two phases, and the Flash-Overlap routing). What NCCL or the
+framework fixes when a communicator or a buffer is made (the NCCL variables, each communicator's options,
+bucket sizes) waits for the next start: the plan is cached for it, and the log and the report name each such
+setting. Online, no uncalibrated search runs at all: the first steps are measured on the framework's settings
+and the search on the calibrated model, beside the job in the same way, makes the first plan.
+"""
 
 from __future__ import annotations
 
@@ -15,9 +27,12 @@ from lagom.plan import emit
 from lagom.plan.plan import Plan
 from lagom.runtime.apply.runtime import open_runtime, registration_message, runtime_capability
 from lagom.runtime.online import report
+from lagom.runtime.online.background import SHARE, SearchThread
+from lagom.runtime.online.cache import PlanCache
 from lagom.runtime.online.monitor import Monitor
 from lagom.runtime.online.state import StartPlan, plan_fingerprint, plugin_counters, rank
-from lagom.tune import make_plan
+from lagom.search.driver import Budget
+from lagom.tune import framework_knobs, make_plan
 
 log = logging.getLogger("lagom.session")
 
@@ -48,7 +63,8 @@ class StartPlanning:
                 self.capability = self._with_registration(runtime_capability(self.hw))
                 if self.tuner is not None:
                     self.tuner = self._new_tuner()
-            if rank0["tuning"] and plan is not None:
+            self.search_at_start = rank0["search"]
+            if rank0["tuning"]:
                 self._measuring(plan)
             else:
                 self.tuning = False
@@ -61,7 +77,8 @@ class StartPlanning:
         it measures calibration steps next."""
         return {"plan": start.plan.to_json() if start.plan is not None else "",
                 "fingerprint": plan_fingerprint(start.plan) if start.plan is not None else "", "source": start.source,
-                "hardware": self.hw, "hardware_reason": self.hardware_reason, "tuning": self.tuning}
+                "hardware": self.hw, "hardware_reason": self.hardware_reason, "tuning": self.tuning,
+                "search": self.search_at_start}
 
     def _begin(self, start: StartPlan) -> None:
         """Put an agreed start plan in force on this rank (every rank does it at the same point)."""
@@ -72,7 +89,9 @@ class StartPlanning:
         self.runtime = open_runtime(start.plan, strict_env=self.options.strict_env, hw=self.hw,
                                     capability=self.capability, explore_channels=self._explore_channels(),
                                     recorder=recorder)
-        if self.options.mode == "online":
+        if self.options.mode == "online" or self.search_at_start:  # settings that may change while the job runs
+            if start.plan is None:
+                self.runtime.plugin_without_rules()  # NCCL loads the plugin now, to take a live table later
             self.live_table = self._open_live_table()
         self._counters_start = plugin_counters()
         self._restore_start_rules()
@@ -85,9 +104,13 @@ class StartPlanning:
             self.apply_at_startup(start.plan)
         self.event(f"{self.options.mode} mode: plan {self.plan_source}" + (
             f" ({start.plan.strategy}, {len(start.plan.entries)} keys)" if start.plan else ""))
+        if self.search_at_start:
+            self._search_beside()
 
     def start_plan(self) -> StartPlan:
-        """Online: the cached plan, else the plan file, else a search; offline: the file, else a search."""
+        """Online: the cached plan, else the plan file, else none (the calibrated search makes the first); offline:
+        the plan file, else the plan a search beside an earlier run cached, else none while rank 0 searches beside
+        the job (``search_at_start``). Nothing here searches: every rank leaves at once."""
         workload, hw, options = self.workload, self.hw, self.options
         if workload is None or hw is None:
             raise ConfigError("workload", "a start plan needs a workload and hardware")
@@ -106,33 +129,121 @@ class StartPlanning:
         if file_plan is not None:
             self._measuring(file_plan)
             return StartPlan(file_plan, f"loaded from {options.plan_in}")
-        started = time.perf_counter()
-        plan = self.control.on_rank0(lambda: make_plan(workload, hw, options.strategy, search_buckets=options.search_buckets,
-                                                       capability=self.capability), "the start plan")
-        source = f"searched with the cost model at start-up ({time.perf_counter() - started:.1f} s)"
-        if options.plan_out is not None:
-            self._save(plan)
-            source += f", saved to {options.plan_out}"
-        self._measuring(plan)
-        return StartPlan(plan, source)
+        return self._without_plan("no plan file or cached plan")
+
+    def _without_plan(self, why: str) -> StartPlan:
+        """The framework's own settings at start-up (``why``: what there was not); online, the first steps are
+        measured on them; offline, rank 0 searches beside the job from the first step."""
+        if self.options.mode == "online":
+            self._measuring(None)
+            return StartPlan(None, f"none at start-up ({why}): the framework's own settings until the search on the "
+                                   "model calibrated to the first steps, beside the job, makes one")
+        cache = self._model_cache()
+        cached = self.control.on_rank0(cache.load, "the cached start-up plan")
+        if cached is not None:
+            self.check_plan(cached, f"cache {self.options.cache_dir}")
+            return StartPlan(cached, f"searched beside an earlier run of this job, cached in {self.options.cache_dir}")
+        self.search_at_start = True
+        return StartPlan(None, f"none at start-up ({why}): the framework's own settings while rank 0 searches one "
+                               "beside the job")
+
+    def _model_cache(self) -> PlanCache:
+        """Where a plan searched beside the job is kept for its next start (the online cache's folder)."""
+        assert self.workload is not None and self.hw is not None
+        return PlanCache.for_job(self.options.cache_dir, self.workload, self.hw, self.world_size, "start")
 
     def within_capability(self, start: StartPlan) -> StartPlan:
-        """The start plan, or, where it needs what this process lacks, a plan made within what it has."""
+        """The start plan, or, where it needs what this process lacks, none: a plan within what this process has
+        is then searched beside the job (offline), or by the calibrated search (online)."""
         plan, available = start.plan, self.capability
         if plan is None or available is None or self.workload is None or self.hw is None:
             return start
         missing = plan.needs(available)
         if not missing:
             return start
+        why = f"the plan {start.source} needs {'; '.join(missing)}, which this process lacks ({available.describe()})"
+        self.event(f"{why}: the job starts on the framework's own settings and a plan within what it has is searched "
+                   "beside it", level=logging.WARNING)
+        self.search_at_start = False
+        return self._without_plan(why)
+
+    # -- the search beside the job ----------------------------------------------------------------
+
+    def _search_beside(self) -> None:
+        """Rank 0 searches the start plan in a thread beside the job; every rank asks at each step whether it is
+        ready (``_searched``), and no rank waits for it."""
+        self.searching, self._search_kind = True, "start"
+        self._next_agreement = self.steps_seen + 1
+        if rank() == 0:
+            self._search = SearchThread(self._start_payload, self.options.search_seconds, name="lagom-start-search")
+        self.event(f"rank 0 searches a plan beside the job (at most {self.options.search_seconds:g} s and "
+                   f"{SHARE:.0%} of one core); the ranks adopt it together at the first step after it is ready")
+
+    def _start_payload(self, budget: Budget) -> dict[str, Any]:
+        """Rank 0's start-up search, in its thread: the payload every rank receives (an error is carried in it,
+        never raised, since every rank takes it at the agreed step)."""
         workload, hw, options = self.workload, self.hw, self.options
-        replanned = self.control.on_rank0(lambda: make_plan(workload, hw, options.strategy,
-                                                            search_buckets=options.search_buckets, capability=available),
-                                          "the start plan within this process's capability")
-        self.event(f"the plan {start.source} needs {'; '.join(missing)}: re-planned within what this process has "
-                   f"({available.describe()})", level=logging.WARNING)
-        self._measuring(replanned)
-        return StartPlan(replanned, f"re-planned at start-up for NCCL {available.nccl_version} "
-                                    f"(the plan {start.source} needs {'; '.join(missing)})")
+        assert workload is not None and hw is not None
+        try:
+            plan = make_plan(workload, hw, options.strategy, search_buckets=options.search_buckets,
+                             capability=self.capability, budget=budget)
+            notes = self.start_search_notes(plan, budget)
+        except Exception as err:  # noqa: BLE001 - must reach every rank at the agreed step
+            return {"error": f"{type(err).__name__}: {err}"}
+        return {"plan": plan.to_json(), "cut": budget.cut, "seconds": time.perf_counter() - budget.started,
+                "notes": notes}
+
+    def start_search_notes(self, plan: Plan, budget: Budget) -> list[str]:
+        """What the adapter adds to the start-up search, in its thread (e.g. the cost of a pinned knob): lines for
+        the log and the report. None by default."""
+        return []
+
+    def _start_searched(self, payload: dict[str, Any]) -> Plan | None:
+        """Every rank, at the agreed step: rank 0's start-up plan adopted. What can change while the job runs is put
+        in force now (the tuner table, in two phases, and the routing); the rest waits for the next start, which
+        reads the plan from the cache (and from ``plan_out``)."""
+        if "error" in payload:
+            raise LagomError(f"the start-up search failed on rank 0: {payload['error']}")
+        plan = Plan.from_dict(json.loads(payload["plan"]), "rank 0's start-up plan")
+        self.search_at_start = False
+        self._next_agreement = None  # offline: nothing more to agree on
+        cut = payload.get("cut")
+        searched = (f"searched beside the job in {payload.get('seconds', 0.0):.1f} s, {plan.evaluations} evaluations" +
+                    (f"; {cut}: the best found so far" if cut else ""))
+        self.search_cuts.append(cut)
+        for note in payload.get("notes", []):
+            self.event(note, level=logging.WARNING)
+        now, later = self._late_changes(plan)
+        self.adopt(plan, self.iteration, (now, later), what=f"start-up plan ({searched})")
+        self._model_cache().save(plan)
+        if not self._put_live(plan.configs()):
+            return None  # the table could not be switched on every rank: Lagom is off (``_switch_table`` said why)
+        return plan
+
+    def _late_changes(self, plan: Plan) -> tuple[list[str], list[str]]:
+        """(what of a plan adopted while the job runs applies now, what waits for the next start), one line each."""
+        now: list[str] = []
+        later: list[str] = []
+        rules = emit.tuner_entries(plan)
+        if rules and self.live_table is not None:
+            now.append(f"NCCL tuner rules for {len(rules)} collective sizes, through the live table (channels within "
+                       "the CTA range each communicator was made with, chunks within the NCCL_BUFFSIZE in force)")
+        elif rules:
+            later.append(f"NCCL tuner rules for {len(rules)} collective sizes (no live table in this process: the "
+                         "plugin reads them when a communicator is made)")
+        decomposed = [e.key for e in plan.entries if e.config.decomposition == "p2p"]
+        if decomposed and self.router.enabled:
+            now.append(f"Flash-Overlap decomposition of {', '.join(decomposed)}")
+        later += [f"{var}={value} (NCCL reads it once per process)" for var, value in
+                  emit.nccl_env(plan, self.hw).items()]  # type: ignore[arg-type]
+        later += [f"group {group}: communicator options {cfg} (fixed at ncclCommInitRank)"
+                  for group, cfg in sorted(emit.communicator_configs(plan).items())]
+        running = framework_knobs(self.workload)  # type: ignore[arg-type]
+        for name, knobs in plan.framework.items():
+            was = running.get(name, {})
+            later += [f"{name}.{k} {was.get(k)} -> {v} (fixed when the framework makes its buffers)"
+                      for k, v in knobs.items() if was.get(k) != v]
+        return now, later
 
     def _load(self, path: Path) -> Plan:
         try:

@@ -16,6 +16,7 @@ from lagom.flash_overlap import FlashOverlapConfig
 from lagom.plan.capability import Capability
 from lagom.plan.plan import Plan, PlanEntry
 from lagom.runtime.apply.control import DEFAULT_TIMEOUT_S
+from lagom.runtime.online.background import DEFAULT_SEARCH_S
 from lagom.runtime.online.live import DEFAULT_BUDGET_S
 from lagom.step.calls import CallRecord
 
@@ -28,6 +29,9 @@ class SessionOptions:
     strategy: str = "lagom"
     tune_steps: int = 60  # online: the step budget; the first CALIBRATION_STEPS fit the model, the rest try settings live
     tune_seconds: float = DEFAULT_BUDGET_S  # online: the wall-clock budget of the live search
+    # every search beside the job (offline start-up, the calibrated search, drift re-tunes): its wall-clock budget,
+    # after which it returns the best found so far
+    search_seconds: float = DEFAULT_SEARCH_S
     plan_in: Path | None = None  # a plan to start from; never written
     plan_out: Path | None = None  # where plans Lagom makes are written (rank 0)
     cache_dir: Path = Path(".lagom-cache")

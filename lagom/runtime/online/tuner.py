@@ -12,11 +12,9 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import statistics
-import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -33,8 +31,11 @@ from lagom.plan.comm_config import PROCESS_FIELDS, CommConfig, Transport
 from lagom.plan.plan import Plan
 from lagom.runtime.apply import runtime
 from lagom.runtime.apply.control import Control
+from lagom.runtime.online.background import SearchThread
+from lagom.runtime.online.cache import PlanCache
 from lagom.search import STRATEGIES, Problem, SearchResult, run_strategy
 from lagom.search.base import SimulatedEvaluator, nccl_configs
+from lagom.search.driver import Budget
 from lagom.step.calls import SIZE_TOLERANCE, CallRecord, KeyIndex
 from lagom.step.workload import Workload, load_workload, validate
 from lagom.tune import Tuned, plan_from, problem_for
@@ -347,22 +348,6 @@ def _as_hardware(hw: Hardware | str) -> Hardware:
     return hw if isinstance(hw, Hardware) else load_hardware(str(hw))
 
 
-class SearchThread:
-    """A search running beside the job (a daemon thread): ``done`` says whether its payload is ready."""
-
-    def __init__(self, search: Callable[[], dict[str, Any]]) -> None:
-        self.payload: dict[str, Any] | None = None
-        self._thread = threading.Thread(target=self._run, args=(search,), name="lagom-online-search", daemon=True)
-        self._thread.start()
-
-    def _run(self, search: Callable[[], dict[str, Any]]) -> None:
-        self.payload = search()
-
-    @property
-    def done(self) -> bool:
-        return self.payload is not None
-
-
 class OnlineTuner:
     """Tunes a running job from its first ``tune_steps`` steps; see the module docstring.
 
@@ -391,12 +376,13 @@ class OnlineTuner:
                               "tune with the workload of this job")
         self.strategy, self.tune_steps, self.group = strategy, tune_steps, group
         self.running_plan, self.size_tolerance = running_plan, size_tolerance
-        self.cache_path = (Path(cache_dir) /
-                           f"{self.workload.fingerprint()}-{self.hw.fingerprint()}-w{self.world_size}.json")
+        self.cache = PlanCache.for_job(cache_dir, self.workload, self.hw, self.world_size)
+        self.cache_path = self.cache.path
         self.plan: Plan | None = None
         self.calibration: Calibration | None = None  # rank 0 only
         self.applies_now: list[str] = []
         self.next_start: list[str] = []
+        self.cut: str | None = None  # why the last search stopped before its end (its budget), else None
         self._steps: list[float] = []
         self._step_ids: list[int | None] = []  # each measured step's number (None: it issued no call)
         self._records: list[CallRecord] = []
@@ -405,26 +391,13 @@ class OnlineTuner:
 
     # -- cache
     def cached_plan(self) -> Plan | None:
-        """The plan an earlier run cached for this workload, machine and world size, if any."""
-        if not self.cache_path.exists():
-            return None
-        try:
-            plan = Plan.load(self.cache_path)
-            plan.check_for(self.world_size, self.workload, self.hw)
-        except ConfigError as err:
-            log.warning("ignoring cached plan %s: %s", self.cache_path, err)
-            return None
-        log.info("using the plan cached in %s (tuned %s from measured steps)", self.cache_path, plan.created)
-        return plan
+        """The plan an earlier run tuned and cached for this workload, machine and world size, if any."""
+        return self.cache.load()
 
     def _save(self, plan: Plan) -> None:
-        """Written by one process per node (local rank 0), atomically: readers never see half a file."""
-        if os.environ.get("LOCAL_RANK", str(self._rank())) != "0":
-            return
-        tmp = self.cache_path.with_name(f"{self.cache_path.name}.{os.getpid()}.tmp")
-        plan.save(tmp)
-        os.replace(tmp, self.cache_path)
-        log.info("online plan cached in %s: the next start of this job uses it without tuning steps", self.cache_path)
+        """Cached by one process per node (``PlanCache``)."""
+        if self.cache.save(plan):
+            log.info("online plan cached in %s: the next start of this job uses it without tuning steps", self.cache_path)
 
     # -- measuring and tuning
     def reset(self) -> None:
@@ -496,17 +469,18 @@ class OnlineTuner:
         payload = self.search_payload() if self._rank() == 0 else {}
         return self.take(control.broadcast(payload, "the online plan"))
 
-    def search_payload(self) -> dict[str, Any]:
-        """Rank 0's search on what was measured, as the payload every rank takes (``take``); an error is carried
-        in it, never raised, since every rank waits for it."""
+    def search_payload(self, budget: Budget | None = None) -> dict[str, Any]:
+        """Rank 0's search on what was measured, within ``budget``, as the payload every rank takes (``take``);
+        an error is carried in it, never raised, since every rank waits for it."""
         try:
-            return self._search()
+            return self._search(budget)
         except Exception as err:  # noqa: BLE001 - must reach every rank, or they wait in the broadcast
             return {"error": f"{type(err).__name__}: {err}"}
 
-    def search_in_background(self) -> SearchThread:
-        """Rank 0: ``search_payload`` in a thread of its own, so that no step hook waits for it."""
-        return SearchThread(self.search_payload)
+    def search_in_background(self, seconds: float | None) -> SearchThread:
+        """Rank 0: ``search_payload`` in a thread of its own (``lagom.runtime.online.background``) within
+        ``seconds``, so that no step hook waits for it."""
+        return SearchThread(self.search_payload, seconds, name="lagom-online-search")
 
     def take(self, payload: dict[str, Any]) -> Plan:
         """The plan of rank 0's search payload (``search_payload``), on this rank; cached per node."""
@@ -515,6 +489,7 @@ class OnlineTuner:
         plan = Plan.from_dict(json.loads(payload["plan"]), "online plan")
         self.applies_now, self.next_start = payload["now"], payload["next"]
         self.reconciled = payload.get("reconciled", {})
+        self.cut = payload.get("cut")
         self._save(plan)
         self.plan = plan
         return plan
@@ -548,7 +523,7 @@ class OnlineTuner:
         reconciled = Problem(done.graph, problem.hw, problem.open_space, problem.capability, problem.process)
         return reconciled, Simulator(reconciled.graph)
 
-    def _search(self) -> dict[str, Any]:
+    def _search(self, budget: Budget | None = None) -> dict[str, Any]:
         started = time.perf_counter()
         problem, simulator = self._reconciled()
         in_force, running = self._running_configs(problem)
@@ -556,7 +531,8 @@ class OnlineTuner:
         cal = calibrate(in_force, running, self._records, step_s, self.size_tolerance, simulator)
         self.calibration = cal
         self._log_calibration(cal)
-        result = run_strategy(self.strategy, cal.problem, SimulatedEvaluator(cal.problem, cal.simulator))
+        result = run_strategy(self.strategy, cal.problem, SimulatedEvaluator(cal.problem, cal.simulator), budget)
+        cut = budget.cut if budget is not None else None
         kept = cal.simulator.run(running, cal.model)
         if kept.step_s < result.result.step_s:
             result = SearchResult(self.strategy, running, kept, result.evaluations,
@@ -568,8 +544,8 @@ class OnlineTuner:
         plan = plan_from(Tuned(self.model_workload, cal.problem, result), self.workload, self.hw,
                          {"nccl": nccl, self.strategy: result.result.step_s})
         now, later = describe_changes(running, plan.configs())
-        self._log_plan(result.result, step_s, now, later, time.perf_counter() - started, result.evaluations)
-        return {"plan": plan.to_json(), "now": now, "next": later, "reconciled": self.reconciled}
+        self._log_plan(result.result, step_s, now, later, time.perf_counter() - started, result.evaluations, cut)
+        return {"plan": plan.to_json(), "now": now, "next": later, "reconciled": self.reconciled, "cut": cut}
 
     def _log_calibration(self, cal: Calibration) -> None:
         scales = cal.model.comm_scale
@@ -585,9 +561,10 @@ class OnlineTuner:
             log.info("%d calls had no completion callback: timed up to their wait (an upper bound)", cal.bounded_calls)
 
     def _log_plan(self, result: StepResult, step_s: float, now: list[str], later: list[str], took: float,
-                  evaluations: int) -> None:
-        log.info("online search (%s, %d evaluations, %.2f s): %.4g s/step measured -> %.4g s/step predicted",
-                 self.strategy, evaluations, took, step_s, result.step_s)
+                  evaluations: int, cut: str | None) -> None:
+        log.info("online search (%s, %d evaluations, %.2f s%s): %.4g s/step measured -> %.4g s/step predicted",
+                 self.strategy, evaluations, took, f", {cut}: the best found so far" if cut else "", step_s,
+                 result.step_s)
         for line in now:
             log.info("applies now: %s", line)
         for line in later:
