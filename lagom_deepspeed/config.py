@@ -52,7 +52,7 @@ class LagomConfig(DeepSpeedConfigModel):
     enabled: bool = False
     mode: Literal["offline", "online"] = "offline"
     plan: str | None = None
-    """Plan file to start from; when it does not exist, the plan searched at start-up is saved there.
+    """Plan file to start from; when it does not exist, the plan searched beside the job is saved there once adopted.
     online: used until tuned; the tuned plan is cached in ``cache_dir`` and preferred on the next start."""
     hardware: str | None = None
     """Preset name (shipped, or in a LAGOM_HARDWARE_PATH folder) or YAML file whose cluster has as many GPUs as ranks;

@@ -58,7 +58,7 @@ def add_lagom_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     group = parser.add_argument_group(title="lagom", description="communication tuning (Lagom)")
     group.add_argument("--lagom", action="store_true",
                        help="tune the communication of this job with Lagom (alone: the hardware is detected "
-                            "and a plan is searched at start-up)")
+                            "and a plan is searched beside the job, which starts at once)")
     group.add_argument("--lagom-plan", metavar="FILE",
                        help="plan JSON to start from; only read, never written (refused, naming the key, "
                             "when it was made for another job or machine)")

@@ -44,7 +44,8 @@ def plant_seconds(session: Any) -> tuple[float, tuple]:
     """The plant's delay for the table in force (read through the plugin's own reader), and the channels it
     gives each planned collective (0: no rule, NCCL decides; such calls cost the plant nothing)."""
     seen = []
-    for e in session.live_reference.entries if session.live_reference is not None else session.plan.entries:
+    in_force = session.live_reference or session.plan
+    for e in in_force.entries if in_force is not None else []:  # none before the first plan: NCCL's own choice
         choice = session.live_table.lookup(e.collective, e.bytes, e.group_size, e.group_nodes)
         seen.append(choice.channels if choice is not None else 0)
     return PLANT_MS * cost(tuple(seen)) / 1e3, tuple(seen)
