@@ -108,9 +108,33 @@ def _model(kind: str = "gpt") -> Any:
     return pipeline() if kind == "pipe" else TinyGPT()
 
 
+def _searched_beside(spy: Spy, rank: int, stage: int, section: dict[str, Any], init: Any) -> int:
+    """A first engine with no plan file: it starts on DeepSpeed's settings, rank 0 searches beside its steps, and
+    the plan adopted at an agreed step is saved to the section's plan file for the next start. Returns the step."""
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+
+    fresh = groups._WORLD_GROUP is None
+    model = _model()
+    engine, *_ = init(model=model, model_parameters=model.parameters(), config=ds_config(stage, lagom=section))
+    session = engine.lagom
+    assert session.plan is None and session.searching
+    step = 0
+    while session.plan is None:
+        searched_by_rank0(session)
+        _train(spy, engine, rank, 1, first=step)
+        step += 1
+    session.close()
+    if fresh:  # the next engine makes its dp group as in a fresh process, now with the plan's options
+        groups._WORLD_GROUP = None
+    dist.barrier()  # rank 0 wrote the plan file
+    return step
+
+
 def _lagom_run(spy: Spy, rank: int, stage: int, section: dict[str, Any], init: Any) -> dict[str, Any]:
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
+    searched_at = _searched_beside(spy, rank, stage, section, init) if not Path(section["plan"]).exists() else None
     model = _model()
     engine, *_ = init(model=model, model_parameters=model.parameters(), config=ds_config(stage, lagom=section))
     losses = _train(spy, engine, rank)
@@ -130,7 +154,7 @@ def _lagom_run(spy: Spy, rank: int, stage: int, section: dict[str, Any], init: A
                        for r in session.runtime.recorder.records],
            "spy": dict(spy.seen), "steps": len(session.steps), "decomposed": dict(session.router.calls),
            "group_desc": engine.optimizer.dp_process_group.group_desc,
-           "group_options": sorted(session.runtime.group_options)}
+           "group_options": sorted(session.runtime.group_options), "searched_at": searched_at}
     session.close()
     return out
 
@@ -165,7 +189,8 @@ def scenarios(rank: int, world: int, tmp: str) -> dict[str, Any]:
         model = _model()
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(stage))
         out[f"base{stage}"] = _train(spy, engine, rank)
-        section = {"enabled": True, "hardware": hw, "report": f"{tmp}/report{stage}", "plan": f"{tmp}/plan{stage}.json"}
+        section = {"enabled": True, "hardware": hw, "report": f"{tmp}/report{stage}", "plan": f"{tmp}/plan{stage}.json",
+                   "cache_dir": f"{tmp}/cache{stage}"}
         # stage 1 goes through patch(): plain deepspeed.initialize honours the section
         if stage == 1:
             lagom_deepspeed.patch()
@@ -194,7 +219,9 @@ def scenarios(rank: int, world: int, tmp: str) -> dict[str, Any]:
     model = _model("pipe")
     engine, *_ = lagom_deepspeed.initialize(
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-        config=ds_config(None, gradient_accumulation_steps=2, lagom={"enabled": True, "hardware": hw}))
+        config=ds_config(None, gradient_accumulation_steps=2, lagom={"enabled": True, "hardware": hw,
+                                                                    "cache_dir": f"{tmp}/pipe-cache"}))
+    searched_by_rank0(engine.lagom)  # the plan searched beside the job is adopted at the end of the first step
     losses = _train(spy, engine, 0)
     session = engine.lagom
     out["pipe"] = {"losses": losses, "records": [(r.step, r.group, r.collective, r.nbytes)
@@ -309,6 +336,8 @@ def test_engine_bucket_sizes_are_the_plans(runs: list, stage: int) -> None:
         # the config said 1000: raised to the prefetch bucket plus the largest module
         assert eff["stage3_max_live_parameters"] == plan["stage3_prefetch_bucket_size"] + r["largest_layer"]
     assert runs[0][f"lagom{stage}"]["plan"] == runs[1][f"lagom{stage}"]["plan"]
+    # the plan was searched beside a first engine's steps and adopted by both ranks at one step, then read at this start
+    assert runs[0][f"lagom{stage}"]["searched_at"] == runs[1][f"lagom{stage}"]["searched_at"] >= 1
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -415,7 +444,7 @@ def test_bad_sections_fail_before_training(runs: list, case: str, key: str) -> N
 def test_online_tunes_applies_at_runtime_and_caches(runs: list) -> None:
     for rank in (0, 1):
         o = runs[rank]["online"]
-        assert o["source"].startswith("searched")
+        assert o["source"].startswith("none at start-up"), "no search before the job starts"
         assert o["tuned_after_3_steps"] == 1
         assert any("Applied now:" in e and "On the next start" in e for e in o["events"])
         assert o["losses"] == runs[rank]["base3"], "switching to Flash-Overlap mid-run keeps the numerics"
