@@ -321,7 +321,8 @@ class TuningSession(StartPlanning, LiveSwitching):
             order = self._drift_order()
             calibrated = rank() == 0 and self.tuner is not None and self.tuner.calibration is not None
             header = [float(self.failure is not None), self._drift_level(), float(calibrated),
-                      float(self.options.mode == "online" and self.live_table is None),
+                      # a rank without a live table while others may switch theirs: none switches NCCL's settings live
+                      float((self.options.mode == "online" or self.search_at_start) and self.live_table is None),
                       float(self.tuning and not self._nccl_consulted()),
                       float(self._search is not None and self._search.done)]
             values = self.control.max([*header, *(float(self._drift_keys is None or k in self._drift_keys) for k in order),
