@@ -13,6 +13,7 @@ from functools import cache
 import pytest
 
 from lagom.hardware import load_hardware
+from lagom.model import compiled
 from lagom.model.simulator import Simulator
 from lagom.search import run_strategy
 from lagom.step.workload import load_workload, workload_names
@@ -60,10 +61,13 @@ SLOW_TIER = {"llama3-70b-1024", "llama3-8b-tp8", "mpt-7b-tp8", "phi2-tp8"}
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_TIER else n
                                   for n in workload_names()])
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_step_matches_the_reference_simulator(name, strategy):
+@pytest.mark.parametrize("compiled_loop", [False, True], ids=["python-loop", "compiled-loop"])
+def test_step_matches_the_reference_simulator(name, strategy, compiled_loop):
+    if compiled_loop and not compiled.library_path().is_file():
+        pytest.skip("the compiled simulator is not built")
     problem, configs = _job(name)
     ref = reference_simulate(problem.graph, configs[strategy], problem.model)
-    sim = Simulator(problem.graph)
+    sim = Simulator(problem.graph, compiled_loop=compiled_loop)
     for extrapolate in (False, True):
         res = sim.run(configs[strategy], problem.model, extrapolate=extrapolate)
         assert _close(res.step_s, ref.step_s), (extrapolate, res.step_s, ref.step_s)
@@ -85,5 +89,5 @@ def test_the_reference_check_covers_decompositions_and_pipelines():
         problem, configs = _job(name)
         decomposed += any(c.decomposition == "p2p" for s in STRATEGIES for c in configs[s].values())
         pipelines += problem.graph.devices > 1
-        extrapolated += any(ph.periods_skipped for ph in Simulator(problem.graph).run(configs["lagom"], problem.model).phases)
+        extrapolated += any(ph.periods_skipped for ph in Simulator(problem.graph, compiled_loop=False).run(configs["lagom"], problem.model).phases)
     assert decomposed >= 3 and pipelines >= 3 and extrapolated >= 3

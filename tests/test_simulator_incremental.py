@@ -21,6 +21,12 @@ def job(name: str, micro_batches: int | None = None):
     return problem_for(wl, load_hardware(wl.hardware))
 
 
+@pytest.fixture(autouse=True)
+def python_loop(monkeypatch):
+    """Checkpoints and resumed runs are the Python loop's: the compiled loop simulates every task and has none."""
+    monkeypatch.setenv("LAGOM_SIMULATOR", "python")
+
+
 def same(a, b) -> None:
     assert a.step_s == pytest.approx(b.step_s, rel=1e-12)
     assert a.exposed_comm_s == pytest.approx(b.exposed_comm_s, rel=1e-12, abs=1e-15)

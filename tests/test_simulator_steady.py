@@ -23,6 +23,12 @@ from tests.reference_simulator import reference_simulate
 REL = 1e-9
 
 
+@pytest.fixture(autouse=True)
+def python_loop(monkeypatch):
+    """Steady-state jumps are the Python loop's: the compiled loop simulates every task and has none."""
+    monkeypatch.setenv("LAGOM_SIMULATOR", "python")
+
+
 def job(name: str, micro_batches: int, **model) -> Problem:
     wl = load_workload(name)
     wl = replace(wl, training=replace(wl.training, global_batch=micro_batches * wl.training.micro_batch * wl.parallel.dp),

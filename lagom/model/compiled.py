@@ -140,8 +140,11 @@ def lower(lowering: Lowering) -> PhaseArrays:
     devices = sorted({*ix.devices, *(queue.device for queue in queues)})
     dense = {d: n for n, d in enumerate(devices)}
     positions: list[np.ndarray] = []
-    comm, first, last, device, cost = bytearray(), bytearray(), bytearray(), [], []
-    dev_off, dev_list, dep_off, dep_queue, dep_pos, wake_off, wake_list = [0], [], [0], [], [], [0], []
+    comm, first, last = bytearray(), bytearray(), bytearray()
+    device: list[int] = []
+    cost: list[int] = []
+    dev_off, dev_list, dep_off, dep_queue, dep_pos, wake_off = [0], [], [0], [], [], [0]
+    wake_list: list[int] = []
     cost_ids: dict[tuple, int] = {}
     cost_task: list[tuple[int, int]] = []
     for q, queue in enumerate(queues):
@@ -192,11 +195,11 @@ def lower(lowering: Lowering) -> PhaseArrays:
     keys = list(dict.fromkeys(c[0] for c in costs if isinstance(c[0], str)))
     key_ids = {k: n for n, k in enumerate(keys)}
     cost_key, cross, one_way = [], bytearray(), bytearray()
-    for c, (q, pos) in zip(costs, cost_task):
+    for what, (q, pos) in zip(costs, cost_task):
         shape = lowering.shape(q, pos)
-        cost_key.append(key_ids[c[0]] if shape.comm else -1)
+        cost_key.append(key_ids[what[0]] if shape.comm else -1)
         cross.append(shape.comm and ix.points[shape.point].group.nodes > 1)
-        one_way.append(shape.comm and not c[1] and shape.coll == Collective.SEND_RECV)
+        one_way.append(shape.comm and not what[1] and shape.coll == Collective.SEND_RECV)
     compute_queue = np.full(len(devices), -1, dtype=np.int32)
     for d, q in lowering.compute_queue.items():
         compute_queue[dense[d]] = q
