@@ -170,9 +170,10 @@ class TuningSession(StartPlanning, LiveSwitching):
         """Choose the start plan and put it in force (NCCL env, group options, routing, monitor).
 
         Ranks must start on one plan, or their first collectives disagree. Where process groups exist, rank 0
-        reads the files and searches and every rank receives its choice. Where they do not yet (Megatron
-        starts Lagom right after parsing its arguments), each rank chooses a plan of its own, nothing NCCL
-        reads is set, and ``agree_start`` puts rank 0's in force on every rank once a group exists.
+        reads the files and every rank receives its choice (a search, where one is needed, runs beside the
+        job). Where they do not yet (Megatron starts Lagom right after parsing its arguments), each rank
+        chooses a plan of its own, nothing NCCL reads is set, and ``agree_start`` puts rank 0's in force on
+        every rank once a group exists.
         """
         _open_sessions.add(self)
         if self.workload is None or self.hw is None:
