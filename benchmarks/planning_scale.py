@@ -55,6 +55,7 @@ LAYERS = (24, 80, 128)
 WORLDS = (8, 64, 1024, 8192)
 LAYOUTS = {8: (2, 4, 1), 64: (4, 4, 4), 1024: (8, 8, 16), 8192: (8, 8, 128)}  # world -> (tp, pp, dp)
 TARGETS = [("gpt3-13b-pp4", m) for m in (4, 8, 16, 128)] + [("llama3-70b-1024", 256)]
+COMPARE_TARGETS = ["llama3-405b-2048"]  # `lagom compare` within 60 s (--targets runs it after the table)
 
 
 def grid_job(layers: int, world: int, micro_batches: int):

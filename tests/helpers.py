@@ -76,3 +76,14 @@ def two_all_reduces_one_gemm() -> Problem:
               {"collective": "all_gather", "mb": 236.3976682609433, "after": 0, "before": 2, "nodes": 2, "size": 16,
                "group": "g2"}]
     return synthetic_problem(segments, points, space=THREE_CHANNELS)
+
+
+def megatron_plan_file(args, path: Path) -> str:
+    """A plan file for a Megatron job's arguments, made as `lagom tune` makes one: a job without a plan starts on
+    Megatron's own settings and searches beside itself, so tests of what a plan does at start-up start from one."""
+    from lagom.tune import make_plan
+    from lagom_megatron.workload import workload_from_args
+
+    make_plan(workload_from_args(args), load_hardware(args.lagom_hardware), args.lagom_strategy,
+              search_buckets=getattr(args, "ddp_bucket_size", None) is None).save(path)  # as the session searches
+    return str(path)

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from tests.distributed import run_ranks
+from tests.helpers import megatron_plan_file
 
 HIDDEN, FFN, LAYERS, HEADS, SEQ, VOCAB, STEPS, LR = 16, 64, 2, 4, 8, 128, 3, 0.1
 HARDWARE = Path(__file__).resolve().parent.parent / "examples" / "megatron" / "cpu-2ranks.yaml"  # 2 ranks, A100-like
@@ -35,14 +36,15 @@ def cpu_attention() -> None:
 
 
 def job_args(world: int, report: Path) -> argparse.Namespace:
-    """The Megatron arguments Lagom reads (a subset of what megatron's parser produces)."""
+    """The Megatron arguments Lagom reads (a subset of what megatron's parser produces); the plan file beside the
+    report folder is the test's to write (``megatron_plan_file``) before the ranks start."""
     return argparse.Namespace(
         num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=HEADS, seq_length=SEQ,
         max_position_embeddings=SEQ, micro_batch_size=2, global_batch_size=2 * world, padded_vocab_size=VOCAB,
         world_size=world, rank=0,
         tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
         expert_model_parallel_size=1, use_distributed_optimizer=True, overlap_grad_reduce=True,
-        ddp_bucket_size=BUCKET, ddp_num_buckets=None, tp_comm_overlap=False, lagom=True, lagom_plan=None,
+        ddp_bucket_size=BUCKET, ddp_num_buckets=None, tp_comm_overlap=False, lagom=True, lagom_plan=str(report.parent / "plan.json"),
         lagom_mode="offline", lagom_hardware=str(HARDWARE), lagom_strategy="lagom",
         lagom_tune_iters=2, lagom_report=str(report), lagom_flash_overlap=False)
 
@@ -169,6 +171,7 @@ def ddp_rank(rank: int, world: int, report: Path) -> dict:
 
 
 def test_ddp_buckets_are_recorded_and_training_is_unchanged(tmp_path: Path) -> None:
+    megatron_plan_file(job_args(2, tmp_path / "report"), tmp_path / "plan.json")
     results = run_ranks(ddp_rank, 2, tmp_path / "report")
     for opt in (False, True):  # data parallel: both ranks hold the same, finite, trained parameters
         assert all(torch.equal(a, b) and a.isfinite().all() for a, b in zip(results[0][f"params_{opt}"],

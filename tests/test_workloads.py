@@ -18,7 +18,7 @@ RUNS = [(w, h) for s in PUBLISHED.settings for w in s.workloads for h in s.hardw
 
 
 # Cluster-scale planning jobs (issue 11: benchmarks/planning_scale.py); nothing published to reproduce.
-SCALE_ONLY = {"gpt3-13b-pp4", "llama3-70b-1024"}
+SCALE_ONLY = {"gpt3-13b-pp4", "llama3-70b-1024", "llama3-405b-2048"}
 
 
 def test_every_config_is_used_by_a_published_setting_or_the_scale_benchmark():
