@@ -19,7 +19,7 @@ import ctypes
 import logging
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from lagom.errors import ConfigError, LagomError
-from lagom.model.lowering import END, Lowering
+from lagom.model.lowering import COMPUTE, END, Lowering
+from lagom.model.phase_index import SLOT
 from lagom.nccl_tuner.build import EVENT_LOOP, LIBRARY_DIR
 from lagom.step.graph import Collective
 
@@ -131,65 +132,201 @@ class PhaseArrays:
         return q, int(self.positions[q][task - self.queue_first[q]])
 
 
+@dataclass
+class _Rows:
+    """Tasks of one queue as arrays: per row its position and fields; its devices, dependencies and wakes as a
+    count per row and one flat list each."""
+
+    pos: np.ndarray
+    comm: np.ndarray
+    first: np.ndarray
+    last: np.ndarray
+    device: np.ndarray
+    cost: np.ndarray
+    n_dev: np.ndarray
+    dev: np.ndarray
+    n_dep: np.ndarray
+    dep_queue: np.ndarray
+    dep_pos: np.ndarray
+    n_wake: np.ndarray
+    wake: np.ndarray
+
+    def since(self, position: int) -> _Rows:
+        """The rows at ``position`` and after."""
+        i = int(np.searchsorted(self.pos, position))
+        dev, dep, wake = (int(n[:i].sum()) for n in (self.n_dev, self.n_dep, self.n_wake))
+        return _Rows(self.pos[i:], self.comm[i:], self.first[i:], self.last[i:], self.device[i:], self.cost[i:],
+                     self.n_dev[i:], self.dev[dev:], self.n_dep[i:], self.dep_queue[dep:], self.dep_pos[dep:],
+                     self.n_wake[i:], self.wake[wake:])
+
+    def periods(self, count: int, shift: int, dep_shift: np.ndarray) -> _Rows:
+        """These rows repeated ``count`` times, each copy one period (``shift`` positions) on, its dependencies
+        moved by their own queues' periods (``dep_shift``, per dependency)."""
+        on = np.arange(1, count + 1, dtype=np.int64)[:, None]
+        def tile(a: np.ndarray) -> np.ndarray:
+            return np.tile(a, count)
+
+        return _Rows((self.pos + on * shift).ravel(), tile(self.comm), tile(self.first), tile(self.last),
+                     tile(self.device), tile(self.cost), tile(self.n_dev), tile(self.dev), tile(self.n_dep),
+                     tile(self.dep_queue), (self.dep_pos + on * dep_shift).ravel(), tile(self.n_wake), tile(self.wake))
+
+    @staticmethod
+    def join(parts: list[_Rows]) -> _Rows:
+        return _Rows(*(np.concatenate([getattr(p, f.name) for p in parts]) for f in fields(_Rows)))
+
+
+class _Walk:
+    """Rows of one queue worked out one at a time from the lowering's shapes, until they become arrays."""
+
+    def __init__(self) -> None:
+        self.pos: list[int] = []
+        self.flags = bytearray()  # comm, first, last per row
+        self.device: list[int] = []
+        self.cost: list[int] = []
+        self.n_dev: list[int] = []
+        self.dev: list[int] = []
+        self.n_dep: list[int] = []
+        self.dep_queue: list[int] = []
+        self.dep_pos: list[int] = []
+        self.n_wake: list[int] = []
+        self.wake: list[int] = []
+
+    def add(self, pos: int, shape: Any, device: int, cost: int, devices: list[int]) -> None:
+        self.pos.append(pos)
+        self.flags += bytes((shape.comm, shape.first, shape.last))
+        self.device.append(device)
+        self.cost.append(cost)
+        self.n_dev.append(len(devices))
+        self.dev.extend(devices)
+        self.n_dep.append(len(shape.deps))
+        for dq, at in shape.deps:
+            self.dep_queue.append(dq)
+            self.dep_pos.append(at)
+        self.n_wake.append(len(shape.wakes))
+        self.wake.extend(shape.wakes)
+
+    def rows(self) -> _Rows:
+        flags = np.frombuffer(bytes(self.flags), dtype=np.uint8).reshape(-1, 3)
+        i32 = np.int32
+        out = _Rows(np.asarray(self.pos, dtype=np.int64), flags[:, 0].copy(), flags[:, 1].copy(), flags[:, 2].copy(),
+                    np.asarray(self.device, dtype=i32), np.asarray(self.cost, dtype=i32),
+                    np.asarray(self.n_dev, dtype=i32), np.asarray(self.dev, dtype=i32), np.asarray(self.n_dep, dtype=i32),
+                    np.asarray(self.dep_queue, dtype=i32), np.asarray(self.dep_pos, dtype=np.int64),
+                    np.asarray(self.n_wake, dtype=i32), np.asarray(self.wake, dtype=i32))
+        self.__init__()  # type: ignore[misc]
+        return out
+
+
+class _Band:
+    """What decides whether a period of a queue is the image of the one before (``Lowering._image``'s tests, on
+    arrays): every queue's spans, and per device how many collectives each segment's end releases."""
+
+    def __init__(self, lowering: Lowering) -> None:
+        ix = lowering.ix
+        self.shift = np.asarray([queue.shift for queue in lowering.queues], dtype=np.int64)
+        self.spans = [(np.asarray([lo for lo, _ in queue.spans], dtype=np.int64),
+                       np.asarray([hi for _, hi in queue.spans], dtype=np.int64)) for queue in lowering.queues]
+        self.releases = {d: np.asarray([len(ix.releases.get((d, i), ())) for i in range(len(segs))], dtype=np.int64)
+                         for d, segs in ix.segments.items()}
+
+    def in_spans(self, queue: np.ndarray, pos: np.ndarray) -> bool:
+        for q in np.unique(queue):
+            los, his = self.spans[q]
+            at = pos[queue == q]
+            i = np.searchsorted(los, at, side="right") - 1
+            if (i < 0).any() or (at >= his[np.maximum(i, 0)]).any():
+                return False
+        return True
+
+
+def _tile(lowering: Lowering, band: _Band, q: int, prev: _Rows, pos: int) -> tuple[_Rows, int] | None:
+    """As many whole periods from ``pos`` on as are each the image of the period before (``prev``, the rows
+    from one period back up to ``pos``): the copies ``Lowering._image`` would make, made for a period at once;
+    with the position after them."""
+    queue = lowering.queues[q]
+    shift = queue.shift
+    span = queue.span(pos - shift)
+    if span is None or not len(prev.pos) or prev.pos[0] != pos - shift:
+        return None
+    nexts = np.append(prev.pos[1:], pos)  # each row's next position
+    dep_shift = band.shift[prev.dep_queue]
+    releases = band.releases.get(queue.device) if queue.kind == COMPUTE else None
+    count = 0
+    while True:
+        moved = count * shift  # the base period is ``count`` periods past ``prev``
+        if nexts[-1] + moved >= span[1] or not band.in_spans(prev.dep_queue, prev.dep_pos + count * dep_shift):
+            break
+        if releases is not None:
+            base = (prev.pos + moved) // SLOT
+            image = base + shift // SLOT
+            if image[-1] >= len(releases) or (releases[image] != releases[base]).any():
+                break
+        count += 1
+    return (prev.periods(count, shift, dep_shift), pos + count * shift) if count else None
+
+
 def lower(lowering: Lowering) -> PhaseArrays:
-    """Every task of the phase, walked queue by queue from its first position. Shapes are built through the
-    lowering (so a period's image is copied, not worked out again) and dropped once the walk is a period past
-    them, so memory holds the arrays, not the shapes."""
+    """Every task of the phase, walked queue by queue from its first position. In the periodic band a period
+    whose every task is the image of one a period back is copied as arrays, a period at once; other tasks are
+    worked out through the lowering's shapes, which are dropped once the walk is a period past them, so memory
+    holds the arrays, not the shapes."""
     ix = lowering.ix
     queues = lowering.queues
+    band = _Band(lowering)
     devices = sorted({*ix.devices, *(queue.device for queue in queues)})
     dense = {d: n for n, d in enumerate(devices)}
-    positions: list[np.ndarray] = []
-    comm, first, last = bytearray(), bytearray(), bytearray()
-    device: list[int] = []
-    cost: list[int] = []
-    dev_off, dev_list, dep_off, dep_queue, dep_pos, wake_off = [0], [], [0], [], [], [0]
-    wake_list: list[int] = []
     cost_ids: dict[tuple, int] = {}
     cost_task: list[tuple[int, int]] = []
+    per_queue: list[_Rows] = []
     for q, queue in enumerate(queues):
         shapes = lowering.shapes[q]
-        walked: list[int] = []
-        pos = lowering.firsts[q]
+        parts: list[_Rows] = []
+        walk = _Walk()
+        walked: list[int] = []  # positions whose shapes the lowering may still hold
         kept = 0
+        pos = lowering.firsts[q]
+        retry = pos + queue.shift  # where to try copying whole periods next
         while pos < END:
+            if queue.shift and pos >= retry:
+                parts.append(walk.rows())
+                tiled = _tile(lowering, band, q, _Rows.join(parts).since(pos - queue.shift), pos)
+                retry = pos + queue.shift
+                if tiled is not None:
+                    parts = [_Rows.join(parts), tiled[0]]
+                    pos = retry = tiled[1]
+                    continue
             shape = lowering.shape(q, pos)
-            walked.append(pos)
-            comm.append(shape.comm)
-            first.append(shape.first)
-            last.append(shape.last)
-            device.append(dense[shape.device])
             c = cost_ids.get(shape.cost)
             if c is None:
                 c = cost_ids[shape.cost] = len(cost_task)
                 cost_task.append((q, pos))
-            cost.append(c)
             for d in shape.devices:
                 if d not in dense:
                     dense[d] = len(devices)
                     devices.append(d)
-                dev_list.append(dense[d])
-            dev_off.append(len(dev_list))
-            for dq, at in shape.deps:
-                dep_queue.append(dq)
-                dep_pos.append(at)
-            dep_off.append(len(dep_queue))
-            wake_list.extend(shape.wakes)
-            wake_off.append(len(wake_list))
+            walk.add(pos, shape, dense[shape.device], c, [dense[d] for d in shape.devices])
+            walked.append(pos)
             pos = shape.next
             while kept < len(walked) and walked[kept] < pos - queue.shift:  # the walk needs one period back
                 shapes.pop(walked[kept], None)
                 kept += 1
         for at in walked[kept:]:
             shapes.pop(at, None)
-        positions.append(np.asarray(walked, dtype=np.int64))
-    queue_first = np.zeros(len(queues) + 1, dtype=np.int32)
+        parts.append(walk.rows())
+        per_queue.append(_Rows.join(parts))
+    return _arrays(lowering, per_queue, devices, dense, cost_ids, cost_task)
+
+
+def _arrays(lowering: Lowering, per_queue: list[_Rows], devices: list[int], dense: dict[int, int],
+            cost_ids: dict[tuple, int], cost_task: list[tuple[int, int]]) -> PhaseArrays:
+    ix = lowering.ix
+    rows = _Rows.join(per_queue)
+    positions = [r.pos for r in per_queue]
+    queue_first = np.zeros(len(per_queue) + 1, dtype=np.int32)
     np.cumsum([len(p) for p in positions], out=queue_first[1:])
-    dep_list = _task_numbers(positions, queue_first, np.asarray(dep_queue, dtype=np.int32),
-                             np.asarray(dep_pos, dtype=np.int64), ix.phase.name)
-    comm_arr = np.frombuffer(bytes(comm), dtype=np.uint8).copy()
-    record = np.full(len(comm_arr), -1, dtype=np.int32)
-    record_task = np.flatnonzero(comm_arr).astype(np.int32)
+    dep_list = _task_numbers(positions, queue_first, rows.dep_queue, rows.dep_pos, ix.phase.name)
+    record = np.full(len(rows.comm), -1, dtype=np.int32)
+    record_task = np.flatnonzero(rows.comm).astype(np.int32)
     record[record_task] = np.arange(len(record_task), dtype=np.int32)
     costs = list(cost_ids)
     keys = list(dict.fromkeys(c[0] for c in costs if isinstance(c[0], str)))
@@ -203,13 +340,15 @@ def lower(lowering: Lowering) -> PhaseArrays:
     compute_queue = np.full(len(devices), -1, dtype=np.int32)
     for d, q in lowering.compute_queue.items():
         compute_queue[dense[d]] = q
+    def offsets(counts: np.ndarray) -> np.ndarray:
+        out = np.zeros(len(counts) + 1, dtype=np.int32)
+        np.cumsum(counts, out=out[1:])
+        return out
+
     return PhaseArrays(
-        lowering, positions, queue_first, comm_arr, np.frombuffer(bytes(first), dtype=np.uint8).copy(),
-        np.frombuffer(bytes(last), dtype=np.uint8).copy(), np.asarray(device, dtype=np.int32),
-        np.asarray(cost, dtype=np.int32), record, np.asarray(dev_off, dtype=np.int32),
-        np.asarray(dev_list, dtype=np.int32), np.asarray(dep_off, dtype=np.int32), dep_list,
-        np.asarray(wake_off, dtype=np.int32), np.asarray(wake_list, dtype=np.int32), costs, cost_task, keys,
-        np.asarray(cost_key, dtype=np.int32), np.frombuffer(bytes(cross), dtype=np.uint8).copy(),
+        lowering, positions, queue_first, rows.comm, rows.first, rows.last, rows.device, rows.cost, record,
+        offsets(rows.n_dev), rows.dev, offsets(rows.n_dep), dep_list, offsets(rows.n_wake), rows.wake, costs, cost_task,
+        keys, np.asarray(cost_key, dtype=np.int32), np.frombuffer(bytes(cross), dtype=np.uint8).copy(),
         np.frombuffer(bytes(one_way), dtype=np.uint8).copy(), compute_queue,
         np.asarray([dense[d] for d in ix.devices], dtype=np.int32), record_task)
 
