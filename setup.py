@@ -42,7 +42,7 @@ PLUGINS = {
     PLUGIN_MODULE: (plugin_build.TUNER, "planned algorithms, protocols, channels and chunks per size are then left to NCCL."),
     PROFILER_MODULE: (plugin_build.PROFILER, "collectives are then measured through torch's hooks alone, and the "
                       "report cannot say which algorithm, protocol and channels NCCL ran."),
-    EVENT_LOOP_MODULE: (plugin_build.EVENT_LOOP, "planning then runs on the Python event loop, about 50 times slower."),
+    EVENT_LOOP_MODULE: (plugin_build.EVENT_LOOP, "planning then runs on the slower Python event loop (README: How fast planning is)."),
 }
 
 

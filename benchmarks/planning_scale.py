@@ -14,7 +14,9 @@ nodes as the world needs), laid out as Megatron would:
     1024:   TP8+SP x PP8 x DP16     8192: TP8+SP x PP8 x DP128
 with the distributed optimizer and overlapped gradient reduce and parameter gather.
 Targets: configs/workloads/gpt3-13b-pp4.yaml at 4, 8, 16 and 128 micro-batches and
-configs/workloads/llama3-70b-1024.yaml (256 micro-batches).
+configs/workloads/llama3-70b-1024.yaml (256 micro-batches); then `lagom compare` on the 2,048-GPU
+configs/workloads/llama3-405b-2048.yaml.
+The simulator runs on its compiled event loop where it is built; LAGOM_SIMULATOR=python times the Python loop.
 
 Each cell runs in a fresh process (one core) and reports CPU seconds of that process (time.process_time:
 steady on a shared machine, and the same as wall time on an idle core, since planning is single-threaded):
@@ -299,6 +301,8 @@ def main() -> None:
     if args.targets or both:
         for name, m in TARGETS:
             print(row(name, m, measure({"name": name, "m": m, "tune": tune}, args.timeout), args.timeout), flush=True)
+        print()
+        compare_all(COMPARE_TARGETS, args.timeout)
     if not (args.grid or both):
         return
     results: dict[tuple[int, int, int], dict | None] = {}

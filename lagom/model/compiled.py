@@ -226,8 +226,9 @@ class _Band:
         self.shift = np.asarray([queue.shift for queue in lowering.queues], dtype=np.int64)
         self.spans = [(np.asarray([lo for lo, _ in queue.spans], dtype=np.int64),
                        np.asarray([hi for _, hi in queue.spans], dtype=np.int64)) for queue in lowering.queues]
-        self.releases = {d: np.asarray([len(ix.releases.get((d, i), ())) for i in range(len(segs))], dtype=np.int64)
-                         for d, segs in ix.segments.items()}
+        self.releases = {d: np.zeros(len(segs), dtype=np.int64) for d, segs in ix.segments.items()}
+        for (d, i), released in ix.releases.items():
+            self.releases[d][i] = len(released)
 
     def in_spans(self, queue: np.ndarray, pos: np.ndarray) -> bool:
         for q in np.unique(queue):
