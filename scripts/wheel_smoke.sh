@@ -9,7 +9,7 @@
 #   - a 2-rank DeepSpeed run (CPU, gloo) with a lagom section whose hardware is a user's preset found
 #     through LAGOM_HARDWARE_PATH;
 #   - the sdist installed with a C compiler builds the plugins; with CC=/nonexistent it installs, says
-#     neither plugin was built, and Lagom reports them unavailable.
+#     neither plugin nor the compiled simulator was built, and Lagom reports them unavailable.
 # Usage: scripts/wheel_smoke.sh   (PYTHON=/path/to/python: the project environment, default .venv/bin/python)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -48,7 +48,7 @@ mkdir "$work/src"
 if git rev-parse --is-inside-work-tree > /dev/null 2>&1; then
   git ls-files -z --cached --others --exclude-standard | tar --null -T - -c | tar -x -C "$work/src"
 else
-  tar --exclude=./.venv --exclude=./build --exclude='*.egg-info' --exclude=./out --exclude=./lagom/nccl_tuner/lib -c . \
+  tar --exclude=./.venv --exclude=./build --exclude='*.egg-info' --exclude=./out --exclude=./lagom/nccl_tuner/lib --exclude=./lagom/model/lib -c . \
     | tar -x -C "$work/src"
 fi
 (cd "$work/src" && "$py" -m pip wheel . --no-deps --no-build-isolation -q -w "$work/dist" \
@@ -61,10 +61,13 @@ from pathlib import Path
 wheel, sdist = zipfile.ZipFile(sys.argv[1]), tarfile.open(sys.argv[2])
 shipped = [p for folder in ("lagom/configs", "lagom_megatron/patches") for p in Path(folder).rglob("*") if p.is_file()]
 bad = [str(p) for p in shipped if p.as_posix() not in wheel.namelist() or wheel.read(p.as_posix()) != p.read_bytes()]
-if sys.argv[3] == "1" and "lagom/nccl_tuner/lib/libnccl-tuner-lagom.so" not in wheel.namelist():
-    bad.append("lagom/nccl_tuner/lib/libnccl-tuner-lagom.so (the tuner plugin)")
+for library, what in (("lagom/nccl_tuner/lib/libnccl-tuner-lagom.so", "the tuner plugin"),
+                      ("lagom/model/lib/liblagom-event-loop.so", "the compiled simulator")):
+    if sys.argv[3] == "1" and library not in wheel.namelist():
+        bad.append(f"{library} ({what})")
 top = sdist.getnames()[0].split("/")[0]
-needed = ["setup.py", "LICENSE", "lagom/nccl_tuner/build.py", *(f"lagom/nccl_tuner/{n}" for n in ("plugin.c", "rules.c", "lagom_nccl_tuner.h", "rules.h")), *map(str, shipped)]
+needed = ["setup.py", "LICENSE", "lagom/nccl_tuner/build.py", *(f"lagom/nccl_tuner/{n}" for n in ("plugin.c", "rules.c", "lagom_nccl_tuner.h", "rules.h")),
+          "lagom/model/event_loop.c", "lagom/model/event_loop.h", *map(str, shipped)]
 bad += [f"{n} (sdist)" for n in needed if f"{top}/{n}" not in sdist.getnames()]
 for name in bad:
     print(f"missing or different: {name}")
@@ -85,6 +88,8 @@ outside = [m.__file__ for m in (lagom, lagom_deepspeed, lagom_experiments, lagom
 assert not outside, f"imported from outside the venv: {outside}"
 assert resources.HARDWARE_DIR.is_relative_to(sys.argv[1]), resources.HARDWARE_DIR
 assert sys.argv[2] == "0" or nccl_tuner.path() is not None, "the wheel's tuner plugin is not where lagom.nccl_tuner looks"
+from lagom.model import compiled
+assert sys.argv[2] == "0" or compiled.enabled(), "the wheel's compiled simulator is not where lagom.model.compiled looks"
 from lagom.hardware import closest_preset  # what --lagom alone detects a job's machine with
 assert closest_preset("NVIDIA A100-SXM4-80GB", gpus_per_node=8, nodes=1) == "a100-8x-100g"
 from lagom.step.workload import workload_names
@@ -161,14 +166,16 @@ install "$work/venv-sdist" -q "$sdist"
 step "the sdist with CC=/nonexistent: installs, and says the plugin is unavailable"
 fresh_venv "$work/venv-nocc"
 CC=/nonexistent install "$work/venv-nocc" -v "$sdist" > nocc.log 2>&1 || { tail -40 nocc.log; fail "the install without a compiler failed"; }
-for library in libnccl-tuner-lagom.so libnccl-profiler-lagom.so; do
-  grep -q "NCCL plugin $library was not built: CC=/nonexistent names no program" nocc.log \
+for library in libnccl-tuner-lagom.so libnccl-profiler-lagom.so liblagom-event-loop.so; do
+  grep -q "C library $library was not built: CC=/nonexistent names no program" nocc.log \
     || fail "the install did not say $library was not built"
 done
 "$work/venv-nocc/bin/python" -c 'from lagom import nccl_profiler, nccl_tuner
 assert nccl_tuner.path() is None and nccl_profiler.path() is None
 print(nccl_tuner.UNAVAILABLE)'
-"$work/venv-nocc/bin/lagom" compare gpt2-tp8 --json | "$py" -c 'import json, sys; assert json.load(sys.stdin)["capability"]["tuner_plugin"] is False' \
+"$work/venv-nocc/bin/lagom" compare gpt2-tp8 --json 2> nocc-compare.log | "$py" -c 'import json, sys; assert json.load(sys.stdin)["capability"]["tuner_plugin"] is False' \
   || fail "Lagom without the plugin plans as if it had it"
+[ "$(grep -c "planning runs on the slow Python event loop" nocc-compare.log)" = 1 ] \
+  || { cat nocc-compare.log; fail "Lagom without the compiled simulator did not say once that planning runs on the Python loop"; }
 
 step "wheel smoke passed"
