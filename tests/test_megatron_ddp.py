@@ -35,16 +35,16 @@ def cpu_attention() -> None:
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
 
 
-def job_args(world: int, report: Path) -> argparse.Namespace:
-    """The Megatron arguments Lagom reads (a subset of what megatron's parser produces); the plan file beside the
-    report folder is the test's to write (``megatron_plan_file``) before the ranks start."""
+def job_args(world: int, report: Path, plan: Path | None = None) -> argparse.Namespace:
+    """The Megatron arguments Lagom reads (a subset of what megatron's parser produces); ``plan``: a plan file to
+    start from (``megatron_plan_file``), else Lagom searches one beside the job."""
     return argparse.Namespace(
         num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=HEADS, seq_length=SEQ,
         max_position_embeddings=SEQ, micro_batch_size=2, global_batch_size=2 * world, padded_vocab_size=VOCAB,
         world_size=world, rank=0,
         tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
         expert_model_parallel_size=1, use_distributed_optimizer=True, overlap_grad_reduce=True,
-        ddp_bucket_size=BUCKET, ddp_num_buckets=None, tp_comm_overlap=False, lagom=True, lagom_plan=str(report.parent / "plan.json"),
+        ddp_bucket_size=BUCKET, ddp_num_buckets=None, tp_comm_overlap=False, lagom=True, lagom_plan=plan and str(plan),
         lagom_mode="offline", lagom_hardware=str(HARDWARE), lagom_strategy="lagom",
         lagom_tune_iters=2, lagom_report=str(report), lagom_flash_overlap=False)
 
@@ -125,7 +125,7 @@ def ddp_rank(rank: int, world: int, report: Path) -> dict:
         created[kwargs.get("group_desc")] = kwargs.get("pg_options")
         return new_group(*args, **kwargs)
 
-    args = job_args(world, report)
+    args = job_args(world, report, report.parent / "plan.json")  # the test wrote it before the ranks started
     session = Session.start_for(args, options_from_args(args))
     new_group = dist.new_group  # the runtime's wrapper: it gives groups it knows by group_desc the plan's options
     dist.new_group = spy  # what megatron itself passes (options from get_nccl_options)
