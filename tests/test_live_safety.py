@@ -50,12 +50,18 @@ def options(tmp: str, rank: int, **overrides: Any) -> SessionOptions:
     return SessionOptions(**(values | overrides))
 
 
+def job_entries(session: TuningSession) -> list[Any]:
+    """The collectives the job calls each step: the plan's in force, else (an online job starts with no plan and
+    runs on NCCL's own settings until the calibrated search makes one) those of NCCL's own plan of the job."""
+    if session.plan is not None:
+        return list(session.plan.entries)
+    assert session.workload is not None and session.hw is not None
+    return list(make_plan(session.workload, session.hw, "nccl").entries)
+
+
 def rules_now(session: TuningSession, reader: LiveTable) -> tuple:
-    """The rule the plugin in this process gives each planned collective now (None: NCCL's own choice)."""
-    plan = session.plan
-    if plan is None:
-        return ()
-    return tuple(reader.lookup(e.collective, e.bytes, e.group_size, e.group_nodes) for e in plan.entries)
+    """The rule the plugin in this process gives each collective of the job now (None: NCCL's own choice)."""
+    return tuple(reader.lookup(e.collective, e.bytes, e.group_size, e.group_nodes) for e in job_entries(session))
 
 
 def run(session: TuningSession, reader: LiveTable, steps: int) -> tuple[list[tuple], list[float]]:
@@ -64,7 +70,7 @@ def run(session: TuningSession, reader: LiveTable, steps: int) -> tuple[list[tup
     for _ in range(steps):
         session.begin_step()
         start = time.perf_counter()
-        for e in session.plan.entries if session.plan is not None else []:
+        for e in job_entries(session):
             session.runtime.recorder.ended(e.group, e.collective, e.bytes, start, start + STEP_S / 10)
         time.sleep(STEP_S)
         began = time.perf_counter()
@@ -89,7 +95,7 @@ def one_rank_cannot_open_a_table(rank: int, world: int, tmp: str) -> dict[str, A
     try:
         seen, _ = run(session, reader, 40)
         return {"seen": seen, "off": session.off, "table": session.live_table is not None,
-                "events": session.events, "underway": session.tuning_underway}
+                "events": session.events, "underway": session.tuning_underway, "tuned": len(session.tuned)}
     finally:
         session.close()
         reader.close()
@@ -100,6 +106,7 @@ def test_a_rank_without_a_live_table_turns_live_switching_off_on_every_rank(tmp_
     r0, r1 = run_ranks(one_rank_cannot_open_a_table, 2, str(tmp_path))
     assert r0["seen"] == r1["seen"], "the ranks' plugins gave different rules at some step"
     assert all(rules == r0["seen"][-1] for rules in r0["seen"]) and set(r0["seen"][-1]) == {None}  # never switched
+    assert r0["tuned"] >= 1 and r1["tuned"] >= 1  # ... though the online search made a plan, adopted at one step
     assert r0["off"] is None and r1["off"] is None and not r0["underway"]
     assert not r0["table"] and not r1["table"]
     assert any("a rank has no live tuner table" in e for e in r0["events"])
@@ -148,9 +155,9 @@ def a_receiver_times_out(rank: int, world: int, tmp: str) -> dict[str, Any]:
     if rank == 0:
         search = session._new_tuner().__class__._search
 
-        def slow(tuner: Any) -> dict[str, Any]:
+        def slow(tuner: Any, budget: Any = None) -> dict[str, Any]:  # the search beside the job, in its thread
             time.sleep(10 * STEP_S)
-            return search(tuner)
+            return search(tuner, budget)
 
         session._new_tuner().__class__._search = slow  # type: ignore[method-assign]
     session.start()
