@@ -213,6 +213,23 @@ static void fresh(head_t *s) {
     s->version = version;
 }
 
+/* A running head at a new duration: the work it did at the old one is taken off, and its end is pushed anew.
+   1: re-rated; 0: the duration is the same; -1: out of memory. */
+static int rerate(head_t *s, int32_t q, double dur, double now, heap_t *heap, int64_t *counter, double *longest) {
+    if (dur == s->dur)
+        return 0;
+    if (s->dur)
+        s->rem -= (now - s->since) / s->dur;
+    s->since = now;
+    s->dur = dur;
+    s->version++;
+    if (heap_push(heap, (entry_t){now + s->rem * dur, ++*counter, s->version, q}))
+        return -1;
+    if (dur > *longest)
+        *longest = dur;
+    return 1;
+}
+
 /* A small set of ids (devices or queues) walked in ascending order, as the reference walks sorted(woken). */
 typedef struct {
     int32_t *ids;
@@ -397,16 +414,10 @@ EXPORT int lagom_simulate_phase(const lagom_phase_t *ph, lagom_cost_fn cost, lag
                     rc = LAGOM_SIM_CALLBACK;
                     goto out;
                 }
-                if (dur != s->dur) {
-                    if (s->dur)
-                        s->rem -= (now - s->since) / s->dur;
-                    s->since = now;
-                    s->dur = dur;
-                    s->version++;
-                    if (heap_push(&heap, (entry_t){now + s->rem * dur, ++counter, s->version, q}))
-                        goto out;
-                    if (dur > longest)
-                        longest = dur;
+                int changed = rerate(s, q, dur, now, &heap, &counter, &longest);
+                if (changed < 0)
+                    goto out;
+                if (changed) {
                     key[0] = c;
                     key[1] = dur;
                     double rate = memo_get(&memo, key, 2, cost, LAGOM_COST_RATE);
@@ -443,17 +454,8 @@ EXPORT int lagom_simulate_phase(const lagom_phase_t *ph, lagom_cost_fn cost, lag
                 rc = LAGOM_SIM_CALLBACK;
                 goto out;
             }
-            if (dur != s->dur) {
-                if (s->dur)
-                    s->rem -= (now - s->since) / s->dur;
-                s->since = now;
-                s->dur = dur;
-                s->version++;
-                if (heap_push(&heap, (entry_t){now + s->rem * dur, ++counter, s->version, q}))
-                    goto out;
-                if (dur > longest)
-                    longest = dur;
-            }
+            if (rerate(s, q, dur, now, &heap, &counter, &longest) < 0)
+                goto out;
         }
         idset_clear(&dirty);
         while (heap.len && heap.items[0].version != r.state[heap.items[0].queue].version)
