@@ -2,10 +2,15 @@
 
 Each architecture is trained twice on 2 gloo CPU ranks from the same seed and batches: once by plain
 ``deepspeed.initialize`` and once by ``lagom_deepspeed.initialize`` with a ``"lagom"`` section (offline
-plan searched at start-up for a 2-GPU profile, bucket knobs written into the engine config, every
-collective recorded, Flash-Overlap decompositions where the plan chooses them). The report lists, per
-architecture, the overlap points the plan found, the configuration it applied, the collectives seen at
-run time, and whether the losses equal the run without Lagom. The models are written here with torch.nn
+plan for a 2-GPU profile, bucket knobs written into the engine config, every collective recorded,
+Flash-Overlap decompositions where the plan chooses them). A job without a plan starts on the framework's
+own settings while rank 0 searches one beside it, and what is fixed when communicators and buffers are
+made (bucket sizes, NCCL's variables) waits for the next start; so, as a user would, each job is first
+started without a plan until every rank has adopted the plan searched beside it (saved to the plan file),
+and the measured run starts from that file, with all of the plan in force from its first step. The
+report lists, per architecture, the overlap points of the plan the measured run ran with, the
+configuration it applied, the collectives seen at run time, and whether the losses equal the run
+without Lagom. The models are written here with torch.nn
 (no Hugging Face): a decoder (causal self-attention), an encoder (bidirectional, masked-token loss) and an
 encoder-decoder (cross-attention), each small enough for a CPU.
 """
@@ -170,7 +175,8 @@ def ds_config(arch: str, lagom: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def lagom_section(arch: str, out: Path, hardware: Path) -> dict[str, Any]:
-    """Offline plan searched at start-up; the architecture is stated (DeepSpeed models do not say it)."""
+    """Offline, from the plan file (searched beside a first start where there is none yet: ``plan_first``); the
+    architecture is stated (DeepSpeed models do not say it)."""
     workload: dict[str, Any] = {"name": f"real-{arch}", "model": {"architecture": arch, "seq_len": SEQ}}
     if arch == "t5":
         workload["model"] |= {"layers": LAYERS, "decoder_layers": LAYERS}
@@ -198,10 +204,55 @@ def train(arch: str, rank: int, lagom: dict[str, Any] | None) -> tuple[list[floa
     return losses, engine
 
 
+def searched_beside(session: Any, step: Callable[[int], None]) -> int:
+    """A job's first start without a plan: ``step`` (one training step) until every rank has adopted the plan rank 0
+    searched beside the steps (rank 0 waits between steps until its search is done, so that the plan is adopted at
+    the next agreed step, whatever this machine's speed). Returns the steps run."""
+    import torch.distributed as dist
+
+    if session is None or session.plan is not None or not session.searching:
+        raise RuntimeError("the first start was expected to search a plan beside the job "
+                           f"({'no Lagom session' if session is None else session.plan_source})")
+    steps = 0
+    while session.plan is None:
+        if session.off is not None or not session.searching:
+            raise RuntimeError(f"the search beside the job ended without a plan: {session.off or session.events[-1]}")
+        search = getattr(session, "_search", None)  # rank 0's thread (None on the other ranks)
+        while search is not None and not search.done:
+            time.sleep(0.01)
+        step(steps)
+        steps += 1
+    dist.barrier()  # rank 0 has written the plan file
+    return steps
+
+
+def plan_first(arch: str, rank: int, section: dict[str, Any]) -> None:
+    """DeepSpeed: the job's first start, without a plan file; the plan searched beside it is written to the
+    section's plan file, which the measured run starts from."""
+    import lagom_deepspeed
+
+    torch.manual_seed(0)
+    model = MODELS[arch]()
+    first = {k: v for k, v in section.items() if k != "report"}  # the measured run's report is the one kept
+    engine, *_ = lagom_deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                            config=ds_config(arch, first))
+
+    def step(i: int) -> None:
+        engine.backward(engine(*batch(arch, i % STEPS, rank)))
+        engine.step()
+
+    searched_beside(engine.lagom, step)
+    engine.lagom.close()
+
+
 def deepspeed_run(arch: str, rank: int, out: Path, hardware: Path) -> dict[str, Any]:
-    """Plain DeepSpeed, then DeepSpeed with the lagom section; what Lagom found, applied and saw."""
+    """Plain DeepSpeed; the plan searched beside a first start with the lagom section; then DeepSpeed with the
+    lagom section, started from that plan; what Lagom found, applied and saw."""
     plain, _ = train(arch, rank, None)
-    tuned, engine = train(arch, rank, lagom_section(arch, out, hardware))
+    section = lagom_section(arch, out, hardware)
+    if not Path(section["plan"]).exists():
+        plan_first(arch, rank, section)
+    tuned, engine = train(arch, rank, section)
     session = engine.lagom
     found = _found(session)
     session.close()
@@ -331,8 +382,16 @@ def cpu_megatron() -> None:
     os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
 
 
-def megatron_argv(arch: str, out: Path, hardware: Path, lagom: bool) -> list[str]:
-    """Megatron's own flags for the job; the script name says the architecture, as pretrain_<arch>.py does."""
+def megatron_plan(arch: str, out: Path) -> Path:
+    """The plan the first start with ``--lagom`` writes (``--lagom-out``), which the measured run starts from."""
+    from lagom_megatron.arguments import PLAN_FILE
+
+    return out / f"megatron-{arch}" / PLAN_FILE
+
+
+def megatron_argv(arch: str, out: Path, hardware: Path, lagom: bool, plan: Path | None = None) -> list[str]:
+    """Megatron's own flags for the job; the script name says the architecture, as pretrain_<arch>.py does.
+    ``plan``: the plan file to start from (without one, Lagom searches one beside the job)."""
     argv = [f"pretrain_{arch}.py", "--num-layers", str(LAYERS), "--hidden-size", str(HIDDEN),
             "--ffn-hidden-size", str(FFN), "--num-attention-heads", str(HEADS), "--seq-length", str(SEQ),
             "--max-position-embeddings", str(SEQ), "--micro-batch-size", str(MICRO), "--global-batch-size", str(MICRO),
@@ -343,13 +402,14 @@ def megatron_argv(arch: str, out: Path, hardware: Path, lagom: bool) -> list[str
         argv += ["--decoder-num-layers", str(LAYERS), "--decoder-seq-length", str(SEQ)]
     if lagom:
         argv += ["--lagom", "--lagom-mode", "offline", "--lagom-hardware", str(hardware),
-                 "--lagom-out", str(out / f"megatron-{arch}"),
-                 "--lagom-report", str(out / f"megatron-{arch}-lagom.json")]
+                 "--lagom-out", str(out / f"megatron-{arch}"), "--lagom-cache-dir", str(out / "cache")]
+        argv += ["--lagom-plan", str(plan), "--lagom-report", str(out / f"megatron-{arch}-lagom.json")] if plan else []
     return argv
 
 
-def megatron_train(arch: str, rank: int, argv: list[str]) -> tuple[list[float], Any]:
-    """Parse megatron's arguments (Lagom starts there when --lagom is given), build the model, train."""
+def megatron_train(arch: str, rank: int, argv: list[str], first_start: bool = False) -> tuple[list[float], Any]:
+    """Parse megatron's arguments (Lagom starts there when --lagom is given), build the model, train STEPS steps
+    (``first_start``: until every rank has adopted the plan searched beside the job, ``searched_beside``)."""
     import sys
 
     from megatron.core import parallel_state
@@ -372,22 +432,33 @@ def megatron_train(arch: str, rank: int, argv: list[str]) -> tuple[list[float], 
     model = TPModel(config, arch)
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
     losses = []
-    for step in range(STEPS):
+
+    def step(i: int) -> None:
         if session:
-            session.step_begin(step)
+            session.step_begin(i)
         optimizer.zero_grad()
-        loss = model(*batch(arch, step, 0))  # every rank is in one tensor-parallel group: the same batch
+        loss = model(*batch(arch, i % STEPS, 0))  # every rank is in one tensor-parallel group: the same batch
         loss.backward()
         optimizer.step()
         if session:
             session.step_end()
         losses.append(float(loss.detach()))
+
+    if first_start:
+        searched_beside(session, step)
+    else:
+        for i in range(STEPS):
+            step(i)
     return losses, session
 
 
 def megatron_run(arch: str, rank: int, out: Path, hardware: Path) -> dict[str, Any]:
-    """With --lagom first (its session is closed when the plain run parses its arguments), then without."""
-    tuned, session = megatron_train(arch, rank, megatron_argv(arch, out, hardware, lagom=True))
+    """With --lagom: a first start that searches the plan beside the job, then the measured run from that plan
+    (each session is closed when the next run parses its arguments); then without."""
+    plan = megatron_plan(arch, out)
+    if not plan.exists():
+        megatron_train(arch, rank, megatron_argv(arch, out, hardware, lagom=True), first_start=True)
+    tuned, session = megatron_train(arch, rank, megatron_argv(arch, out, hardware, lagom=True, plan=plan))
     session.write_report()
     found = _found(session)
     plain, _ = megatron_train(arch, rank, megatron_argv(arch, out, hardware, lagom=False))

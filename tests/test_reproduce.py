@@ -156,6 +156,12 @@ def test_real_runs_find_the_points_of_each_framework_and_keep_the_losses(tmp_pat
         assert len(r.losses_plain) == 2 and all(len(x) == 4 for x in r.losses_plain)
         assert r.losses_plain[0][-1] < r.losses_plain[0][0] + 0.5  # it trains, it does not blow up
         assert r.predicted["lagom"] <= r.predicted["nccl"]
+    # each job's first start searched its plan beside the steps and saved it; the measured run started from that
+    # file, with what is fixed at start-up (bucket sizes, communicator options, NCCL's variables) in force from its
+    # first step, and the points reported are that plan's
+    assert ds.plan_source == f"loaded from {tmp_path / 't5-plan.json'}"
+    assert meg.plan_source == f"loaded from {tmp_path / 'megatron-t5' / 'lagom-plan.json'}"
+    assert ds.applied and meg.applied
     # ZeRO-3 gathers parameters and reduce-scatters gradients over the data-parallel ranks, and all-reduces the
     # gradients' squared norm (fp64: 8 bytes) before stepping
     assert {p["key"].split("/")[1] for p in ds.points} == {"all_gather", "reduce_scatter", "all_reduce"}
