@@ -33,16 +33,18 @@ def run_example(cwd: Path, iters: int) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow  # the example under its launcher, end to end: CI's slower tier
 def test_cpu_example_tunes_online_then_reuses_the_cached_plan(tmp_path: Path) -> None:
-    first = run_example(tmp_path, iters=12)  # rank 0 searches beside the steps: the plan lands a few steps later
+    # no plan at start: 2 steps calibrate the model, then rank 0 searches it beside the steps; the plan is adopted at
+    # an agreed step, or, where the job ends first (a short job, a loaded machine), its best so far is cached at close
+    first = run_example(tmp_path, iters=12)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-4000:]
     losses = [line for line in first.stdout.splitlines() if line.startswith("iteration ")]
     assert len(losses) == 12
     log = first.stdout + first.stderr  # megatron's logging setup decides the stream
+    assert "online mode: plan none at start-up" in log
     assert "online plan cached in" in log
     report = json.loads((tmp_path / "report" / "lagom-report.json").read_text())
-    assert report["mode"] == "online" and report["points"]
+    assert report["mode"] == "online"
     assert report["measured"]["baseline_steps"] == 2 and report["measured"]["tuned_steps"] >= 2
-    assert {p["group"] for p in report["points"]} == {"dp"}
     assert (tmp_path / "report" / "lagom-report.md").read_text().startswith("# Lagom report")
     cached = list((tmp_path / ".lagom-cache").glob("*.json"))
     assert len(cached) == 1 and (tmp_path / "out" / "lagom-plan.json").read_text() == cached[0].read_text()
@@ -52,3 +54,7 @@ def test_cpu_example_tunes_online_then_reuses_the_cached_plan(tmp_path: Path) ->
     log = second.stdout + second.stderr
     assert "plan tuned by an earlier online run, cached in .lagom-cache" in log
     assert "online search" not in log
+    # the second start runs the cached plan from its first step: the report's points are its keys, the DDP buckets
+    report = json.loads((tmp_path / "report" / "lagom-report.json").read_text())
+    assert report["points"] and {p["group"] for p in report["points"]} == {"dp"}
+    assert report["measured"]["tuned_steps"] >= 2

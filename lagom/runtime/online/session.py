@@ -537,6 +537,25 @@ class TuningSession(StartPlanning, LiveSwitching):
             return
         report.write(self.report(), self.options.report_files)
 
+    def _cache_unadopted(self) -> None:
+        """Rank 0, at close: an online search the job ended before adopting (stopped at its next evaluation, so its
+        payload is the best found so far, and the plan's notes say the search was cut) is cached for the next start,
+        which runs it from its first step, as an adopted plan is; without it a job shorter than its search would
+        search again at every start. Nothing changes in this job: its ranks close at different moments, so no
+        collective runs here."""
+        search = self._search
+        if search is None or search.payload is None or self._search_kind != "online" or self.tuner is None \
+                or self.off is not None or "error" in search.payload:
+            return
+        try:
+            plan = self.tuner.take(search.payload)  # cached per node, and logged
+            self._save(plan)
+        except Exception as err:  # noqa: BLE001 - closing must not fail the job
+            log.warning("lagom: the online plan found as the job ended could not be cached: %s", err)
+            return
+        self.events.append(f"the job ended before every rank adopted the online plan ({search.budget.cut}: the best "
+                           f"found so far); cached in {self.options.cache_dir} for the next start")
+
     def close(self) -> None:
         """Remove what this session added to the process (idempotent); adapters extend it with their own.
 
@@ -547,6 +566,7 @@ class TuningSession(StartPlanning, LiveSwitching):
         _open_sessions.discard(self)
         if self._search is not None:
             self._search.stop()
+            self._cache_unadopted()
             self._search = None
         if self.live is not None:
             self.live.stop()
