@@ -198,3 +198,53 @@ def test_a_budget_stops_the_driver_between_evaluations_with_the_best_it_evaluate
     first = make_plan(wl, hw, budget=never)  # spent before any evaluation: NCCL's own choice, evaluated once
     assert never.cut == "cut at its budget of 0 s"
     assert first.predicted_step_s["lagom"] == first.predicted_step_s["nccl"]
+
+
+def test_an_online_search_the_job_ends_before_is_cached_for_the_next_start(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job shorter than its online search (one process): at close, rank 0's search stops at its next evaluation
+    and its best so far is cached, so the next start runs that plan from its first step instead of searching again
+    (nothing is adopted in the ending job)."""
+    from lagom.plan.plan import Plan
+    from lagom.runtime.online import background
+    from tests.test_live_safety import one_process_session
+
+    monkeypatch.setattr(background, "JOIN_S", 120.0)  # close waits for the stopped search, however loaded the machine
+    session = one_process_session(tmp_path)
+    original = SimulatedEvaluator.evaluate
+
+    def evaluate(self: SimulatedEvaluator, configs: Any) -> Any:  # no evaluation ends before the job does
+        search = session._search  # noqa: SLF001
+        if search is not None and search.budget.stop is not None:
+            search.budget.stop.wait(timeout=120)
+        return original(self, configs)
+
+    monkeypatch.setattr(SimulatedEvaluator, "evaluate", evaluate)
+
+    def step() -> None:
+        session.begin_step()
+        time.sleep(STEP_S)
+        session.end_step()
+
+    try:
+        for _ in range(MOST):
+            if session.searching or session.off is not None:
+                break
+            step()
+        assert session.off is None and session.searching and session.plan is None
+        for _ in range(3):  # the job runs on while the search waits
+            step()
+        assert session.plan is None and not session.tuned
+    finally:
+        session.close()
+    cached = list((tmp_path / "cache-0").glob("*.json"))
+    assert len(cached) == 1, cached
+    plan = Plan.load(cached[0])
+    assert plan.entries and all("stopped before its end" in e.note for e in plan.entries)
+    assert any("the job ended before every rank adopted the online plan" in e for e in session.events)
+    again = one_process_session(tmp_path)  # the next start of the same job
+    try:
+        assert again.plan_source.startswith("tuned by an earlier online run") and not again.tuning
+        assert again.plan is not None and plan_fingerprint(again.plan) == plan_fingerprint(plan)
+    finally:
+        again.close()
