@@ -53,9 +53,9 @@ def _close(a: float, b: float) -> bool:
     return a == pytest.approx(b, rel=REL, abs=1e-15)
 
 
-# CI's slower tier runs these: the 1,024-GPU job's reduced form still takes the reference half a minute, and
+# CI's slower tier runs these: the 1,024- and 2,048-GPU jobs' reduced forms still take the reference half a minute, and
 # three tensor-parallel jobs shaped as gpt2-tp8 is (which the quick tier keeps) take ten seconds each
-SLOW_TIER = {"llama3-70b-1024", "llama3-8b-tp8", "mpt-7b-tp8", "phi2-tp8"}
+SLOW_TIER = {"llama3-70b-1024", "llama3-405b-2048", "llama3-8b-tp8", "mpt-7b-tp8", "phi2-tp8"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_TIER else n
