@@ -61,23 +61,23 @@ SLOW_TIER = {"llama3-70b-1024", "llama3-405b-2048", "llama3-8b-tp8", "mpt-7b-tp8
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_TIER else n
                                   for n in workload_names()])
 @pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("compiled_loop", [False, True], ids=["python-loop", "compiled-loop"])
-def test_step_matches_the_reference_simulator(name, strategy, compiled_loop):
-    if compiled_loop and not compiled.library_path().is_file():
-        pytest.skip("the compiled simulator is not built")
+def test_step_matches_the_reference_simulator(name, strategy):
+    """Both loops: the Python one with and without its steady-state jumps, and the compiled one where built."""
     problem, configs = _job(name)
     ref = reference_simulate(problem.graph, configs[strategy], problem.model)
-    sim = Simulator(problem.graph, compiled_loop=compiled_loop)
-    for extrapolate in (False, True):
-        res = sim.run(configs[strategy], problem.model, extrapolate=extrapolate)
-        assert _close(res.step_s, ref.step_s), (extrapolate, res.step_s, ref.step_s)
-        assert _close(res.exposed_comm_s, ref.exposed_comm_s), (extrapolate, res.exposed_comm_s, ref.exposed_comm_s)
+    loops = [False] + ([True] if compiled.library_path().is_file() else [])
+    for compiled_loop, extrapolate in [(loop, jumps) for loop in loops for jumps in (False, True)]:
+        res = Simulator(problem.graph, compiled_loop=compiled_loop).run(configs[strategy], problem.model,
+                                                                        extrapolate=extrapolate)
+        why = (compiled_loop, extrapolate)
+        assert _close(res.step_s, ref.step_s), (why, res.step_s, ref.step_s)
+        assert _close(res.exposed_comm_s, ref.exposed_comm_s), (why, res.exposed_comm_s, ref.exposed_comm_s)
         assert [ph.time for ph in res.phases] == pytest.approx(ref.phase_times, rel=REL)
         per_key = res.per_key()
         assert set(per_key) == set(ref.per_key)
         for key, row in ref.per_key.items():
             for field, value in row.items():
-                assert _close(per_key[key][field], value), (extrapolate, key, field, per_key[key][field], value)
+                assert _close(per_key[key][field], value), (why, key, field, per_key[key][field], value)
 
 
 @pytest.mark.slow  # it needs the largest job's configs (half a minute): CI's slower tier
