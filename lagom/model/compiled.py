@@ -240,6 +240,15 @@ class _Band:
         return True
 
 
+def _tail(parts: list[_Rows], position: int) -> _Rows:
+    """The rows at ``position`` and after, joined from the last parts only (joining every part at each period
+    would copy the queue's rows once per period)."""
+    first = len(parts) - 1
+    while first > 0 and not (len(parts[first].pos) and parts[first].pos[0] <= position):
+        first -= 1
+    return _Rows.join(parts[first:]).since(position)
+
+
 def _tile(lowering: Lowering, band: _Band, q: int, prev: _Rows, pos: int) -> tuple[_Rows, int] | None:
     """As many whole periods from ``pos`` on as are each the image of the period before (``prev``, the rows
     from one period back up to ``pos``): the copies ``Lowering._image`` would make, made for a period at once;
@@ -290,10 +299,10 @@ def lower(lowering: Lowering) -> PhaseArrays:
         while pos < END:
             if queue.shift and pos >= retry:
                 parts.append(walk.rows())
-                tiled = _tile(lowering, band, q, _Rows.join(parts).since(pos - queue.shift), pos)
+                tiled = _tile(lowering, band, q, _tail(parts, pos - queue.shift), pos)
                 retry = pos + queue.shift
                 if tiled is not None:
-                    parts = [_Rows.join(parts), tiled[0]]
+                    parts.append(tiled[0])
                     pos = retry = tiled[1]
                     continue
             shape = lowering.shape(q, pos)
