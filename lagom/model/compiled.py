@@ -75,6 +75,12 @@ def _library() -> Any:
                     "the slow Python event loop; reinstall with a C compiler (pip install -e .) to build %s", path.name)
         return None
     lib = ctypes.CDLL(str(path))
+    built = lib.lagom_event_loop_abi()
+    if built != ABI:
+        log.warning("Lagom's compiled simulator %s was built for ABI %d, not %d (an install older than its Python "
+                    "code): planning runs on the slow Python event loop; reinstall (pip install -e .) to rebuild it",
+                    path, built, ABI)
+        return None
     lib.lagom_simulate_phase.argtypes = [ctypes.POINTER(_Phase), COST_FN, ctypes.POINTER(_Result)]
     lib.lagom_simulate_phase.restype = ctypes.c_int
     return lib

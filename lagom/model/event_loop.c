@@ -291,6 +291,8 @@ static void touch(lagom_result_t *out, int32_t key, int32_t *touches) {
         out->touched[key] = ++*touches;
 }
 
+EXPORT int lagom_event_loop_abi(void) { return LAGOM_EVENT_LOOP_ABI; }
+
 EXPORT int lagom_simulate_phase(const lagom_phase_t *ph, lagom_cost_fn cost, lagom_result_t *out) {
     const int32_t nq = ph->n_queues, nd = ph->n_devices;
     int rc = LAGOM_SIM_NOMEM;

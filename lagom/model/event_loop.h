@@ -42,6 +42,7 @@ typedef struct {
     int32_t *heads;   /* per queue: the head when the run ended (where it stuck, on an error) */
 } lagom_result_t;
 
+int lagom_event_loop_abi(void); /* LAGOM_EVENT_LOOP_ABI as built: a library older than its Python side is not used */
 int lagom_simulate_phase(const lagom_phase_t *phase, lagom_cost_fn cost, lagom_result_t *out);
 
 #endif
