@@ -114,9 +114,19 @@ def test_tree_all_reduce_halves_what_the_nic_carries_on_two_nodes():
 def test_nvls_each_gpu_carries_the_buffer_once():
     model, nbytes = CostModel(H100), GIB
     cfg = CommConfig(algorithm=Algorithm.NVLS, channels=16)
-    # 16 channels x 36 GB/s exceed NCCL's 370.8 GB/s NVLink4 figure: the link, at the NVLS efficiency x 15/16 of it
-    expected = 25e-6 + nbytes * 7 / 8 / (370.8e9 * H100.nccl.nvls_efficiency * 15 / 16)
+    # 16 CTAs x 36 GB/s exceed NCCL's 370.8 GB/s NVLink4 figure: the link, at the NVLS efficiency of it
+    expected = 25e-6 + nbytes * 7 / 8 / (370.8e9 * H100.nccl.nvls_efficiency)
     assert model.comm_time(AR, Group("tp", 8, 8, 1), nbytes, cfg) == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("ctas", [1, 2, 4, 8])
+def test_nvls_under_a_cta_limit_runs_on_that_many_ctas_with_no_floor_of_two(ctas):
+    # NCCL clamps its NVLS CTAs to NCCL_MAX_CTAS, down to one (ncclNvlsTuning); below ~10 CTAs they, not the
+    # 370.8 GB/s link, bind: 36 GB/s each at the NVLS efficiency, so halving the CTAs doubles the transfer
+    model, nbytes = CostModel(H100), GIB
+    got = model.comm_time(AR, Group("tp", 8, 8, 1), nbytes, CommConfig(algorithm=Algorithm.NVLS, channels=ctas))
+    expected = 25e-6 + nbytes * 7 / 8 / (ctas * 36e9 * H100.nccl.nvls_efficiency)
+    assert got == pytest.approx(expected, rel=1e-12)
 
 
 def test_copy_engines_take_no_sms_but_still_move_hbm():

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from lagom.errors import ConfigError
-from lagom.fidelity import load_suite
+from lagom.fidelity import Comm, load_suite
 from lagom.hardware import load_hardware
 from lagom.model.contention import KernelShape
 from lagom.model.cost_model import CostModel, RunningComm
@@ -22,6 +22,7 @@ from lagom.validate import (
     Evaluator,
     add_parser,
     bus_factor,
+    comm_figure,
     relative_error,
     report,
     run,
@@ -349,3 +350,15 @@ def test_trivial_baselines_behind_the_bounds(suite):
         bound = CHECK_MEDIAN_BOUNDS[group]
         median = statistics.median(relative_error(p.spec.measured, 1.0) for p in points if p.group == group)
         assert bound < median < bound + 0.02, (group, median)
+
+
+def test_a_cta_limited_all_reduce_keeps_nccls_nvls_pick_and_scales_with_the_ctas():
+    """NCCL's tuning drops NVLS only where the topology graph has fewer than two NVLS channels (tuning.cc), not
+    under NCCL_MAX_CTAS: a point forcing one CTA and no algorithm is the NVLS figure at one CTA, half of two."""
+    hw = load_hardware("h100-sxm-8x-400g")
+    comm = Comm("all_reduce", 8, 1, 1 << 30)
+    limited = {c: comm_figure(hw, "busbw", replace(comm, channels=c)) for c in (1, 2)}
+    assert limited[1] == comm_figure(hw, "busbw", replace(comm, channels=1, algorithm="nvls"))
+    time = {c: 1 / limited[c] for c in (1, 2)}  # seconds per bus byte
+    latency = 25e-6 * 1e9 / (1 << 30) / bus_factor(Collective.ALL_REDUCE, 8)
+    assert time[1] - latency == pytest.approx(2 * (time[2] - latency), rel=1e-9)

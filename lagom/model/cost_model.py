@@ -238,16 +238,20 @@ class CostModel:
 
     def _nvls_time(self, coll: Collective, group: Group, nbytes: int, cfg: CommConfig, link_bw: float,
                    slow: float) -> float:
-        """NVLink SHARP: the switch reduces, so each GPU's link carries the buffer once each way, at NCCL's
-        NVLS efficiency x (channels - 1) / channels of what the channels (or the link) move."""
+        """NVLink SHARP: the switch reduces, so each GPU's link carries the buffer once each way, at the NVLS
+        efficiency of what the CTAs (or the link) move.
+
+        NCCL runs as many NVLS CTAs as the communicator's NVLS channels, clamped to its CTA limits, one at the
+        least (``ncclNvlsTuning``): no floor of two. Its tuning's (nChannels - 1) / nChannels is over the
+        topology graph's NVLS channels (the node's NVLS heads), not the CTAs, so it is part of the fitted
+        efficiency and the time scales with the CTAs until the link binds."""
         nccl, c = self.hw.nccl, self.hw.cluster
         if not c.nvls or nccl.nvls_efficiency <= 0:
             raise ConfigError(f"hardware {self.hw.name}: cluster.nvls", "NVLS is planned but this machine has no NVLink SHARP",
                               "leave nvls out of the search space or set cluster.nvls and nccl.nvls_efficiency")
         _, factor = ring_shape(coll, group.size, Algorithm.NVLS)
-        channels = max(2, cfg.channels)  # NCCL needs two NVLS channels
-        efficiency = nccl.nvls_efficiency * (channels - 1) / channels
-        return nbytes * factor / (min(link_bw, channels * nccl.channel_gbps["nvlink"] * GB / slow) * efficiency)
+        ctas = max(1, cfg.channels)
+        return nbytes * factor / (min(link_bw, ctas * nccl.channel_gbps["nvlink"] * GB / slow) * nccl.nvls_efficiency)
 
     def _copy_engine_time(self, coll: Collective, group: Group, nbytes: int, link_bw: float) -> float:
         """Copy-engine all-gather / all-to-all: one copy per peer, at the copy engines' rate."""
