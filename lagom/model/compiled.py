@@ -8,8 +8,10 @@ model stays the one in ``lagom.model.cost_model`` and the two loops compute the 
 
 ``lagom.model.simulator`` is the reference the C loop is checked against (tests/test_simulator_compiled.py)
 and the fallback: where the library was not built (no C compiler at install) Lagom says so once and plans on
-the Python loop; ``LAGOM_SIMULATOR=python`` chooses it on purpose. The C loop simulates every task: it has
-none of the reference's steady-state jumps or checkpoints, which it does not need at its speed.
+the Python loop; ``LAGOM_SIMULATOR=python`` chooses it on purpose. The steady-state jumps are the reference's
+too: the C loop pauses at the band's period boundaries (``LoopRun``), the reference's logic decides from the
+state it reads there whether and how far to jump, and the C side moves the state and runs the probes. There
+are no checkpoints: a run resumes none (a phase none of the changed keys ran in is still reused whole).
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ENV = "LAGOM_SIMULATOR"  # "compiled" (the default where built) or "python"
-ABI = 1  # LAGOM_EVENT_LOOP_ABI in event_loop.h
-OK, NOMEM, CALLBACK, DEADLOCK, STALLED = range(5)
+ABI = 2  # LAGOM_EVENT_LOOP_ABI in event_loop.h
+OK, NOMEM, CALLBACK, DEADLOCK, STALLED, PAUSED = range(6)
 
 _i32, _u8, _f64 = ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_uint8), ctypes.POINTER(ctypes.c_double)
 COST_FN = ctypes.CFUNCTYPE(ctypes.c_double, ctypes.c_int, ctypes.c_int, _f64)
@@ -81,8 +83,21 @@ def _library() -> Any:
                     "code): planning runs on the slow Python event loop; reinstall (pip install -e .) to rebuild it",
                     path, built, ABI)
         return None
-    lib.lagom_simulate_phase.argtypes = [ctypes.POINTER(_Phase), COST_FN, ctypes.POINTER(_Result)]
-    lib.lagom_simulate_phase.restype = ctypes.c_int
+    sim = ctypes.c_void_p
+    lib.lagom_sim_open.argtypes = [ctypes.POINTER(_Phase), COST_FN, ctypes.POINTER(_Result), _u8]
+    lib.lagom_sim_open.restype = sim
+    lib.lagom_sim_watch.argtypes = [sim, ctypes.c_int]
+    lib.lagom_sim_watch.restype = None
+    lib.lagom_sim_run.argtypes = [sim]
+    lib.lagom_sim_run.restype = ctypes.c_int
+    lib.lagom_sim_state.argtypes = [sim, _f64, ctypes.POINTER(ctypes.c_int64)]
+    lib.lagom_sim_state.restype = None
+    lib.lagom_sim_jump.argtypes = [sim, ctypes.c_double, ctypes.c_double, ctypes.c_double, _i32, _f64]
+    lib.lagom_sim_jump.restype = ctypes.c_int
+    lib.lagom_sim_probe.argtypes = [sim, ctypes.POINTER(_Result), _f64]
+    lib.lagom_sim_probe.restype = sim
+    lib.lagom_sim_close.argtypes = [sim]
+    lib.lagom_sim_close.restype = None
     return lib
 
 
@@ -127,6 +142,7 @@ class PhaseArrays:
     blame_device: np.ndarray
     record_task: np.ndarray  # per record: its task
     _struct: _Phase | None = field(default=None, repr=False)
+    _costs: tuple | None = field(default=None, repr=False)
 
     @property
     def tasks(self) -> int:
@@ -398,32 +414,153 @@ class Outcome:
     exposed_by_record: np.ndarray
 
     def records(self, arrays: PhaseArrays) -> list[tuple]:
-        """The reference's records: (queue, position, start, end, solo, exposed) per comm task."""
+        """The reference's records: (queue, position, start, end, solo, exposed) per comm task simulated (those of
+        periods a jump skipped take their images' timings, as the reference's do)."""
         out = []
         for r, task in enumerate(arrays.record_task.tolist()):
+            if math.isnan(self.start[r]):
+                continue
             q, pos = arrays.where(task)
             out.append((q, pos, float(self.start[r]), float(self.end[r]), float(self.solo[r]),
                         float(self.exposed_by_record[r])))
         return out
 
 
-def simulate_phase(arrays: PhaseArrays, run: Any, model: CostModel) -> Outcome:
-    """Simulate the phase with this run's configs (``run``: the reference's ``_PhaseRun`` for them, whose
-    memoised cost methods answer the C loop's callback, so both loops ask the model the same questions)."""
-    lib = _library()
-    if lib is None:
-        raise LagomError("the compiled simulator is not built")
-    costs = arrays.costs
-    reps: list[Any] = [run.task(q, pos) for q, pos in arrays.cost_task]
-    n = len(costs)
-    solo, launch, util = np.zeros(n), np.zeros(n), np.zeros(n)
-    for c, t in enumerate(reps):
-        if t.comm:
-            solo[c] = run.solo(t)
-            launch[c] = model.launch_wait(t.config)
+class LoopRun:
+    """One run of a phase on the compiled loop, kept between calls: it pauses at the band's period boundaries
+    while ``watch``ed (``check``: per task, 1 where starting it is one), so that the reference's steady-state
+    logic can read the state (``state``), try periods from a copy (``probe``) and skip them (``jump``).
+
+    ``run`` is the reference's ``_PhaseRun`` for this run's configs: its memoised cost methods answer the C
+    loop's callback, so both loops ask the model the same questions. A probe (``records=False``) keeps no
+    per-collective records and shares its parent's memo of durations; close it before its parent."""
+
+    def __init__(self, arrays: PhaseArrays, run: Any, model: CostModel | None, check: np.ndarray | None,
+                 parent: LoopRun | None = None, remaining: np.ndarray | None = None) -> None:
+        lib = _library()
+        if lib is None:
+            raise LagomError("the compiled simulator is not built")
+        self.lib, self.arrays = lib, arrays
+        self.failed: list[BaseException] = []
+        self._check = check
+        keys, records = len(arrays.keys), len(arrays.record_task)
+        if parent is None:
+            self.totals, self.touched = np.zeros(4 * keys), np.zeros(keys, dtype=np.int32)
+            self.first_start = np.full(keys, np.inf)
+            self.start = np.full(records, np.nan)  # NaN: a record the run skipped (a jump) or never reached
+            self.end, self.solo, self.exposed = np.zeros(records), np.zeros(records), np.zeros(records)
         else:
-            util[c] = run.util(t)
-    failed: list[BaseException] = []
+            self.totals, self.touched = parent.totals.copy(), parent.touched.copy()
+            self.first_start = parent.first_start.copy()
+        self.heads = np.zeros(len(arrays.positions), dtype=np.int32)
+        self.remaining = np.zeros(len(arrays.positions))
+        self.seq = np.zeros(len(arrays.positions), dtype=np.int64)
+        recorded = parent is None
+        self._result = _Result(0.0, 0.0, 0, _ptr(self.totals, _f64), _ptr(self.touched, _i32),
+                               _ptr(self.first_start, _f64), *(
+                                   (_ptr(a, _f64) for a in (self.start, self.end, self.solo, self.exposed))
+                                   if recorded else (None,) * 4), _ptr(self.heads, _i32))
+        self._callback: Any
+        self._sim: Any
+        if parent is not None and remaining is not None:
+            self._callback = parent._callback
+            self.failed = parent.failed
+            self._sim = lib.lagom_sim_probe(parent._sim, ctypes.byref(self._result), _ptr(remaining, _f64))
+        else:
+            assert model is not None
+            self._callback = COST_FN(_answer(arrays, run, model, self.failed))
+            self._sim = lib.lagom_sim_open(ctypes.byref(_struct(arrays, run, model)), self._callback,
+                                           ctypes.byref(self._result), None if check is None else _ptr(check, _u8))
+        if not self._sim:
+            raise MemoryError(f"the compiled simulator ran out of memory in phase {arrays.lowering.ix.phase.name}")
+
+    def watch(self, watching: bool) -> None:
+        self.lib.lagom_sim_watch(self._sim, int(watching))
+
+    def run(self) -> bool:
+        """Go on until the phase is done (True) or a watched boundary (False); errors raise as the reference's."""
+        rc = self.lib.lagom_sim_run(self._sim)
+        self.state()
+        if rc == PAUSED:
+            return False
+        lw, phase = self.arrays.lowering, self.arrays.lowering.ix.phase.name
+        if rc == CALLBACK and self.failed:
+            err = self.failed[0]
+            self.failed.clear()  # a probe's failure (shared list) is not its parent's
+            raise err
+        if rc == NOMEM:
+            raise MemoryError(f"the compiled simulator ran out of memory in phase {phase}")
+        if rc in (DEADLOCK, STALLED):
+            a = self.arrays
+            stuck = [lw.name(*a.where(int(t))) for q, t in enumerate(self.heads) if t < a.queue_first[q + 1]]
+            if rc == DEADLOCK:
+                raise LagomError(f"simulation deadlock in phase {phase}: {stuck[:4]}")
+            raise LagomError(f"simulation made no progress in phase {phase} at {self._result.now!r} s: {stuck[:4]}")
+        if rc != OK:
+            raise LagomError(f"the compiled simulator failed in phase {phase} (code {rc})")
+        return True
+
+    def state(self) -> None:
+        """Refresh ``now``, ``exposed_total``, ``heads`` and per queue ``remaining`` (NaN: not running) and ``seq``."""
+        self.lib.lagom_sim_state(self._sim, _ptr(self.remaining, _f64), self.seq.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)))
+
+    @property
+    def now(self) -> float:
+        return float(self._result.now)
+
+    @property
+    def exposed_total(self) -> float:
+        return float(self._result.exposed_total)
+
+    @property
+    def tasks(self) -> int:
+        return int(self._result.tasks)
+
+    def positions(self) -> list[int]:
+        """Each queue's head as the lowering's position (END past its last task)."""
+        a = self.arrays
+        return [int(a.positions[q][t - a.queue_first[q]]) if t < a.queue_first[q + 1] else END
+                for q, t in enumerate(self.heads.tolist())]
+
+    def key_totals(self) -> dict[str, list[float]]:
+        """Per key touched so far, in the order first touched: comm time, solo, exposed and count."""
+        keys, totals = self.arrays.keys, self.totals
+        order = sorted((int(self.touched[k]), k) for k in range(len(keys)) if self.touched[k])
+        return {keys[k]: totals[4 * k:4 * k + 4].tolist() for _, k in order}
+
+    def set_totals(self, rows: dict[str, list[float]]) -> None:
+        index = {k: n for n, k in enumerate(self.arrays.keys)}
+        for key, row in rows.items():
+            self.totals[4 * index[key]:4 * index[key] + 4] = row
+
+    def jump(self, later: float, exposed: float, delta: float, heads: np.ndarray, remaining: np.ndarray) -> None:
+        """Skip periods: the clock to ``later``, each queue's head to ``heads`` (task numbers), running heads to
+        ``remaining`` where not NaN (event_loop.c: lagom_sim_jump)."""
+        if self.lib.lagom_sim_jump(self._sim, later, exposed, delta, _ptr(heads, _i32), _ptr(remaining, _f64)):
+            raise MemoryError(f"the compiled simulator ran out of memory in phase {self.arrays.lowering.ix.phase.name}")
+        self.state()
+
+    def probe(self, remaining: np.ndarray) -> LoopRun:
+        """A copy from this state, its running heads restarted at ``remaining`` (per queue), watching."""
+        return LoopRun(self.arrays, None, None, self._check, parent=self, remaining=remaining)
+
+    def close(self) -> None:
+        if self._sim:
+            self.lib.lagom_sim_close(self._sim)
+            self._sim = None
+
+    def outcome(self) -> Outcome:
+        keys = self.arrays.keys
+        return Outcome(self.now, self.exposed_total, self.tasks,
+                       {k: dict(zip(("time", "solo", "exposed", "count"), row)) for k, row in self.key_totals().items()},
+                       {keys[k]: float(self.first_start[k]) for k in range(len(keys)) if math.isfinite(self.first_start[k])},
+                       self.start, self.end, self.solo, self.exposed)
+
+
+def _answer(arrays: PhaseArrays, run: Any, model: CostModel, failed: list[BaseException]) -> Any:
+    """The C loop's cost callback: the reference run's memoised cost methods for a representative task of the
+    cost asked about. A failure is kept in ``failed`` and NaN returned, so the loop unwinds and Python raises."""
+    reps: list[Any] = [run.task(q, pos) for q, pos in arrays.cost_task]
 
     def answer(kind: int, count: int, key: Any) -> float:
         try:
@@ -444,6 +581,20 @@ def simulate_phase(arrays: PhaseArrays, run: Any, model: CostModel) -> Outcome:
             failed.append(err)
             return math.nan
 
+    return answer
+
+
+def _struct(arrays: PhaseArrays, run: Any, model: CostModel) -> _Phase:
+    """The arrays as the C struct, with this run's per-cost solo times, launch waits and HBM shares."""
+    n = len(arrays.costs)
+    solo, launch, util = np.zeros(n), np.zeros(n), np.zeros(n)
+    for c, (q, pos) in enumerate(arrays.cost_task):
+        t = run.task(q, pos)
+        if t.comm:
+            solo[c] = run.solo(t)
+            launch[c] = model.launch_wait(t.config)
+        else:
+            util[c] = run.util(t)
     struct = arrays._struct
     if struct is None:
         a = arrays
@@ -454,32 +605,6 @@ def simulate_phase(arrays: PhaseArrays, run: Any, model: CostModel) -> Outcome:
             _ptr(a.dep_list, _i32), _ptr(a.wake_off, _i32), _ptr(a.wake_list, _i32), _ptr(a.cost_key, _i32),
             _ptr(a.cost_cross, _u8), _ptr(a.cost_one_way, _u8), None, None, None, _ptr(a.compute_queue, _i32),
             _ptr(a.blame_device, _i32))
+    arrays._costs = (solo, launch, util)  # the struct points into them: they live as long as the arrays' struct
     struct.cost_solo, struct.cost_launch, struct.cost_util = _ptr(solo, _f64), _ptr(launch, _f64), _ptr(util, _f64)
-    keys = arrays.keys
-    records = len(arrays.record_task)
-    totals, touched = np.zeros(4 * len(keys)), np.zeros(len(keys), dtype=np.int32)
-    first_start = np.full(len(keys), np.inf)
-    start, end, solo_out, exposed = (np.zeros(records) for _ in range(4))
-    heads = np.zeros(len(arrays.positions), dtype=np.int32)
-    result = _Result(0.0, 0.0, 0, _ptr(totals, _f64), _ptr(touched, _i32), _ptr(first_start, _f64), _ptr(start, _f64),
-                     _ptr(end, _f64), _ptr(solo_out, _f64), _ptr(exposed, _f64), _ptr(heads, _i32))
-    rc = lib.lagom_simulate_phase(ctypes.byref(struct), COST_FN(answer), ctypes.byref(result))
-    lw, phase = arrays.lowering, arrays.lowering.ix.phase.name
-    if rc == CALLBACK and failed:
-        raise failed[0]
-    if rc == NOMEM:
-        raise MemoryError(f"the compiled simulator ran out of memory in phase {phase}")
-    if rc in (DEADLOCK, STALLED):
-        stuck = [lw.name(*arrays.where(int(t))) for q, t in enumerate(heads) if t < arrays.queue_first[q + 1]]
-        if rc == DEADLOCK:
-            raise LagomError(f"simulation deadlock in phase {phase}: {stuck[:4]}")
-        raise LagomError(f"simulation made no progress in phase {phase} at {result.now!r} s: {stuck[:4]}")
-    if rc != OK:
-        raise LagomError(f"the compiled simulator failed in phase {phase} (code {rc})")
-    order = sorted((int(touched[k]), k) for k in range(len(keys)) if touched[k])
-    key_totals = {keys[k]: dict(zip(("time", "solo", "exposed", "count"), totals[4 * k:4 * k + 4].tolist()))
-                  for _, k in order}
-    return Outcome(result.now, result.exposed_total, int(result.tasks), key_totals,
-                   {keys[k]: float(first_start[k]) for k in range(len(keys)) if math.isfinite(first_start[k])},
-                   start, end, solo_out, exposed)
-
+    return struct

@@ -1,4 +1,6 @@
-/* The simulator's event loop in C: one phase of a step, every task simulated, no steady-state jumps.
+/* The simulator's event loop in C: one phase of a step. It pauses at the period boundaries of the pipeline's
+ * steady band when asked, so that the reference's steady-state logic (Python) can compare states and jump
+ * whole periods on; the jump and the probes it needs run here.
  *
  * lagom/model/simulator.py is the reference: this file runs the same loop over the same tasks in the same
  * order with the same floating-point operations, so the two agree to rounding (tests check 1e-9). Python
@@ -201,7 +203,7 @@ static entry_t heap_pop(heap_t *h) {
 
 typedef struct {
     double start, rem, since, dur, rate, exposed, solo;
-    int64_t rated;
+    int64_t rated, seq; /* seq: its start's number in the run (a probe restarts running heads in this order) */
     int32_t version;
 } head_t;
 
@@ -261,19 +263,38 @@ static void idset_clear(idset_t *s) {
     s->len = 0;
 }
 
-typedef struct {
+/* -- one run of a phase, kept between calls: it pauses at the band's period boundaries the caller watches */
+
+struct lagom_sim {
     const lagom_phase_t *ph;
-    int32_t *task_queue;
-    int32_t *head;
+    lagom_cost_fn cost;
+    lagom_result_t *out;
+    const uint8_t *check; /* per task: starting it is a period boundary to pause at while watching */
+    int watching, at_boundary; /* at_boundary: paused there; the run goes on from its exposed-time step */
+    memo_t *memo;         /* a clone shares its parent's */
+    memo_t own_memo;
+    int owns_memo;
+    int32_t *task_queue, *head;
     head_t *state;
-    int32_t *compute_on;   /* per device: the queue of the compute task running there, or -1 */
-    int32_t *comms_on;     /* per device: n_queues slots, the queues of the comm tasks running there */
+    int32_t *compute_on; /* per device: the queue of the compute task running there, or -1 */
+    int32_t *comms_on;   /* per device: n_queues slots, the queues of the comm tasks running there */
     int32_t *comms_len;
-} run_t;
+    heap_t heap;
+    idset_t woken, dirty, rate_dirty;
+    int32_t *finished, *blockers;
+    entry_t *later;
+    int64_t later_cap;
+    double *key;
+    double now, exposed_total, longest;
+    int64_t counter, event, seq;
+    int32_t touches, live;
+};
 
-static int done(const run_t *r, int32_t task) { return task < r->head[r->task_queue[task]]; }
+typedef struct lagom_sim sim_t;
 
-static int deps_done(const run_t *r, int32_t task) {
+static int done(const sim_t *r, int32_t task) { return task < r->head[r->task_queue[task]]; }
+
+static int deps_done(const sim_t *r, int32_t task) {
     const lagom_phase_t *ph = r->ph;
     for (int32_t k = ph->dep_off[task]; k < ph->dep_off[task + 1]; k++)
         if (!done(r, ph->dep_list[k]))
@@ -281,125 +302,178 @@ static int deps_done(const run_t *r, int32_t task) {
     return 1;
 }
 
-static int started(const run_t *r, int32_t task) {
+static int started(const sim_t *r, int32_t task) {
     int32_t q = r->task_queue[task];
     return r->head[q] == task && r->state[q].start >= 0;
 }
 
-static void touch(lagom_result_t *out, int32_t key, int32_t *touches) {
-    if (!out->touched[key])
-        out->touched[key] = ++*touches;
+static void touch(sim_t *s, int32_t key) {
+    if (!s->out->touched[key])
+        s->out->touched[key] = ++s->touches;
 }
 
 EXPORT int lagom_event_loop_abi(void) { return LAGOM_EVENT_LOOP_ABI; }
 
-EXPORT int lagom_simulate_phase(const lagom_phase_t *ph, lagom_cost_fn cost, lagom_result_t *out) {
+EXPORT void lagom_sim_close(sim_t *s) {
+    if (!s)
+        return;
+    if (s->owns_memo)
+        memo_free(&s->own_memo);
+    free(s->heap.items);
+    free(s->task_queue);
+    free(s->head);
+    free(s->state);
+    free(s->compute_on);
+    free(s->comms_on);
+    free(s->comms_len);
+    free(s->woken.ids);
+    free(s->woken.in);
+    free(s->dirty.ids);
+    free(s->dirty.in);
+    free(s->rate_dirty.ids);
+    free(s->rate_dirty.in);
+    free(s->finished);
+    free(s->blockers);
+    free(s->later);
+    free(s->key);
+    free(s);
+}
+
+/* Every buffer of a run of ph, uninitialised; NULL when out of memory. */
+static sim_t *sim_alloc(const lagom_phase_t *ph) {
     const int32_t nq = ph->n_queues, nd = ph->n_devices;
-    int rc = LAGOM_SIM_NOMEM;
-    run_t r = {ph, NULL, NULL, NULL, NULL, NULL, NULL};
-    memo_t memo;
-    heap_t heap = {NULL, 0, 0};
-    idset_t woken = {0}, dirty = {0}, rate_dirty = {0};
-    int32_t *finished = NULL, *blockers = NULL;
-    entry_t *later = NULL;
-    double *key = NULL;
-    int64_t later_cap = 0;
-    double now = 0.0, exposed_total = 0.0, longest = 0.0;
-    if (memo_init(&memo))
-        goto out;
-    r.task_queue = malloc((size_t)ph->n_tasks * sizeof *r.task_queue + 1);
-    r.head = malloc((size_t)nq * sizeof *r.head);
-    r.state = calloc((size_t)nq, sizeof *r.state);
-    r.compute_on = malloc((size_t)nd * sizeof *r.compute_on);
-    r.comms_on = malloc((size_t)nd * (size_t)nq * sizeof *r.comms_on + 1);
-    r.comms_len = calloc((size_t)nd, sizeof *r.comms_len);
-    woken.ids = malloc((size_t)nq * sizeof(int32_t));
-    woken.in = calloc((size_t)nq, 1);
-    dirty.ids = malloc((size_t)nd * sizeof(int32_t));
-    dirty.in = calloc((size_t)nd, 1);
-    rate_dirty.ids = malloc((size_t)nd * sizeof(int32_t));
-    rate_dirty.in = calloc((size_t)nd, 1);
-    finished = malloc((size_t)nq * sizeof *finished);
-    blockers = malloc((size_t)nd * sizeof *blockers);
-    key = malloc((size_t)(2 + 2 * nq) * sizeof *key);
-    if (!r.task_queue || !r.head || !r.state || !r.compute_on || !r.comms_on || !r.comms_len || !woken.ids ||
-        !woken.in || !dirty.ids || !dirty.in || !rate_dirty.ids || !rate_dirty.in || !finished || !blockers || !key)
-        goto out;
-    int32_t live = 0;
-    for (int32_t q = 0; q < nq; q++) {
-        for (int32_t t = ph->queue_first[q]; t < ph->queue_first[q + 1]; t++)
-            r.task_queue[t] = q;
-        r.head[q] = ph->queue_first[q];
-        r.state[q].version = -1;
-        fresh(&r.state[q]);
-        live += r.head[q] < ph->queue_first[q + 1];
-        idset_add(&woken, q);
+    sim_t *s = calloc(1, sizeof *s);
+    if (!s)
+        return NULL;
+    s->ph = ph;
+    s->task_queue = malloc((size_t)ph->n_tasks * sizeof *s->task_queue + 1);
+    s->head = malloc((size_t)nq * sizeof *s->head + 1);
+    s->state = calloc((size_t)nq + 1, sizeof *s->state);
+    s->compute_on = malloc((size_t)nd * sizeof *s->compute_on + 1);
+    s->comms_on = malloc((size_t)nd * (size_t)nq * sizeof *s->comms_on + 1);
+    s->comms_len = calloc((size_t)nd + 1, sizeof *s->comms_len);
+    s->woken.ids = malloc((size_t)nq * sizeof(int32_t) + 1);
+    s->woken.in = calloc((size_t)nq + 1, 1);
+    s->dirty.ids = malloc((size_t)nd * sizeof(int32_t) + 1);
+    s->dirty.in = calloc((size_t)nd + 1, 1);
+    s->rate_dirty.ids = malloc((size_t)nd * sizeof(int32_t) + 1);
+    s->rate_dirty.in = calloc((size_t)nd + 1, 1);
+    s->finished = malloc((size_t)nq * sizeof *s->finished + 1);
+    s->blockers = malloc((size_t)nd * sizeof *s->blockers + 1);
+    s->key = malloc((size_t)(2 + 2 * nq) * sizeof *s->key);
+    if (!s->task_queue || !s->head || !s->state || !s->compute_on || !s->comms_on || !s->comms_len || !s->woken.ids ||
+        !s->woken.in || !s->dirty.ids || !s->dirty.in || !s->rate_dirty.ids || !s->rate_dirty.in || !s->finished ||
+        !s->blockers || !s->key) {
+        lagom_sim_close(s);
+        return NULL;
     }
-    for (int32_t d = 0; d < nd; d++)
-        r.compute_on[d] = -1;
-    int64_t counter = 0, event = 0;
-    int32_t touches = 0;
+    return s;
+}
+
+EXPORT sim_t *lagom_sim_open(const lagom_phase_t *ph, lagom_cost_fn cost, lagom_result_t *out, const uint8_t *check) {
+    sim_t *s = sim_alloc(ph);
+    if (!s)
+        return NULL;
+    if (memo_init(&s->own_memo)) {
+        memo_free(&s->own_memo);
+        lagom_sim_close(s);
+        return NULL;
+    }
+    s->owns_memo = 1;
+    s->memo = &s->own_memo;
+    s->cost = cost;
+    s->out = out;
+    s->check = check;
+    for (int32_t q = 0; q < ph->n_queues; q++) {
+        for (int32_t t = ph->queue_first[q]; t < ph->queue_first[q + 1]; t++)
+            s->task_queue[t] = q;
+        s->head[q] = ph->queue_first[q];
+        s->state[q].version = -1;
+        fresh(&s->state[q]);
+        s->live += s->head[q] < ph->queue_first[q + 1];
+        idset_add(&s->woken, q);
+    }
+    for (int32_t d = 0; d < ph->n_devices; d++)
+        s->compute_on[d] = -1;
     out->tasks = 0;
-    while (live) {
+    return s;
+}
+
+EXPORT void lagom_sim_watch(sim_t *s, int watching) { s->watching = watching; }
+
+/* The run goes on from where it paused (or starts); LAGOM_SIM_PAUSED at a watched period boundary. */
+EXPORT int lagom_sim_run(sim_t *s) {
+    const lagom_phase_t *ph = s->ph;
+    const int32_t nq = ph->n_queues;
+    lagom_result_t *out = s->out;
+    double *key = s->key;
+    while (s->live) {
+        if (s->at_boundary) {
+            s->at_boundary = 0;
+            goto exposed;
+        }
         /* Start every stream head whose dependencies are done, in queue order. */
-        idset_sort(&woken);
-        for (int32_t w = 0; w < woken.len; w++) {
-            int32_t q = woken.ids[w], t = r.head[q];
-            head_t *s = &r.state[q];
-            if (t >= ph->queue_first[q + 1] || s->start >= 0 || !deps_done(&r, t))
+        int check = 0;
+        idset_sort(&s->woken);
+        for (int32_t w = 0; w < s->woken.len; w++) {
+            int32_t q = s->woken.ids[w], t = s->head[q];
+            head_t *st = &s->state[q];
+            if (t >= ph->queue_first[q + 1] || st->start >= 0 || !deps_done(s, t))
                 continue;
-            s->start = s->since = now;
+            st->start = st->since = s->now;
+            st->seq = ++s->seq;
             int32_t c = ph->cost[t];
             if (ph->comm[t]) {
                 int busy = 0;
                 for (int32_t k = ph->dev_off[t]; k < ph->dev_off[t + 1]; k++)
-                    busy |= r.compute_on[ph->dev_list[k]] >= 0;
-                s->solo = ph->cost_solo[c];
-                s->rem = 1.0 + (busy ? ph->cost_launch[c] / (s->solo > EPS ? s->solo : EPS) : 0.0);
+                    busy |= s->compute_on[ph->dev_list[k]] >= 0;
+                st->solo = ph->cost_solo[c];
+                st->rem = 1.0 + (busy ? ph->cost_launch[c] / (st->solo > EPS ? st->solo : EPS) : 0.0);
                 for (int32_t k = ph->dev_off[t]; k < ph->dev_off[t + 1]; k++) {
                     int32_t d = ph->dev_list[k];
-                    r.comms_on[(int64_t)d * nq + r.comms_len[d]++] = q;
+                    s->comms_on[(int64_t)d * nq + s->comms_len[d]++] = q;
                 }
                 int32_t kk = ph->cost_key[c];
                 double *row = out->totals + 4 * (int64_t)kk;
-                touch(out, kk, &touches);
-                row[1] += s->solo;
+                touch(s, kk);
+                row[1] += st->solo;
                 if (ph->first[t]) {
-                    row[0] -= now;
+                    row[0] -= s->now;
                     row[3] += 1;
                     if (isinf(out->first_start[kk]))
-                        out->first_start[kk] = now;
+                        out->first_start[kk] = s->now;
                 }
             } else {
-                r.compute_on[ph->device[t]] = q;
+                s->compute_on[ph->device[t]] = q;
+                check |= s->check && s->check[t] && s->watching;
             }
             for (int32_t k = ph->dev_off[t]; k < ph->dev_off[t + 1]; k++)
-                idset_add(&dirty, ph->dev_list[k]);
-            s->dur = 0.0;
+                idset_add(&s->dirty, ph->dev_list[k]);
+            st->dur = 0.0;
             out->tasks++;
         }
-        idset_clear(&woken);
+        idset_clear(&s->woken);
         /* Re-rate the tasks whose neighbours changed: comms first (their HBM rates feed compute). */
-        event++;
-        idset_sort(&dirty);
-        for (int32_t i = 0; i < dirty.len; i++) {
-            int32_t d = dirty.ids[i];
-            for (int32_t j = 0; j < r.comms_len[d]; j++) {
-                int32_t q = r.comms_on[(int64_t)d * nq + j], t = r.head[q], c = ph->cost[t];
-                head_t *s = &r.state[q];
-                if (s->rated == event)
+        s->event++;
+        idset_sort(&s->dirty);
+        for (int32_t i = 0; i < s->dirty.len; i++) {
+            int32_t d = s->dirty.ids[i];
+            for (int32_t j = 0; j < s->comms_len[d]; j++) {
+                int32_t q = s->comms_on[(int64_t)d * nq + j], t = s->head[q], c = ph->cost[t];
+                head_t *st = &s->state[q];
+                if (st->rated == s->event)
                     continue;
-                s->rated = event;
+                st->rated = s->event;
                 double util = 0.0;
                 int32_t sharing = 1;
                 for (int32_t k = ph->dev_off[t]; k < ph->dev_off[t + 1]; k++) {
-                    int32_t dd = ph->dev_list[k], ct = r.compute_on[dd];
-                    if (ct >= 0 && ph->cost_util[ph->cost[r.head[ct]]] > util)
-                        util = ph->cost_util[ph->cost[r.head[ct]]];
+                    int32_t dd = ph->dev_list[k], ct = s->compute_on[dd];
+                    if (ct >= 0 && ph->cost_util[ph->cost[s->head[ct]]] > util)
+                        util = ph->cost_util[ph->cost[s->head[ct]]];
                     if (ph->cost_cross[c]) { /* collectives of other communicators crossing nodes share the NIC */
                         int32_t on_nic = 0;
-                        for (int32_t o = 0; o < r.comms_len[dd]; o++) {
-                            int32_t oq = r.comms_on[(int64_t)dd * nq + o], ot = r.head[oq], oc = ph->cost[ot];
+                        for (int32_t o = 0; o < s->comms_len[dd]; o++) {
+                            int32_t oq = s->comms_on[(int64_t)dd * nq + o], ot = s->head[oq], oc = ph->cost[ot];
                             if (ph->cost_cross[oc] && (!(ph->cost_one_way[c] && ph->cost_one_way[oc]) ||
                                                        (ph->device[t] == dd) == (ph->device[ot] == dd)))
                                 on_nic++;
@@ -411,189 +485,273 @@ EXPORT int lagom_simulate_phase(const lagom_phase_t *ph, lagom_cost_fn cost, lag
                 key[0] = c;
                 key[1] = util;
                 key[2] = 1.0 / sharing;
-                double dur = memo_get(&memo, key, 3, cost, LAGOM_COST_COMM);
-                if (isnan(dur)) {
-                    rc = LAGOM_SIM_CALLBACK;
-                    goto out;
-                }
-                int changed = rerate(s, q, dur, now, &heap, &counter, &longest);
+                double dur = memo_get(s->memo, key, 3, s->cost, LAGOM_COST_COMM);
+                if (isnan(dur))
+                    return LAGOM_SIM_CALLBACK;
+                int changed = rerate(st, q, dur, s->now, &s->heap, &s->counter, &s->longest);
                 if (changed < 0)
-                    goto out;
+                    return LAGOM_SIM_NOMEM;
                 if (changed) {
                     key[0] = c;
                     key[1] = dur;
-                    double rate = memo_get(&memo, key, 2, cost, LAGOM_COST_RATE);
-                    if (isnan(rate)) {
-                        rc = LAGOM_SIM_CALLBACK;
-                        goto out;
-                    }
-                    if (rate != s->rate) {
-                        s->rate = rate;
+                    double rate = memo_get(s->memo, key, 2, s->cost, LAGOM_COST_RATE);
+                    if (isnan(rate))
+                        return LAGOM_SIM_CALLBACK;
+                    if (rate != st->rate) {
+                        st->rate = rate;
                         for (int32_t k = ph->dev_off[t]; k < ph->dev_off[t + 1]; k++)
-                            idset_add(&rate_dirty, ph->dev_list[k]);
+                            idset_add(&s->rate_dirty, ph->dev_list[k]);
                     }
                 }
             }
         }
-        for (int32_t i = 0; i < rate_dirty.len; i++)
-            idset_add(&dirty, rate_dirty.ids[i]);
-        idset_clear(&rate_dirty);
-        idset_sort(&dirty);
-        for (int32_t i = 0; i < dirty.len; i++) {
-            int32_t d = dirty.ids[i], q = r.compute_on[d];
+        for (int32_t i = 0; i < s->rate_dirty.len; i++)
+            idset_add(&s->dirty, s->rate_dirty.ids[i]);
+        idset_clear(&s->rate_dirty);
+        idset_sort(&s->dirty);
+        for (int32_t i = 0; i < s->dirty.len; i++) {
+            int32_t d = s->dirty.ids[i], q = s->compute_on[d];
             if (q < 0)
                 continue;
-            head_t *s = &r.state[q];
             int n = 1;
-            key[0] = ph->cost[r.head[q]];
-            for (int32_t j = 0; j < r.comms_len[d]; j++) {
-                int32_t cq = r.comms_on[(int64_t)d * nq + j];
-                key[n++] = ph->cost[r.head[cq]];
-                key[n++] = r.state[cq].rate;
+            key[0] = ph->cost[s->head[q]];
+            for (int32_t j = 0; j < s->comms_len[d]; j++) {
+                int32_t cq = s->comms_on[(int64_t)d * nq + j];
+                key[n++] = ph->cost[s->head[cq]];
+                key[n++] = s->state[cq].rate;
             }
-            double dur = memo_get(&memo, key, n, cost, LAGOM_COST_COMPUTE);
-            if (isnan(dur)) {
-                rc = LAGOM_SIM_CALLBACK;
-                goto out;
-            }
-            if (rerate(s, q, dur, now, &heap, &counter, &longest) < 0)
-                goto out;
+            double dur = memo_get(s->memo, key, n, s->cost, LAGOM_COST_COMPUTE);
+            if (isnan(dur))
+                return LAGOM_SIM_CALLBACK;
+            if (rerate(&s->state[q], q, dur, s->now, &s->heap, &s->counter, &s->longest) < 0)
+                return LAGOM_SIM_NOMEM;
         }
-        idset_clear(&dirty);
-        while (heap.len && heap.items[0].version != r.state[heap.items[0].queue].version)
-            heap_pop(&heap);
-        if (!heap.len) {
-            rc = LAGOM_SIM_DEADLOCK;
-            goto out;
+        idset_clear(&s->dirty);
+        while (s->heap.len && s->heap.items[0].version != s->state[s->heap.items[0].queue].version)
+            heap_pop(&s->heap);
+        if (!s->heap.len)
+            return LAGOM_SIM_DEADLOCK;
+        if (check) { /* the caller compares the state with earlier boundaries, and may jump periods on */
+            s->at_boundary = 1;
+            return LAGOM_SIM_PAUSED;
         }
+    exposed:;
         /* Exposed communication: a compute stream idle while it waits on a released collective (one still
            waiting for another stage's compute is a pipeline bubble, not exposed comm). */
         int32_t nb = 0;
         for (int32_t i = 0; i < ph->n_blame; i++) {
             int32_t d = ph->blame_device[i], cq = ph->compute_queue[d];
-            if (r.compute_on[d] >= 0)
+            if (s->compute_on[d] >= 0)
                 continue;
-            int32_t blocker = -1, t = r.head[cq];
+            int32_t blocker = -1, t = s->head[cq];
             if (t < ph->queue_first[cq + 1]) {
                 for (int32_t k = ph->dep_off[t]; k < ph->dep_off[t + 1]; k++) {
                     int32_t waited = ph->dep_list[k];
-                    if (done(&r, waited))
+                    if (done(s, waited))
                         continue;
-                    if (ph->comm[waited] && deps_done(&r, waited)) {
+                    if (ph->comm[waited] && deps_done(s, waited)) {
                         blocker = waited;
                         break;
                     }
                 }
-            } else if (r.comms_len[d]) { /* compute finished: trailing collectives of this device */
-                blocker = r.head[r.comms_on[(int64_t)d * nq]];
+            } else if (s->comms_len[d]) { /* compute finished: trailing collectives of this device */
+                blocker = s->head[s->comms_on[(int64_t)d * nq]];
             }
-            if (blocker >= 0 && !started(&r, blocker)) /* queued: blame what holds its communicator */
-                blocker = r.head[r.task_queue[blocker]];
+            if (blocker >= 0 && !started(s, blocker)) /* queued: blame what holds its communicator */
+                blocker = s->head[s->task_queue[blocker]];
             if (blocker >= 0)
-                blockers[nb++] = blocker;
+                s->blockers[nb++] = blocker;
         }
-        double end = heap.items[0].time;
+        double end = s->heap.items[0].time;
         if (nb) {
-            double dt = end - now;
+            double dt = end - s->now;
             for (int32_t i = 0; i < nb; i++) {
-                int32_t q = r.task_queue[blockers[i]], kk = ph->cost_key[ph->cost[blockers[i]]];
-                r.state[q].exposed += dt;
-                touch(out, kk, &touches);
+                int32_t q = s->task_queue[s->blockers[i]], kk = ph->cost_key[ph->cost[s->blockers[i]]];
+                s->state[q].exposed += dt;
+                touch(s, kk);
                 out->totals[4 * (int64_t)kk + 2] += dt;
-                exposed_total += dt;
+                s->exposed_total += dt;
             }
         }
-        now = end;
+        s->now = end;
         /* Finish every task within DONE of its end. */
-        double limit = end + DONE * longest;
+        double limit = end + DONE * s->longest;
         int32_t nf = 0;
         int64_t nl = 0;
-        while (heap.len && heap.items[0].time <= limit) {
-            entry_t e = heap_pop(&heap);
-            head_t *s = &r.state[e.queue];
-            if (e.version != s->version)
+        while (s->heap.len && s->heap.items[0].time <= limit) {
+            entry_t e = heap_pop(&s->heap);
+            head_t *st = &s->state[e.queue];
+            if (e.version != st->version)
                 continue;
             /* an entry at or before now has ended by its own clock: the fraction alone would lose it where
                the task is shorter than DONE of a float step of now (now - since cancels) */
-            if (e.time <= now || s->rem - (now - s->since) / s->dur <= DONE) {
-                finished[nf++] = e.queue;
+            if (e.time <= s->now || st->rem - (s->now - st->since) / st->dur <= DONE) {
+                s->finished[nf++] = e.queue;
             } else {
-                if (nl == later_cap) {
-                    later_cap = later_cap ? later_cap * 2 : 64;
-                    entry_t *grown = realloc(later, (size_t)later_cap * sizeof *later);
+                if (nl == s->later_cap) {
+                    int64_t cap = s->later_cap ? s->later_cap * 2 : 64;
+                    entry_t *grown = realloc(s->later, (size_t)cap * sizeof *s->later);
                     if (!grown)
-                        goto out;
-                    later = grown;
+                        return LAGOM_SIM_NOMEM;
+                    s->later = grown;
+                    s->later_cap = cap;
                 }
-                later[nl++] = e;
+                s->later[nl++] = e;
             }
         }
-        if (!nf) { /* the clock reached the earliest end and nothing ended: it would never move again */
-            rc = LAGOM_SIM_STALLED;
-            goto out;
-        }
+        if (!nf) /* the clock reached the earliest end and nothing ended: it would never move again */
+            return LAGOM_SIM_STALLED;
         for (int64_t i = 0; i < nl; i++)
-            if (heap_push(&heap, later[i]))
-                goto out;
+            if (heap_push(&s->heap, s->later[i]))
+                return LAGOM_SIM_NOMEM;
         for (int32_t i = 0; i < nf; i++) {
-            int32_t q = finished[i], t = r.head[q];
-            head_t *s = &r.state[q];
+            int32_t q = s->finished[i], t = s->head[q];
+            head_t *st = &s->state[q];
             if (ph->comm[t]) {
                 for (int32_t k = ph->dev_off[t]; k < ph->dev_off[t + 1]; k++) {
                     int32_t d = ph->dev_list[k];
-                    int32_t *on = r.comms_on + (int64_t)d * nq;
-                    for (int32_t j = 0; j < r.comms_len[d]; j++) {
+                    int32_t *on = s->comms_on + (int64_t)d * nq;
+                    for (int32_t j = 0; j < s->comms_len[d]; j++) {
                         if (on[j] == q) {
-                            memmove(on + j, on + j + 1, (size_t)(r.comms_len[d] - j - 1) * sizeof *on);
-                            r.comms_len[d]--;
+                            memmove(on + j, on + j + 1, (size_t)(s->comms_len[d] - j - 1) * sizeof *on);
+                            s->comms_len[d]--;
                             break;
                         }
                     }
                 }
                 if (ph->last[t])
-                    out->totals[4 * (int64_t)ph->cost_key[ph->cost[t]]] += now;
+                    out->totals[4 * (int64_t)ph->cost_key[ph->cost[t]]] += s->now;
                 int32_t rec = ph->record[t];
-                out->start[rec] = s->start;
-                out->end[rec] = now;
-                out->solo[rec] = s->solo;
-                out->exposed[rec] = s->exposed;
+                if (out->start) { /* a probe keeps no records */
+                    out->start[rec] = st->start;
+                    out->end[rec] = s->now;
+                    out->solo[rec] = st->solo;
+                    out->exposed[rec] = st->exposed;
+                }
             } else {
-                r.compute_on[ph->device[t]] = -1;
+                s->compute_on[ph->device[t]] = -1;
             }
             for (int32_t k = ph->dev_off[t]; k < ph->dev_off[t + 1]; k++)
-                idset_add(&dirty, ph->dev_list[k]);
-            r.head[q] = t + 1;
-            idset_add(&woken, q);
+                idset_add(&s->dirty, ph->dev_list[k]);
+            s->head[q] = t + 1;
+            idset_add(&s->woken, q);
             for (int32_t k = ph->wake_off[t]; k < ph->wake_off[t + 1]; k++)
-                idset_add(&woken, ph->wake_list[k]);
-            fresh(s);
-            if (r.head[q] >= ph->queue_first[q + 1])
-                live--;
+                idset_add(&s->woken, ph->wake_list[k]);
+            fresh(st);
+            if (s->head[q] >= ph->queue_first[q + 1])
+                s->live--;
         }
     }
-    rc = LAGOM_SIM_OK;
-out:
-    out->now = now;
-    out->exposed_total = exposed_total;
-    if (r.head)
-        memcpy(out->heads, r.head, (size_t)nq * sizeof *r.head);
-    memo_free(&memo);
-    free(heap.items);
-    free(r.task_queue);
-    free(r.head);
-    free(r.state);
-    free(r.compute_on);
-    free(r.comms_on);
-    free(r.comms_len);
-    free(woken.ids);
-    free(woken.in);
-    free(dirty.ids);
-    free(dirty.in);
-    free(rate_dirty.ids);
-    free(rate_dirty.in);
-    free(finished);
-    free(blockers);
-    free(later);
-    free(key);
-    return rc;
+    return LAGOM_SIM_OK;
+}
+
+/* What the caller reads between calls: the clock, the exposed sum, the heads, and each head's remaining
+   fraction (NaN: not started) with the number of its start. */
+EXPORT void lagom_sim_state(const sim_t *s, double *remaining, int64_t *seq) {
+    lagom_result_t *out = s->out;
+    out->now = s->now;
+    out->exposed_total = s->exposed_total;
+    memcpy(out->heads, s->head, (size_t)s->ph->n_queues * sizeof *s->head);
+    for (int32_t q = 0; q < s->ph->n_queues; q++) {
+        const head_t *st = &s->state[q];
+        int running = s->head[q] < s->ph->queue_first[q + 1] && st->start >= 0;
+        remaining[q] = running ? st->rem - (s->now - st->since) / st->dur : NAN;
+        seq[q] = running ? st->seq : 0;
+    }
+}
+
+static int push_end(sim_t *s, int32_t q) {
+    head_t *st = &s->state[q];
+    return heap_push(&s->heap, (entry_t){st->since + st->rem * st->dur, ++s->counter, st->version, q});
+}
+
+/* Periods skipped (the caller worked out where to): the clock and exposed sum move to later and exposed;
+   each queue's head moves to head[q], a running one's start by delta; a head given a remaining fraction
+   (not NaN) takes it from later on. The heap is rebuilt device by device (compute, then comms in order), as
+   the reference rebuilds it: its devices are blame_device's, in that order. Every queue is woken. The run goes on from its exposed-time step. */
+EXPORT int lagom_sim_jump(sim_t *s, double later, double exposed, double delta, const int32_t *head,
+                          const double *remaining) {
+    const lagom_phase_t *ph = s->ph;
+    for (int32_t q = 0; q < ph->n_queues; q++) {
+        head_t *st = &s->state[q];
+        int running = s->head[q] < ph->queue_first[q + 1] && st->start >= 0;
+        if (head[q] != s->head[q]) {
+            s->head[q] = head[q];
+            if (running)
+                st->start += delta;
+            else /* its image has waited for nothing yet (what this head was blamed for stays behind) */
+                fresh(st);
+        }
+        if (running && !isnan(remaining[q])) {
+            st->rem = remaining[q];
+            st->since = later;
+        }
+        idset_add(&s->woken, q);
+    }
+    s->now = later;
+    s->exposed_total = exposed;
+    s->heap.len = 0;
+    for (int32_t i = 0; i < ph->n_blame; i++) { /* the reference's device order */
+        int32_t d = ph->blame_device[i], cq = s->compute_on[d];
+        if (cq >= 0 && push_end(s, cq))
+            return LAGOM_SIM_NOMEM;
+        for (int32_t j = 0; j < s->comms_len[d]; j++) {
+            int32_t q = s->comms_on[(int64_t)d * ph->n_queues + j];
+            if (ph->device[s->head[q]] == d && push_end(s, q))
+                return LAGOM_SIM_NOMEM;
+        }
+    }
+    s->at_boundary = 1;
+    return LAGOM_SIM_OK;
+}
+
+/* A copy of the run that records into out (records may be NULL: none kept) and shares the memo. Its running
+   heads restart from its clock with the given remaining fractions, pushed in the order they started, with
+   nothing woken or dirty: the reference's probe resumes a checkpoint so. */
+EXPORT sim_t *lagom_sim_probe(const sim_t *src, lagom_result_t *out, const double *remaining) {
+    const lagom_phase_t *ph = src->ph;
+    const int32_t nq = ph->n_queues, nd = ph->n_devices;
+    sim_t *s = sim_alloc(ph);
+    if (!s)
+        return NULL;
+    s->cost = src->cost;
+    s->memo = src->memo;
+    s->out = out;
+    s->check = src->check;
+    s->watching = 1;
+    memcpy(s->task_queue, src->task_queue, (size_t)ph->n_tasks * sizeof *s->task_queue);
+    memcpy(s->head, src->head, (size_t)nq * sizeof *s->head);
+    memcpy(s->state, src->state, (size_t)nq * sizeof *s->state);
+    memcpy(s->compute_on, src->compute_on, (size_t)nd * sizeof *s->compute_on);
+    memcpy(s->comms_on, src->comms_on, (size_t)nd * (size_t)nq * sizeof *s->comms_on);
+    memcpy(s->comms_len, src->comms_len, (size_t)nd * sizeof *s->comms_len);
+    s->now = src->now;
+    s->exposed_total = src->exposed_total;
+    s->longest = src->longest;
+    s->event = src->event;
+    s->seq = src->seq;
+    s->touches = src->touches;
+    s->live = src->live;
+    out->tasks = src->out->tasks;
+    /* running heads by their start's number: an insertion sort of a few dozen */
+    int32_t *order = s->finished, n = 0;
+    for (int32_t q = 0; q < nq; q++) {
+        head_t *st = &s->state[q];
+        if (s->head[q] >= ph->queue_first[q + 1] || st->start < 0)
+            continue;
+        st->rem = remaining[q];
+        st->since = s->now;
+        int32_t j = n++;
+        while (j > 0 && s->state[order[j - 1]].seq > st->seq) {
+            order[j] = order[j - 1];
+            j--;
+        }
+        order[j] = q;
+    }
+    for (int32_t i = 0; i < n; i++)
+        if (push_end(s, order[i])) {
+            lagom_sim_close(s);
+            return NULL;
+        }
+    return s;
 }

@@ -5,9 +5,10 @@
 
 #include <stdint.h>
 
-#define LAGOM_EVENT_LOOP_ABI 1 /* bumped whenever a struct below changes */
+#define LAGOM_EVENT_LOOP_ABI 2 /* bumped whenever a struct below changes */
 
-enum { LAGOM_SIM_OK = 0, LAGOM_SIM_NOMEM = 1, LAGOM_SIM_CALLBACK = 2, LAGOM_SIM_DEADLOCK = 3, LAGOM_SIM_STALLED = 4 };
+enum { LAGOM_SIM_OK = 0, LAGOM_SIM_NOMEM = 1, LAGOM_SIM_CALLBACK = 2, LAGOM_SIM_DEADLOCK = 3, LAGOM_SIM_STALLED = 4,
+       LAGOM_SIM_PAUSED = 5 };
 
 /* What the callback is asked; the key holds (cost, util, share), (cost, duration) or (cost, then a
  * (comm cost, HBM rate) pair per collective running beside it). It returns NaN when Python failed. */
@@ -43,6 +44,17 @@ typedef struct {
 } lagom_result_t;
 
 int lagom_event_loop_abi(void); /* LAGOM_EVENT_LOOP_ABI as built: a library older than its Python side is not used */
-int lagom_simulate_phase(const lagom_phase_t *phase, lagom_cost_fn cost, lagom_result_t *out);
+
+/* One run of a phase, kept between calls (event_loop.c says what each call does). check: per task, 1 where
+ * starting it is a period boundary of the band to pause at while watching (NULL: never pause). */
+typedef struct lagom_sim lagom_sim_t;
+lagom_sim_t *lagom_sim_open(const lagom_phase_t *phase, lagom_cost_fn cost, lagom_result_t *out, const uint8_t *check);
+void lagom_sim_watch(lagom_sim_t *sim, int watching);
+int lagom_sim_run(lagom_sim_t *sim); /* LAGOM_SIM_OK when the phase is done, LAGOM_SIM_PAUSED at a boundary */
+void lagom_sim_state(const lagom_sim_t *sim, double *remaining, int64_t *seq);
+int lagom_sim_jump(lagom_sim_t *sim, double later, double exposed, double delta, const int32_t *head,
+                   const double *remaining);
+lagom_sim_t *lagom_sim_probe(const lagom_sim_t *sim, lagom_result_t *out, const double *remaining);
+void lagom_sim_close(lagom_sim_t *sim);
 
 #endif

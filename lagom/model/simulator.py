@@ -33,10 +33,12 @@ cannot depend on those keys. A phase none of the changed keys started in is reus
 
 Two loops. This module's event loop is the reference, and the fallback where the compiled one
 (``lagom.model.compiled``, event_loop.c) was not built or LAGOM_SIMULATOR=python asks for it. A Simulator
-runs phases on the compiled loop by default: every task, no steady-state jumps and no checkpoints (a phase
-no changed key is in is still reused whole). The two agree to 1e-9 (to the bit, today: same operations in
-the same order). The steady-state jumps and checkpoints stay here because without a compiler they are what
-keeps a 1,024-GPU plan within minutes; they are why this is the largest module (about 1,000 lines).
+runs phases on the compiled loop by default (``_CompiledPhaseRun``): the loop runs in C and pauses at the
+band's period boundaries, where the steady-state logic here reads its state and decides the jumps, which C
+then applies and probes. The two agree to 1e-9 with and without jumps (to the bit, today: same operations in
+the same order). The compiled loop keeps no checkpoints (a phase no changed key is in is still reused whole):
+they are what keeps the Python loop's searches within minutes without a compiler. This is the largest module
+(about 1,100 lines) because the steady-state logic is here once for both loops.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from operator import attrgetter
+
+import numpy as np
 
 from lagom.errors import LagomError
 from lagom.model import compiled
@@ -256,7 +260,7 @@ class Simulator:
                 left.append(reuse)
                 continue
             if self.compiled_loop and not keep_spans:
-                result, first_start = self._compiled(i, split, configs, model, default)
+                result, first_start = self._compiled(i, split, configs, model, default, extrapolate)
                 phases.append(result)
                 left.append((result, first_start, [], []))  # no checkpoints: a later run reuses it whole or not at all
                 continue
@@ -290,15 +294,17 @@ class Simulator:
             out.append(({k for k in keys if trail.configs.get(k, default) != configs.get(k, default)}, trail))
         return out
 
-    def _compiled(self, i: int, split: frozenset, configs: Configs, model: CostModel, default: CommConfig) -> tuple[PhaseResult, dict[str, float]]:
-        """One phase on the compiled loop: every task, from arrays lowered once per choice of decompositions; with
-        when each key's first collective started (what tells a later run whether it may reuse this phase)."""
+    def _compiled(self, i: int, split: frozenset, configs: Configs, model: CostModel, default: CommConfig,
+                  extrapolate: bool) -> tuple[PhaseResult, dict[str, float]]:
+        """One phase on the compiled loop, from arrays lowered once per choice of decompositions, with the
+        steady-state jumps where ``extrapolate``; with when each key's first collective started (what tells a
+        later run whether it may reuse this phase)."""
         arrays = self._arrays.pop((i, split), None) or compiled.lower(self._lowering(i, split, True))
         self._arrays[(i, split)] = arrays  # most recently used last
         while sum(a.tasks for a in self._arrays.values()) > ARRAYS_KEPT and len(self._arrays) > 1:
             del self._arrays[next(iter(self._arrays))]
-        run = _PhaseRun(arrays.lowering, configs, model, default, False)
-        outcome = compiled.simulate_phase(arrays, run, model)
+        run = _CompiledPhaseRun(arrays, configs, model, default, extrapolate)
+        outcome = run.simulate_loop()
 
         def timings() -> list[PointTiming]:
             run.records = outcome.records(arrays)
@@ -306,7 +312,8 @@ class Simulator:
 
         phase = self.graph.phases[i]
         return PhaseResult(phase.name, phase.repeat, outcome.now, outcome.exposed, *self._static(i, model),
-                           outcome.key_totals, [], outcome.tasks, 0, None, timings), outcome.first_start
+                           outcome.key_totals, [], outcome.tasks, sum(j.periods for j in run.jumps), None,
+                           timings), outcome.first_start
 
     def _lowering(self, i: int, split: frozenset, band: bool) -> Lowering:
         key = (i, split, band)
@@ -785,27 +792,12 @@ class _PhaseRun:
 
     def _observe(self, now: float, totals, exposed_total: float, ref: int) -> _Seen | None:
         """The state at a period boundary of the reference stream; None when a stream is outside the band."""
-        queues, heads = self.lw.queues, self.heads
-        unit = heads[ref] // queues[ref].shift
-        key: list[tuple[int, bool]] = []
-        spans: list[tuple[int, int] | None] = []
-        room = END
-        for q, queue in enumerate(queues):
-            pos = heads[q]
-            if queue.shift:
-                span = queue.span(pos)
-                if span is None or pos + queue.shift > span[1]:
-                    return None
-                spans.append(span)
-                room = min(room, (span[1] - pos) // queue.shift)
-                pos -= unit * queue.shift
-            else:
-                spans.append(None)
-            t = self.tasks[q].get(heads[q]) if heads[q] < END else None
-            key.append((pos, t is not None and t.start >= 0))
-        running = [self.tasks[q][heads[q]] for q, (_, on) in enumerate(key) if on]
-        remaining = [t.rem - (now - t.since) / t.dur for t in running]
-        return _Seen(unit, tuple(key), remaining, spans, now, {k: list(v) for k, v in totals.items()}, exposed_total, room)
+        running = {}
+        for q, pos in enumerate(self.heads):
+            t = self.tasks[q].get(pos) if pos < END else None
+            if t is not None and t.start >= 0:
+                running[q] = t.rem - (now - t.since) / t.dur
+        return _seen(self.lw, self.heads, running, now, totals, exposed_total, ref)
 
     def _band_over(self) -> bool:
         """Whether every stream of the band is past its last span (no jump can come any more)."""
@@ -972,39 +964,48 @@ class _PhaseRun:
         exposed_total += periods * plan.exposed + transient * plan.excess_exposed
         delta = periods * plan.period + transient * plan.excess
         later = now + delta
-        heads_running = [self.tasks[q][self.heads[q]] for q in range(len(self.lw.queues))
-                         if self.heads[q] < END and self.heads[q] in self.tasks[q] and self.tasks[q][self.heads[q]].start >= 0]
-        drift = plan.drift or [0.0] * len(heads_running)
-        where = {id(t): f + ratio ** periods * (r - f) + periods * d
-                 for t, f, r, d in zip(heads_running, plan.fixed, plan.remaining, drift)}
+        running = self._running_queues()
+        drift = plan.drift or [0.0] * len(running)
+        where = {q: f + ratio ** periods * (r - f) + periods * d
+                 for q, f, r, d in zip(running, plan.fixed, plan.remaining, drift)}
+        skipped = {q: (self.heads[q], periods * plan.units * queue.shift, q in where)
+                   for q, queue in enumerate(self.lw.queues) if queue.shift}
+        self._move(skipped, where, plan.drift is not None, now, later, exposed_total, delta, compute_on, comms_on)
+        self.jumps.append(_Jump(skipped, periods * plan.units, plan.period / plan.units, plan.excess, ratio, plan.units))
+        return later, exposed_total
+
+    def _running_queues(self) -> list[int]:
+        """The queues whose head is running, in queue order."""
+        return [q for q in range(len(self.lw.queues))
+                if self.heads[q] < END and self.heads[q] in self.tasks[q] and self.tasks[q][self.heads[q]].start >= 0]
+
+    def _move(self, skipped: dict[int, tuple[int, int, bool]], where: dict[int, float], drifting: bool, now: float,
+              later: float, exposed_total: float, delta: float, compute_on, comms_on) -> None:
+        """A jump's state transfer: each band stream's head moves on by its step, a running one's task handed to
+        its image (at its remaining fraction in ``where``); with a drift, running heads outside the band take
+        theirs too."""
         moved: dict[int, _Task] = {}
-        skipped: dict[int, tuple[int, int, bool]] = {}
-        for q, queue in enumerate(self.lw.queues):
-            if not queue.shift:
-                continue
-            pos, step = self.heads[q], periods * plan.units * queue.shift
+        for q, (pos, step, running) in skipped.items():
             old = self.tasks[q].get(pos)
-            skipped[q] = (pos, step, old is not None and old.start >= 0)
             self.tasks[q] = {}
             self.heads[q] = pos + step
-            if old is None or old.start < 0:
+            if old is None or not running:
                 continue
             t = self.task(q, pos + step)
             t.seq, t.start, t.since = old.seq, old.start + delta, later
-            t.rem = where.get(id(old), old.rem - (now - old.since) / old.dur)
+            t.rem = where.get(q, old.rem - (now - old.since) / old.dur)
             t.dur, t.rate, t.exposed, t.solo, t.util = old.dur, old.rate, old.exposed, old.solo, old.util
             moved[id(old)] = t
-        if plan.drift is not None:  # a head outside the band keeps its task: its remaining work drifted
-            for t in heads_running:
-                if id(t) not in moved:
-                    t.rem, t.since = where[id(t)], later
+        if drifting:  # a head outside the band keeps its task: its remaining work drifted
+            for q, rem in where.items():
+                if q not in skipped:
+                    t = self.tasks[q][self.heads[q]]
+                    t.rem, t.since = rem, later
         for d, t in compute_on.items():
             if t is not None and id(t) in moved:
                 compute_on[d] = moved[id(t)]
-        for d, running in comms_on.items():
-            comms_on[d] = [moved.get(id(c), c) for c in running]
-        self.jumps.append(_Jump(skipped, periods * plan.units, plan.period / plan.units, plan.excess, ratio, plan.units))
-        return later, exposed_total
+        for d, running_on in comms_on.items():
+            comms_on[d] = [moved.get(id(c), c) for c in running_on]
 
     # -- per-point timings, on demand
 
@@ -1047,6 +1048,116 @@ class _PhaseRun:
         p = self.ix.points[j]
         return PointTiming(p.name, self.ix.key(j), p.device, min(r[0] for r in parts), max(r[1] for r in parts),
                            sum(r[2] for r in parts), sum(r[3] for r in parts))
+
+
+class _CompiledPhaseRun(_PhaseRun):
+    """A phase on the compiled loop (``compiled.LoopRun``), under this module's steady-state logic: the loop
+    pauses at the band's period boundaries, and the states it reports there are compared, probed and jumped
+    over exactly as the Python loop's are (``_steady``, ``_converging``, ``_landing`` are shared; only reading
+    the state, probing and moving it run in C). No checkpoints: a run resumes none."""
+
+    def __init__(self, arrays: compiled.PhaseArrays, configs: Configs, model: CostModel, default: CommConfig,
+                 extrapolate: bool) -> None:
+        super().__init__(arrays.lowering, configs, model, default, False)
+        self.arrays = arrays
+        queues = arrays.lowering.queues
+        self.band_ref = next((q for q, queue in enumerate(queues) if queue.kind == COMPUTE and queue.shift), None) \
+            if extrapolate else None
+        check = None
+        if self.band_ref is not None:
+            ref = self.band_ref
+            check = np.zeros(arrays.tasks, dtype=np.uint8)
+            first = int(arrays.queue_first[ref])
+            check[first:first + len(arrays.positions[ref])] = arrays.positions[ref] % queues[ref].shift == 0
+        self.loop = compiled.LoopRun(arrays, self, model, check)
+
+    def simulate_loop(self) -> compiled.Outcome:
+        loop, ref = self.loop, self.band_ref
+        try:
+            loop.watch(ref is not None)
+            while not loop.run():
+                self.heads = loop.positions()
+                seen = self._seen_of(loop, self.heads)
+                if seen is None:
+                    loop.watch(not self._band_over())
+                    continue
+                plan = self._steady(seen, None, None, 0.0)
+                self.history = [h for h in self.history if h.unit > seen.unit - UNITS_KEPT] + [seen]
+                if plan is None:
+                    continue
+                periods = min(seen.room // plan.units - 1, plan.most or END)
+                if periods >= 1:
+                    totals = loop.key_totals()
+                    self._jump(plan, periods, loop.now, totals, loop.exposed_total, None, None)
+                    loop.set_totals(totals)
+                    self.history = []
+            return loop.outcome()
+        finally:
+            loop.close()
+
+    def _seen_of(self, loop: compiled.LoopRun, heads: list[int]) -> _Seen | None:
+        running = {q: float(r) for q, r in enumerate(loop.remaining.tolist()) if not math.isnan(r)}
+        return _seen(self.lw, heads, running, loop.now, loop.key_totals(), loop.exposed_total, self.band_ref)  # type: ignore[arg-type]
+
+    def _running_queues(self) -> list[int]:
+        return [q for q, r in enumerate(self.loop.remaining.tolist()) if not math.isnan(r)]
+
+    def _move(self, skipped: dict[int, tuple[int, int, bool]], where: dict[int, float], drifting: bool, now: float,
+              later: float, exposed_total: float, delta: float, compute_on, comms_on) -> None:
+        a, loop = self.arrays, self.loop
+        heads = loop.heads.copy()
+        remaining = np.full(len(heads), np.nan)
+        for q, (pos, step, _) in skipped.items():
+            heads[q] = a.queue_first[q] + int(np.searchsorted(a.positions[q], pos + step))
+            self.heads[q] = pos + step
+        for q, rem in where.items():
+            if q in skipped or drifting:
+                remaining[q] = rem
+        loop.jump(later, exposed_total, delta, heads, remaining)
+
+    def _probe(self, now: _Seen, fixed: list[float], units: int, compute_on, comms_on, longest: float) -> _Seen | None:
+        """``units`` periods from this boundary with the running heads at ``fixed``, on a copy of the loop."""
+        remaining = np.full(len(self.lw.queues), np.nan)
+        for q, f in zip([q for q, (_, on) in enumerate(now.key) if on], fixed):
+            remaining[q] = f
+        ref = self.band_ref
+        shift = self.lw.queues[ref].shift  # type: ignore[index]
+        probe = self.loop.probe(remaining)
+        try:
+            while not probe.run():
+                heads = probe.positions()
+                if heads[ref] // shift >= now.unit + units:  # type: ignore[index]
+                    return self._seen_of(probe, heads)
+            return None  # the phase ended first
+        except LagomError:  # the extrapolated state is not one the step can be in: no jump, simulate on
+            return None
+        finally:
+            probe.close()
+
+
+def _seen(lw: Lowering, heads: list[int], running: dict[int, float], now: float, totals, exposed_total: float,
+          ref: int) -> _Seen | None:
+    """The state at a period boundary of stream ``ref`` (``running``: each running head's remaining fraction, in
+    queue order); None when a stream is outside the band."""
+    queues = lw.queues
+    unit = heads[ref] // queues[ref].shift
+    key: list[tuple[int, bool]] = []
+    spans: list[tuple[int, int] | None] = []
+    room = END
+    for q, queue in enumerate(queues):
+        pos = heads[q]
+        if queue.shift:
+            span = queue.span(pos)
+            if span is None or pos + queue.shift > span[1]:
+                return None
+            spans.append(span)
+            room = min(room, (span[1] - pos) // queue.shift)
+            pos -= unit * queue.shift
+        else:
+            spans.append(None)
+        key.append((pos, q in running))
+    return _Seen(unit, tuple(key), list(running.values()), spans, now, {k: list(v) for k, v in totals.items()},
+                 exposed_total, room)
 
 
 def _close(a: list[float], b: list[float]) -> bool:
