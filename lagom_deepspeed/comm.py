@@ -269,13 +269,14 @@ class BackendTap:
     # -- recording --------------------------------------------------------------------------------
     @staticmethod
     def _track(receivers: tuple[Subscription, ...], group: Any, collective: str, size: int, work: Any,
-               p2p: bool = False, calls: list[tuple[int, int]] | None = None) -> Any:
+               p2p: bool = False, calls: list[tuple[int, int]] | None = None, by_lagom: bool = False) -> Any:
         """Hand the call to each receiver's recorder; returns the work the caller gets (maybe a timing proxy).
-        ``calls``: the (bytes, tensors) of each call NCCL makes of a coalesced operation (default: one of ``size``)."""
+        ``calls``: the (bytes, tensors) of each call NCCL makes of a coalesced operation (default: one of ``size``);
+        ``by_lagom``: a decomposed call, which NCCL's own records never show as this collective."""
         for sub in receivers:
             name = sub.names.p2p if p2p and group is None else sub.names(group)
             for call_bytes, tensors in calls or [(size, 1)]:
-                work = sub.recorder.track(name, collective, call_bytes, work, tensors)
+                work = sub.recorder.track(name, collective, call_bytes, work, tensors, by_lagom=by_lagom)
         return work
 
     @staticmethod
@@ -307,7 +308,7 @@ class BackendTap:
             run = decomposed(now, method, group, size, args, kwargs)
             if run is not None:
                 handle = Handle()
-                track(now, group, coll, size, handle)
+                track(now, group, coll, size, handle, by_lagom=True)
                 run()
                 handle.finish()
                 return handle if is_async else None

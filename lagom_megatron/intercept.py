@@ -110,12 +110,13 @@ class Interceptor:
         self._torch_tap: torch_tap.Subscription | None = None
 
     # -- recording
-    def _start(self, group: Any, collective: str, size: int, tensors: int = 1) -> _Pending:
+    def _start(self, group: Any, collective: str, size: int, tensors: int = 1, by_lagom: bool = False) -> _Pending:
         """A pending record for a call about to be issued; a size-1 group moves nothing and is not recorded.
-        ``tensors``: how many coalesced tensors NCCL runs as this one call of ``size`` bytes."""
+        ``tensors``: how many coalesced tensors NCCL runs as this one call of ``size`` bytes; ``by_lagom``: a
+        Flash-Overlap call, which NCCL's own records never show as this collective."""
         pending = _Pending()
         if not self.names.trivial(group):
-            self.recorder.track(self.names.name(group), collective, size, pending, tensors)
+            self.recorder.track(self.names.name(group), collective, size, pending, tensors, by_lagom=by_lagom)
         return pending
 
     def _start_coalesced(self, group: Any, collective: str, tensors: list[torch.Tensor]) -> list[_Pending]:
@@ -123,8 +124,8 @@ class Interceptor:
         makes of them (``torch_tap.coalesced``), as its tuner and the plan's sizes see them."""
         return [self._start(group, collective, size, count) for size, count in torch_tap.coalesced(collective, tensors)]
 
-    def _sync(self, group: Any, collective: str, size: int, call: Callable[[], Any]) -> Any:
-        pending = self._start(group, collective, size)
+    def _sync(self, group: Any, collective: str, size: int, call: Callable[[], Any], by_lagom: bool = False) -> Any:
+        pending = self._start(group, collective, size, by_lagom=by_lagom)
         try:
             with torch_tap.claimed:
                 return call()
@@ -269,7 +270,7 @@ class Interceptor:
                 return original(*args, **kwargs)
             self.router.count(key)
             out = self._sync(tp_group, "all_gather", size,
-                             lambda: all_gather_matmul(a["input"], a["weight"], tp_group, config=cfg))
+                             lambda: all_gather_matmul(a["input"], a["weight"], tp_group, config=cfg), by_lagom=True)
             return out if a.get("bias") is None else out + a["bias"]
         return linear
 
@@ -293,7 +294,8 @@ class Interceptor:
                 return original(layer, input_)
             interceptor.router.count(key)
             out = interceptor._sync(layer.tp_group, "reduce_scatter", size,
-                                    lambda: matmul_reduce_scatter(input_, layer.weight, layer.tp_group, config=cfg))
+                                    lambda: matmul_reduce_scatter(input_, layer.weight, layer.tp_group, config=cfg),
+                                    by_lagom=True)
             if layer.skip_bias_add:
                 return out, layer.bias
             return (out + layer.bias if layer.bias is not None else out), None

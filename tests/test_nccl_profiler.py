@@ -10,20 +10,33 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import shutil
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from lagom import nccl_profiler
 from lagom.nccl_profiler import drain as profiler
 from lagom.nccl_profiler import what_ran
 from lagom.nccl_tuner import build
 from lagom.nccl_tuner.live import PluginCounters
+from lagom.plan.capability import Capability
 from lagom.plan.comm_config import Algorithm, CommConfig, CTAPolicy, Protocol
 from lagom.plan.plan import Plan, PlanEntry
+from lagom.runtime.apply import nccl_calls, torch_tap
+from lagom.runtime.apply import runtime as apply_runtime
+from lagom.runtime.apply.nccl_calls import NcclGroup
+from lagom.runtime.apply.recorder import Recorder
+from lagom.runtime.online import report
+from lagom.runtime.online.session import TuningSession
+from lagom.runtime.online.state import SessionOptions
+from lagom.tune import make_plan
+from tests.test_capability import tiny_job
 from tests.test_nccl_tuner import compiler_or_skip
 
 COLL, KERNEL_CH, CE_COLL, KERNEL_CH_STOP = 1 << 1, 1 << 6, 1 << 12, 22
@@ -340,20 +353,97 @@ def test_without_the_library_the_drain_says_the_profiler_is_absent(tmp_path, mon
         build.compile_profiler(tmp_path / nccl_profiler.LIBRARY_NAME)
 
 
-def test_a_steps_records_become_the_recorders_rows_on_its_clock(nccl, library) -> None:
-    dp, unnamed = nccl(6, comm_hash=10, n_ranks=4, name=b"dp"), nccl(6, comm_hash=11, n_ranks=4)
-    step_start = time.perf_counter()
-    dp.run(1, [(1_000, 251_000), (2_000, 250_000)], func=b"AllGather", count=256)  # GPU times: exact
-    dp.stop(dp.coll(2, func=b"Broadcast", count=8, channels=0))  # host times only
-    unnamed.run(1, [(0, 5)])
-    step_end = time.perf_counter()
-    reader = profiler.ProfilerDrain(library)
-    groups = profiler.group_names(reader.communicators(), {"dp": 4, "cp": 4})
-    rows = profiler.call_records(reader.drain().collectives(), groups, step=3, step_start_s=step_start)
-    assert [(r.group, r.collective, r.nbytes, r.seq, r.step, r.exact) for r in rows] == \
-        [("dp", "all_gather", 256 * 4 * 4, 0, 3, True), ("dp", "broadcast", 32, 1, 3, False)]
-    assert rows[0].duration_s == pytest.approx(250e-6)
-    assert 0 <= rows[0].start_s <= rows[1].start_s <= step_end - step_start
+def _rows(records: list) -> list[tuple]:
+    return [(r.group, r.collective, r.nbytes, r.step, r.exact) for r in records]
+
+
+def test_the_recorder_takes_a_groups_collectives_from_nccl_from_the_step_after_its_match(nccl, library) -> None:
+    rec = Recorder(cuda=False)
+    calls = nccl_calls.NcclCalls(profiler.ProfilerDrain(library), lambda: [NcclGroup("dp", 4, ("7", "DATA_PARALLEL")),
+                                                                           NcclGroup("tp", 2)])
+    rec.nccl = calls
+    dp = nccl(6, comm_hash=10, n_ranks=4, name=b"7")  # NCCL's commName: torch's name for the group
+    rec.begin_step(1)
+    dp.run(1, [(0, 100_000)], count=1024)  # the step the communicator appears: the tap records this call
+    now = time.perf_counter()
+    rec.ended("dp", "all_reduce", 4096, now, now + 0.001)
+    first = rec.end_step()
+    assert _rows(first) == [("dp", "all_reduce", 4096, 1, True)] and first[0].duration_s == pytest.approx(0.001)
+    assert calls.matches == {10: profiler.GroupMatch("dp", "comm_name")}
+    assert rec.from_nccl("dp", "all_reduce") and not rec.from_nccl("dp", "send_recv")
+    assert not rec.from_nccl("tp", "all_reduce")
+    dp.run(2, [(0, 5)], count=1024)  # between steps (Lagom's agreement, the framework's housekeeping): not the job's
+    rec.begin_step(2)
+    assert rec.track("dp", "all_reduce", 4096, work := object()) is work and rec.pending == 0  # NCCL's records have it
+    rec.ended("dp", "all_reduce", 4096, now, now + 1.0)
+    rec.track("dp", "send_recv", 64)  # NCCL does not report p2p to the plugin: the tap's
+    rec.track("dp", "all_gather", 1 << 20, by_lagom=True)  # Flash-Overlap's p2p steps: the adapter's
+    dp.run(3, [(1_000, 251_000), (2_000, 250_000)], count=1024)
+    late = dp.coll(4, func=b"Broadcast", count=8, channels=1)
+    dp.stop(late)  # its kernel channel reports after the step ends
+    second = rec.end_step()
+    assert _rows(second) == [("dp", "send_recv", 64, 2, True), ("dp", "all_gather", 1 << 20, 2, True),
+                             ("dp", "all_reduce", 4096, 2, True)]
+    assert [r.seq for r in second] == [0, 1, 2] and second[2].duration_s == pytest.approx(250e-6)
+    rec.begin_step(3)
+    dp.channel_end(dp.channel(late, 0, 10), 1_010)
+    third = rec.end_step()  # late, in the step that launched it
+    assert _rows(third) == [("dp", "broadcast", 32, 2, True)] and third[0].duration_s == pytest.approx(1e-6)
+    assert rec.summary()["dp/all_reduce/4096"]["count"] == 2  # once per step: never the tap's and NCCL's both
+
+
+def test_communicators_of_one_size_are_told_apart_by_call_order(nccl, library, caplog) -> None:
+    rec = Recorder(cuda=False)
+    calls = nccl_calls.NcclCalls(profiler.ProfilerDrain(library), lambda: [NcclGroup("dp", 4), NcclGroup("cp", 4)])
+    rec.nccl = calls
+    dp, cp = nccl(6, comm_hash=20, n_ranks=4), nccl(6, comm_hash=21, n_ranks=4)
+    keys = []
+    with caplog.at_level(logging.INFO, logger="lagom.runtime"):
+        for step in range(1, 7):
+            rec.begin_step(step)
+            now = time.perf_counter()
+            for group, collective, nbytes in (("dp", "all_reduce", 4096), ("dp", "all_gather", 8192),
+                                              ("cp", "all_gather", 16384)):
+                rec.ended(group, collective, nbytes, now, now + 1e-3)  # the tap: left at once once NCCL's records have it
+            dp.run(step, [(0, 2_000)], count=1024)
+            dp.run(step, [(0, 2_000)], func=b"AllGather", count=512)
+            cp.run(step, [(0, 2_000)], func=b"AllGather", count=1024)
+            keys.append(sorted((r.key, r.duration_s) for r in rec.end_step()))
+    assert calls.matches == {20: profiler.GroupMatch("dp", "call_order"), 21: profiler.GroupMatch("cp", "call_order")}
+    # matched on step 1's calls at step 3's end: NCCL's records from step 4, exactly one record per call throughout
+    tap = [("cp/all_gather/16384", pytest.approx(1e-3)), ("dp/all_gather/8192", pytest.approx(1e-3)),
+           ("dp/all_reduce/4096", pytest.approx(1e-3))]
+    ours = [(k, pytest.approx(2e-6)) for k, _ in tap]
+    assert keys == [tap, tap, tap, ours, ours, ours]
+    said = [r.getMessage() for r in caplog.records if "NCCL profiler" in r.getMessage()]
+    assert len(said) == 2 and "several groups of its rank count" in said[0] and "by call order" in said[1]
+
+
+def test_the_runtime_points_nccl_at_its_profiler_and_a_users_profiler_wins(library, monkeypatch, caplog) -> None:
+    monkeypatch.setattr(nccl_profiler, "path", lambda: library)
+    monkeypatch.delenv("NCCL_PROFILER_PLUGIN", raising=False)
+    on_cpu = apply_runtime.open_runtime(None)
+    assert on_cpu.recorder.nccl is None and "do not run on NCCL" in (on_cpu.nccl_records_off or "")
+    on_cpu.close()
+    rt = apply_runtime.open_runtime(None)
+    rt.record_nccl(nccl=True)  # as on a GPU: before any communicator exists
+    assert os.environ["NCCL_PROFILER_PLUGIN"] == str(library) and rt.profiler_env_set == {
+        "NCCL_PROFILER_PLUGIN": str(library)}
+    assert isinstance(rt.recorder.nccl, nccl_calls.NcclCalls) and rt.recorder.nccl.reader.path == library
+    second = apply_runtime.open_runtime(None)  # one reader per process: a second session records through the tap
+    second.record_nccl(nccl=True)
+    assert second.recorder.nccl is None and "another Lagom session" in (second.nccl_records_off or "")
+    second.close()
+    rt.close()
+    assert "NCCL_PROFILER_PLUGIN" not in os.environ
+    monkeypatch.setenv("NCCL_PROFILER_PLUGIN", "/opt/their-profiler.so")
+    del rt, second
+    theirs = apply_runtime.open_runtime(None)
+    with caplog.at_level(logging.WARNING, logger="lagom.runtime"):
+        theirs.record_nccl(nccl=True)
+    assert os.environ["NCCL_PROFILER_PLUGIN"] == "/opt/their-profiler.so" and theirs.recorder.nccl is None
+    assert "NCCL_PROFILER_PLUGIN=/opt/their-profiler.so is set in the environment" in caplog.text
+    theirs.close()
 
 
 def built_under(sanitizer: str, tmp_path: Path, driver: Path, include_dirs: list[Path]) -> tuple[Path, Path]:
@@ -379,3 +469,113 @@ def test_threads_calling_as_nccl_does_lose_and_tear_nothing_under_sanitizers(tmp
     assert done.returncode == 0, done.stdout + done.stderr[-4000:]
     assert done.stdout.endswith("stress ok\n") and "WARNING: ThreadSanitizer" not in done.stderr
     assert done.stdout.startswith("threads: ") and " 0 lost, 0 without a slot" in done.stdout
+
+
+def test_a_session_measures_drifts_and_reports_what_ran_from_nccls_records(nccl, library, monkeypatch,
+                                                                             tmp_path) -> None:
+    """A real session with a plan in force, whose collectives reach it only as NCCL's records (the tap's role is
+    played on the first step only, before the communicators are matched): the monitor sees a key slow down from
+    those records alone, and the report's what-ran table says where NCCL did not run the plan."""
+    wl, hw = tiny_job(tmp_path)
+    cap = Capability("2.30.7", True, False, True)
+    plan_file = tmp_path / "plan.json"
+    make_plan(wl, hw, "lagom", capability=cap).save(plan_file)
+    monkeypatch.setattr(nccl_profiler, "path", lambda: library)
+    monkeypatch.delenv("NCCL_PROFILER_PLUGIN", raising=False)
+    session = TuningSession(wl, hw, SessionOptions(plan_in=plan_file, capability=cap, cache_dir=tmp_path / "cache"),
+                            world_size=8)
+    session.start()
+    try:
+        plan = session.plan
+        assert plan is not None and session.monitor is not None
+        untouched = report.build(session)["nccl_ran"]
+        assert untouched == {"recorded": False, "why": "the job's collectives do not run on NCCL (no CUDA device or "
+                                                       "no NCCL in torch)"}
+        sizes = {e.group: e.group_size for e in plan.entries}
+        session.runtime.record_nccl(nccl=True, groups=lambda: [NcclGroup(g, n) for g, n in sizes.items()])
+        comms = {g: nccl(6, comm_hash=100 + i, n_ranks=n, name=g.encode()) for i, (g, n) in enumerate(sizes.items())}
+        funcs = {"all_reduce": b"AllReduce", "all_gather": b"AllGather", "reduce_scatter": b"ReduceScatter"}
+        tuned = [e for e in plan.entries if e.collective in funcs and e.config.by_tuner]
+        assert tuned, "the plan has no tuner rule to check"
+        off_rule = tuned[0]
+        slow = sorted(e.key for e in plan.entries if e.collective in funcs)[-1]
+
+        def step(factor: float = 1.0) -> None:
+            session.begin_step()
+            start = time.perf_counter()
+            for e in plan.entries:
+                if e.collective not in funcs:
+                    continue
+                if not session.runtime.recorder.from_nccl(e.group, e.collective):  # the tap, until NCCL's records take over
+                    session.runtime.recorder.ended(e.group, e.collective, e.bytes, start, start + 2e-4)
+                algo = str(e.config.algorithm).upper().encode() if e.config.by_tuner else b"RING"
+                proto = str(e.config.protocol).upper().encode() if e.config.by_tuner else b"SIMPLE"
+                if e is off_rule:
+                    algo, proto = (b"TREE", b"LL") if algo != b"TREE" else (b"RING", b"SIMPLE")
+                count = e.bytes // 4 // (e.group_size if e.collective != "all_reduce" else 1)
+                ns = 200_000 * (3 if e.key == slow and factor > 1 else 1)
+                comms[e.group].run(session.iteration, [(0, ns)] * max(1, e.config.channels), func=funcs[e.collective],
+                                   count=count, algo=algo, proto=proto)
+            time.sleep(0.02 * factor)
+            session.end_step()
+
+        for _ in range(8):
+            step()
+        measured = session.measured.per_key
+        assert measured and all(calls == session.measured.steps for calls, _ in measured.values())
+        assert {key: seconds for key, (calls, seconds) in measured.items()} == \
+            {key: pytest.approx(calls * 2e-4) for key, (calls, _) in measured.items()}
+        for _ in range(40):
+            step(factor=2.0)
+            if any("may be stale" in e for e in session.events):
+                break
+        stale = [e for e in session.events if "may be stale" in e]
+        assert stale and f"slower per call: {slow}" in stale[0], session.events[-3:]
+        ran = report.build(session)["nccl_ran"]
+        assert ran["recorded"] and ran["matched_by"] == ["comm_name"] and ran["dropped"] == 0
+        assert f"| {off_rule.key} |" in ran["table"]
+        assert len(ran["mismatches"]) == 1 and ran["mismatches"][0].startswith(f"{off_rule.key}: ")
+        assert "the tuner rule did not fire" in ran["mismatches"][0]
+        text = report.markdown(report.build(session))
+        assert "## What NCCL ran (" in text and ran["mismatches"][0] in text
+    finally:
+        session.close()
+
+
+def _tap_beside_nccl_records(rank: int, world_size: int, library: str) -> list[list[tuple]]:
+    """One gloo rank: the torch tap records as in a job, the profiler's records arrive as NCCL would write them."""
+    lib = ctypes.CDLL(library)
+    rec = Recorder(cuda=False)
+    subscription = torch_tap.subscribe(lambda group: "world", rec)
+    assert subscription is not None
+    try:
+        rec.nccl = nccl_calls.NcclCalls(profiler.ProfilerDrain(Path(library)),
+                                        lambda: torch_tap.nccl_groups(rec, backend="gloo"))
+        assert torch_tap.nccl_groups(rec, backend="gloo") == [
+            NcclGroup("world", 2, (dist.group.WORLD.group_name, dist.group.WORLD.group_desc))]
+        comm = Nccl(lib, 6, comm_hash=0xD0, n_ranks=world_size, name=dist.group.WORLD.group_name.encode())
+        t = torch.ones(1024)
+        steps = []
+        for step in (1, 2, 3):
+            rec.begin_step(step)
+            dist.all_reduce(t)
+            comm.run(step, [(0, 3_000)], count=1024)  # what NCCL would record of that all-reduce
+            if rank == 0:
+                dist.send(t[:16], 1)
+            else:
+                dist.recv(t[:16], 0)
+            steps.append(sorted((r.key, r.step, r.duration_s == pytest.approx(3e-6)) for r in rec.end_step()))
+        return steps
+    finally:
+        subscription.close()
+
+
+def test_the_torch_tap_leaves_the_collectives_nccls_records_carry_and_records_the_rest(library) -> None:
+    from tests.distributed import run_ranks
+
+    for rank, steps in enumerate(run_ranks(_tap_beside_nccl_records, 2, str(library))):
+        p2p = ("world/send_recv/64", "world/recv/64")[rank]
+        tapped = [("world/all_reduce/4096", 1, False), (p2p, 1, False)]
+        assert steps[0] == sorted(tapped), steps[0]  # the communicator appears: the tap has this step's calls
+        for step, got in ((2, steps[1]), (3, steps[2])):  # NCCL's records: the tap's pre-hook leaves the all-reduce
+            assert got == sorted([("world/all_reduce/4096", step, True), (p2p, step, False)]), got

@@ -4,14 +4,10 @@
 loader maps once per process). ``drain()`` copies every finished record into a buffer allocated once and
 returns them as a NumPy structured array (cheap to aggregate per step); ``Drained.collectives()`` turns them
 into ``CollectiveRecord`` objects for reports. Records the ring dropped before a drain are counted, and said
-once in the log. ``group_names`` maps NCCL's communicator hashes to Lagom's group names, and ``call_records``
-turns a step's records into the recorder's ``CallRecord`` rows.
+once in the log. ``group_names`` maps NCCL's communicator hashes to Lagom's group names.
 
-Wiring into the recorder (one drain per step, on the thread that ends the step):
-
-    reader = ProfilerDrain()                                  # once, after NCCL_PROFILER_PLUGIN was set
-    groups = group_names(reader.communicators(), sizes)       # after the job's groups exist (and again if new ones come)
-    rows = call_records(reader.drain().collectives(), groups, step, step_start_s)   # at each step's end
+The recorder's use of it (one drain per step, on the thread that ends the step, the groups matched as
+communicators appear, the torch tap left to what NCCL does not report here) is lagom.runtime.apply.nccl_calls.
 """
 
 from __future__ import annotations
@@ -25,7 +21,6 @@ from pathlib import Path
 import numpy as np
 
 from lagom import nccl_profiler
-from lagom.step.calls import CallRecord
 
 log = logging.getLogger("lagom.nccl_profiler")
 
@@ -241,47 +236,32 @@ class ProfilerDrain:
 @dataclass(frozen=True)
 class GroupMatch:
     """Which Lagom group a communicator is, and how that was decided: "hash" (torch gave the communicator's
-    hash), "comm_name" (NCCL's commName is the group's name), "rank_count" (the only group of that size), or
-    "ambiguous" (``group`` is None: several groups of that size, none named)."""
+    hash), "comm_name" (NCCL's commName is the group's name), "rank_count" (the only group of that size),
+    "call_order" (``lagom.runtime.apply.nccl_calls``: its calls in a step were one group's), or "ambiguous"
+    (``group`` is None: several groups of that size, none named)."""
 
     group: str | None
     method: str
 
 
 def group_names(communicators: list[Communicator], groups: Mapping[str, int],
-                known_hashes: Mapping[int, str] | None = None) -> dict[int, GroupMatch]:
+                known_hashes: Mapping[int, str] | None = None,
+                known_names: Mapping[str, str] | None = None) -> dict[int, GroupMatch]:
     """Maps each communicator's hash to a group of ``groups`` ({name: rank count}), by the surest method that
-    applies: a hash torch exposed, then NCCL's commName, then a unique rank count."""
+    applies: a hash torch exposed, then NCCL's commName (a group's name, or one of ``known_names``: torch's
+    names of a group -> its name here), then a unique rank count."""
     by_size: dict[int, list[str]] = {}
     for name, size in groups.items():
         by_size.setdefault(size, []).append(name)
     out: dict[int, GroupMatch] = {}
     for comm in communicators:
+        named = comm.name if comm.name in groups else (known_names or {}).get(comm.name) if comm.name else None
         if known_hashes and comm.comm_hash in known_hashes:
             out[comm.comm_hash] = GroupMatch(known_hashes[comm.comm_hash], "hash")
-        elif comm.name in groups:
-            out[comm.comm_hash] = GroupMatch(comm.name, "comm_name")
+        elif named is not None:
+            out[comm.comm_hash] = GroupMatch(named, "comm_name")
         elif len(by_size.get(comm.n_ranks, [])) == 1:
             out[comm.comm_hash] = GroupMatch(by_size[comm.n_ranks][0], "rank_count")
         else:
             out[comm.comm_hash] = GroupMatch(None, "ambiguous")
     return out
-
-
-def call_records(records: list[CollectiveRecord], groups: Mapping[int, GroupMatch], step: int,
-                 step_start_s: float) -> list[CallRecord]:
-    """A step's collectives as the recorder's rows, in launch order; records of a communicator no group was
-    matched to, or of a function Lagom does not name, are left out. ``step_start_s`` is the step's start on
-    time.perf_counter(), which on Linux reads the same clock (CLOCK_MONOTONIC) as the records' host times.
-
-    A row starts when NCCL launched the collective; it lasts its GPU time where kernel channels reported one
-    (``exact``), else its host time, which covers only NCCL's launch (not exact)."""
-    rows: list[CallRecord] = []
-    for record in sorted(records, key=lambda r: r.host_start_ns):
-        match = groups.get(record.comm_hash)
-        if match is None or match.group is None or record.function is None:
-            continue
-        start = record.host_start_ns / 1e9 - step_start_s
-        rows.append(CallRecord(match.group, record.function, record.bytes, len(rows), step, start,
-                               start + record.duration_ns / 1e9, exact=record.time_source == "gpu"))
-    return rows

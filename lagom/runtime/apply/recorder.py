@@ -1,7 +1,9 @@
-"""Times every collective the adapters report, without adding a synchronisation.
+"""Times every collective of a step, without adding a synchronisation.
 
-Wall clock and the work's completion callback on CPU, CUDA events on the current stream on GPU,
-resolved when the step ends.
+Where NCCL loaded Lagom's profiler plugin, a group's collectives come from NCCL's own records, read once per
+step (``nccl``: ``lagom.runtime.apply.nccl_calls``), and the calls the tap and adapters report for them are
+left at once. Every other call they report is timed here: wall clock and the work's completion callback on
+CPU, CUDA events on the current stream on GPU, resolved when the step ends.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 
 import torch
 
+from lagom.runtime.apply.nccl_calls import NcclCalls
 from lagom.runtime.apply.step_clock import device_now
 from lagom.step.calls import CallRecord
 
@@ -87,6 +90,7 @@ class Recorder:
         self._t0: Any = None
         self._open: list[_Open] = []
         self._totals: dict[str, list[float]] = {}  # key -> [count, total seconds]
+        self.nccl: NcclCalls | None = None  # NCCL's own records, where its profiler plugin is Lagom's
 
     def _now(self) -> Any:
         return device_now(self.cuda)
@@ -99,14 +103,24 @@ class Recorder:
     def begin_step(self, step: int) -> None:
         self.step, self._seq, self._t0 = step, 0, self._now()
         self.in_step = True
+        if self.nccl is not None:
+            self.nccl.begin(step)
 
-    def track(self, group: str, collective: str, nbytes: int, work: Any = None, tensors: int = 1) -> Any:
+    def from_nccl(self, group: str, collective: str) -> bool:
+        """Whether NCCL's own records carry this call (the caller then records nothing)."""
+        return self.nccl is not None and self.nccl.takes(group, collective)
+
+    def track(self, group: str, collective: str, nbytes: int, work: Any = None, tensors: int = 1,
+              by_lagom: bool = False) -> Any:
         """Start timing a call now; it ends when ``work`` completes (now if there is no work). ``tensors``:
         how many coalesced tensors NCCL runs as this call of ``nbytes`` in all (``calls.nccl_aggregates``).
+        ``by_lagom``: Lagom runs the call itself (Flash-Overlap's p2p steps), so NCCL records no collective for it.
 
         Returns what the caller should hand on instead of ``work``: the work itself, or, for a
         work without a completion future, a proxy that takes the end time when it is waited on.
         """
+        if not by_lagom and self.from_nccl(group, collective):
+            return work
         if self._t0 is None:
             self._t0 = self._now()
         op = _Open(group, collective, int(nbytes), self._seq, self.step, self._t0, self._now(), tensors)
@@ -126,6 +140,8 @@ class Recorder:
     def ended(self, group: str, collective: str, nbytes: int, start: float, end: float, tensors: int = 1) -> None:
         """A call timed by its caller on the host clock (``time.perf_counter``): it ran from ``start`` to ``end``.
         Host recorders only (a CUDA recorder's times are events)."""
+        if self.from_nccl(group, collective):
+            return
         if self._t0 is None:
             self._t0 = self._now()
         op = _Open(group, collective, int(nbytes), self._seq, self.step, self._t0, start, tensors)
@@ -159,6 +175,7 @@ class Recorder:
             else:
                 done.append(record)
         self._open = still
+        done += self._from_nccl(done)
         done.sort(key=lambda r: (r.step, r.seq))
         self.records.extend(done)
         if len(self.records) > self.max_records:
@@ -168,6 +185,19 @@ class Recorder:
             total[0] += 1
             total[1] += r.duration_s
         return done
+
+    def _from_nccl(self, tracked: list[CallRecord]) -> list[CallRecord]:
+        """NCCL's records drained at this step's end; on a failure, said once, the tap and adapters record every
+        call from the next step (a job must never fail because Lagom reads NCCL's records)."""
+        if self.nccl is None:
+            return []
+        try:
+            return self.nccl.end(self._seq, tracked)
+        except Exception as err:  # noqa: BLE001 - recording must never fail the job's step
+            self.nccl = None
+            log.warning("NCCL profiler: reading its records failed (%s: %s); collectives are recorded through "
+                        "torch's hooks from the next step", type(err).__name__, err)
+            return []
 
     def _resolve(self, op: _Open) -> CallRecord | None:
         if op.end is None:

@@ -4,7 +4,8 @@
 variables, turns on Lagom's NCCL tuner plugin with the plan's rules (per-size algorithm, protocol,
 channels, chunk) and wraps ``torch.distributed.new_group`` so that communicators created afterwards get
 the plan's per-group options (CTAs, stream priority, CTA policy, NVLS CTAs). The runtime's ``Recorder``
-times every collective the adapters report.
+times every collective of a step: where NCCL is the backend, every runtime (with a plan or without) also
+turns on Lagom's NCCL profiler plugin, whose records the recorder reads once per step.
 
 A plan is made under a capability (``lagom.plan.capability``); ``init`` compares it with this process's
 (the NCCL torch loads, whether Lagom's plugin is built) and refuses a plan that needs what is missing,
@@ -18,6 +19,7 @@ import inspect
 import logging
 import os
 import tempfile
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +27,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lagom import nccl_tuner
+from lagom import nccl_profiler, nccl_tuner
 from lagom.errors import ConfigError
 from lagom.hardware import Hardware, load_hardware
 from lagom.model.reconcile import Coverage, coverage
@@ -43,7 +45,8 @@ from lagom.plan.emit import (
     tuner_rules,
 )
 from lagom.plan.plan import Plan
-from lagom.runtime.apply import torch_tap
+from lagom.runtime.apply import nccl_calls, torch_tap
+from lagom.runtime.apply.nccl_calls import NcclGroup
 from lagom.runtime.apply.recorder import Recorder
 
 log = logging.getLogger("lagom.runtime")
@@ -243,6 +246,8 @@ class Runtime:
         self.env_set: dict[str, str] = {}  # the plan's process-wide NCCL variables
         self.tuner_env_set: dict[str, str] = {}  # NCCL_TUNER_PLUGIN and the plugin's rules file
         self.tuner_rules_file: Path | None = None
+        self.profiler_env_set: dict[str, str] = {}  # NCCL_PROFILER_PLUGIN, where this runtime set it
+        self.nccl_records_off: str | None = None  # why the recorder does not read NCCL's own records (None: it does)
         self._comm_cfgs = communicator_configs(plan) if plan is not None else {}
         if explore_channels is not None:  # online mode: room for every channel count the live search may try
             for cfg in self._comm_cfgs.values():
@@ -352,6 +357,34 @@ class Runtime:
         self.tuner_env_set[TUNER_PLUGIN_ENV] = str(plugin)
         return True
 
+    def record_nccl(self, nccl: bool | None = None, groups: Callable[[], list[NcclGroup]] | None = None) -> None:
+        """Point NCCL at Lagom's profiler plugin and have the recorder read its records once per step, where NCCL
+        is the backend (``nccl``: default, as ``nccl_backend`` finds). Done before the process makes an NCCL
+        communicator: NCCL reads NCCL_PROFILER_PLUGIN at its first. A profiler the user named wins, and is said
+        once; the tap then records every call, as it does without NCCL or without the built library. ``groups``:
+        the process's NCCL groups (default: those the torch tap names for this runtime's recorder)."""
+        if not (nccl_backend() if nccl is None else nccl):
+            self.nccl_records_off = "the job's collectives do not run on NCCL (no CUDA device or no NCCL in torch)"
+            return
+        library = nccl_profiler.path()
+        if library is None:
+            self.nccl_records_off = nccl_profiler.UNAVAILABLE
+            log.info("%s", self.nccl_records_off)
+            return
+        var = nccl_profiler.PLUGIN_ENV
+        if _export(self, var, str(library)):
+            self.profiler_env_set[var] = str(library)
+        elif os.environ.get(var) != str(library):
+            self.nccl_records_off = (f"{var}={os.environ.get(var)} is set in the environment: NCCL loads that profiler "
+                                     "instead of Lagom's, so collectives are recorded through torch's hooks")
+            log.warning("%s (left as it is)", self.nccl_records_off)
+            return
+        held = weakref.ref(self.recorder)  # the reader lives in the recorder: no cycle keeps either alive
+        if not nccl_calls.attach(self.recorder, groups or (lambda: torch_tap.nccl_groups(held())), library):
+            self.nccl_records_off = "another Lagom session of this process reads NCCL's records"
+        else:
+            log.info("NCCL profiler plugin on: %s (NCCL's own record of each collective, read once per step)", library)
+
     def _write_tuner_rules(self, plan: Plan) -> Path | None:
         """The plan's rules in a file of this process's own (removed with its variable), or None if it cannot be written."""
         path: Path | None = None
@@ -440,6 +473,16 @@ class Runtime:
         self.close()
 
 
+def nccl_backend() -> bool:
+    """Whether this process's collectives run on NCCL: the default group's backend once it exists, else whether
+    torch has NCCL and a CUDA device (the backend a GPU job gets)."""
+    import torch
+
+    if dist.is_initialized():
+        return "nccl" in str(dist.get_backend()).lower()
+    return bool(torch.cuda.is_available() and dist.is_nccl_available())
+
+
 def job_world_size() -> int | None:
     """The job's rank count: the default group's, else the launcher's WORLD_SIZE (torchrun, DeepSpeed), else None."""
     if dist.is_initialized():
@@ -475,6 +518,7 @@ def open_runtime(plan: Plan | str | Path | None = None, *, strict_env: bool = Tr
         capability = capability or runtime_capability(hardware)
         check_capability(plan, capability)
     runtime = Runtime(plan, hardware, recorder or Recorder(), capability, explore_channels)
+    runtime.record_nccl()
     if plan is not None:
         runtime._export_env(strict_env)
         runtime._install()

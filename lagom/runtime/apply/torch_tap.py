@@ -36,7 +36,10 @@ recording what passes through them, because they know more there (a DDP bucket g
 coalesced work, a call they decompose with Flash-Overlap, which DeepSpeed engine issued it). They
 issue those calls inside ``with claimed:``, and the tap leaves every call made inside that block
 to them. It records the rest, and only while a receiving recorder is inside a step: Lagom's own
-agreement all-reduce and plan broadcasts, made between steps, are not the job's traffic.
+agreement all-reduce and plan broadcasts, made between steps, are not the job's traffic. Where NCCL
+loaded Lagom's profiler plugin, the collectives of a group matched to its communicator come from NCCL's
+own records (``lagom.runtime.apply.nccl_calls``): the pre-hook leaves them at once, and the tap goes on
+recording what NCCL does not report there (send/recv, all-to-all) and every group on another backend.
 
 Bytes follow Lagom's point convention: the gathered output of an all-gather, the unreduced input of
 a reduce-scatter, the buffer of an all-reduce, broadcast and reduce, what this rank sends for
@@ -69,6 +72,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
+from lagom.runtime.apply.nccl_calls import NcclGroup
 from lagom.step.calls import nccl_aggregates
 
 log = logging.getLogger("lagom.runtime")
@@ -340,12 +344,16 @@ class TorchTap:
                 kind = kinds[args.name.value]  # barriers, gather and scatter are not recorded
                 if kind is None:
                     return
-                # who records it: the active session, else every session; each only inside a step
+                # who records it: the active session, else every session; each only inside a step, and not
+                # where NCCL's own records carry the group's collectives (its profiler plugin is Lagom's)
                 candidates = active[-1:] if active else subscriptions
-                receivers = tuple([s for s in candidates if s.recorder is not None and s.recorder.in_step])
+                hooked = group_ref()
+                receivers = tuple([s for s in candidates if s.recorder is not None and s.recorder.in_step
+                                   and not (s.recorder.nccl is not None and hooked is not None
+                                            and s.recorder.from_nccl(s.name(hooked), kind.collective))])
                 if receivers:
                     sizes = _sizes(kind, lambda side: getattr(args, side))
-                    issued.call = (args.op_id, group_ref(), kind.collective, sizes, receivers)
+                    issued.call = (args.op_id, hooked, kind.collective, sizes, receivers)
             except Exception as err:  # noqa: BLE001 - recording must never fail the job's call
                 self._fail(err)
 
@@ -401,6 +409,29 @@ class TorchTap:
 
 
 _tap: TorchTap | None = None
+
+
+def nccl_groups(recorder: Any, backend: str = "nccl") -> list[NcclGroup]:
+    """The process groups on ``backend`` that exist now, named as the session recording into ``recorder`` names
+    them (groups of one rank left out), with torch's own names for each: what NCCL's communicators are matched to
+    (``lagom.runtime.apply.nccl_calls``). Empty where no subscription records into ``recorder``."""
+    tap = _tap
+    subscription = next((s for s in tap.subscriptions if s.recorder is recorder), None) \
+        if tap is not None and recorder is not None else None
+    if tap is None or subscription is None:
+        return []
+    out = []
+    for group in list(tap._hooked.values()):
+        try:
+            if backend not in str(dist.get_backend(group)).lower():
+                continue
+            name = subscription.name(group)
+        except (RuntimeError, ValueError):  # a group this rank is not in, or one torch has shut down
+            continue
+        if name is not None:
+            aliases = tuple(a for a in (getattr(group, "group_name", ""), getattr(group, "group_desc", "")) if a)
+            out.append(NcclGroup(name, group.size(), aliases))
+    return out
 
 
 def current_tap() -> TorchTap | None:

@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from lagom.hardware import Hardware
+from lagom.nccl_profiler import what_ran
 from lagom.plan.plan import Plan
 from lagom.runtime.online.live import Trial
-from lagom.runtime.online.state import FlashRouter, KnobChange, Measured, SessionOptions, StepStats
+from lagom.runtime.online.state import FlashRouter, KnobChange, Measured, SessionOptions, StepStats, plugin_counters
 from lagom.step.calls import KeyIndex
 from lagom.step.workload import Workload
 
@@ -50,6 +51,7 @@ class Reported(Protocol):
     off_at: int | None
     searching: bool
     search_cuts: list[str | None]
+    runtime: Any  # lagom.runtime.apply.runtime.Runtime, or None before start
 
     def framework_report(self) -> dict[str, Any]: ...
 
@@ -58,6 +60,35 @@ class Reported(Protocol):
 
 def _per_step(measured: Measured) -> dict[str, Any]:
     return {"steps": measured.steps, "step_ms": measured.mean_step_s * 1e3}
+
+
+NOT_LOADED = ("NCCL never loaded Lagom's profiler plugin in this process (a communicator was made before "
+              "NCCL_PROFILER_PLUGIN was set, or this NCCL is older than 2.26, the first with profiler interface v4)")
+
+
+def nccl_ran(session: Reported) -> dict[str, Any]:
+    """What NCCL ran for each planned key, from its profiler's records, against the plan: the what-ran table and
+    one line per key NCCL did not run as planned; or, where there are no such records, why."""
+    runtime = session.runtime
+    reader = runtime.recorder.nccl if runtime is not None else None
+    why = None
+    if reader is None:
+        why = (runtime.nccl_records_off if runtime is not None else None) or "no runtime was opened"
+    elif not reader.loaded:
+        why = NOT_LOADED
+    elif session.plan is None:
+        why = "no plan in force to compare with"
+    if why is not None:
+        return {"recorded": False, "why": why}
+    assert reader is not None and session.plan is not None
+    records = reader.collectives()
+    if not records:
+        return {"recorded": False, "why": "no collective of a step was recorded yet"}
+    comparison = what_ran.compare(records, session.plan, reader.matches, plugin_counters())
+    methods = sorted({m.method for m in reader.matches.values()})
+    return {"recorded": True, "records": len(records), "matched_by": methods,
+            "dropped": reader.reader.dropped_total, "table": what_ran.markdown(comparison),
+            "mismatches": what_ran.mismatch_lines(comparison)}
 
 
 def build(session: Reported) -> dict[str, Any]:
@@ -117,6 +148,7 @@ def build(session: Reported) -> dict[str, Any]:
         "plan": json.loads(plan.to_json()) if plan is not None else None,
         "live": session.live_summary, "trials": [asdict(t) for t in session.trials],
         "nccl_plugin": session.plugin_calls(),
+        "nccl_ran": nccl_ran(session),
         "coverage": session.reconciled,
         "switched_off": {"why": session.off, "at_step": session.off_at} if session.off else None,
         # the searches beside the job: one still under way, and per search adopted why it stopped early (None: it ran
@@ -198,6 +230,14 @@ def markdown(report: dict[str, Any]) -> str:
                          f"{pt['planned_calls_per_step']} / {pt['measured_calls_per_step']:.1f} | "
                          f"{pt['predicted_comm_ms']:.3f} / {pt['measured_comm_ms']:.3f} | {pt['flash_overlap_calls']} | "
                          f"{pt['why']} |")
+    ran = report.get("nccl_ran") or {"recorded": False, "why": "not in this report"}
+    if ran["recorded"]:
+        lines += ["", f"## What NCCL ran ({ran['records']} collectives recorded by its profiler; communicators matched "
+                  f"by {', '.join(ran['matched_by'])})", "", ran["table"].rstrip("\n"),
+                  *([""] + [f"- {line}" for line in ran["mismatches"]] if ran["mismatches"] else
+                    ["", "- every recorded call ran as planned"])]
+    else:
+        lines += ["", f"What NCCL ran: not recorded ({ran['why']})."]
     if report["trials"]:
         live = report["live"]
         cost = (f" The {live.get('steps', 0)} live steps took {live['steps_s']:.3g} s, {live['cost_s']:+.3g} s against "

@@ -1,0 +1,269 @@
+"""The recorder's collectives as NCCL itself saw them: Lagom's profiler plugin, drained once per step.
+
+Where NCCL loaded Lagom's profiler (``lagom.nccl_profiler``), every collective NCCL runs lands in a ring in C
+with no Python on NCCL's path. ``NcclCalls`` reads that ring once per step, on the thread that ends the step
+(one C call), and turns the step's records into the recorder's ``CallRecord`` rows. Records are put in the
+step whose window (``begin_step`` to ``end_step``, on CLOCK_MONOTONIC) holds the collective's launch, so a
+record published after its step ended (its kernel channels report late) keeps its step; a launch outside every
+window (between steps: Lagom's own agreement, the framework's housekeeping) is left out, as the torch tap
+leaves it out.
+
+Which layer records a call (never two). The profiler takes over a group's collectives (``PROFILED``) from the
+step after its communicator is matched to the group; until then, and for everything else (send/recv and
+all-to-all, which NCCL does not report as collectives to this plugin, gloo, a group no communicator could be
+matched to), the torch tap and the adapters' layers record as before. A call Lagom runs itself (Flash-Overlap's
+p2p steps for a collective key) stays the adapters' to record: NCCL sees no collective for it. A step's records
+of a group not yet taken over are dropped here, since the tap has them.
+
+Matching communicators to groups (``drain.group_names``): a commName that is one of the group's torch names,
+else the only group of that rank count, else call order: a communicator whose step's sequence of (collective,
+bytes) equals that of exactly one group of its size, as the tap recorded it in the same step (checked on steps
+``ORDER_LAG`` behind, whose calls have all completed). Each method used is said once in the log.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from lagom.nccl_profiler.drain import (
+    FUNCTIONS,
+    PER_RANK_COUNT,
+    CollectiveRecord,
+    Drained,
+    GroupMatch,
+    ProfilerDrain,
+    group_names,
+)
+from lagom.step.calls import CallRecord
+
+log = logging.getLogger("lagom.runtime")
+
+PROFILED = frozenset({"all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce"})
+WINDOWS = 100  # steps whose windows are kept for late records (the recorder's STALE_STEPS)
+ORDER_LAG = 2  # steps between a step's end and its use for call-order matching
+KEPT_RECORDS = 1 << 16  # records kept for the report's what-ran table (the most recent)
+PER_RANK_FUNCS = [FUNCTIONS.index(f) for f in PER_RANK_COUNT]  # a record's count is one rank's share
+
+
+@dataclass(frozen=True)
+class NcclGroup:
+    """A process group whose collectives run on NCCL: its plan name, rank count and torch's names for it
+    (``group_name``, ``group_desc``), which a communicator's commName may be."""
+
+    name: str
+    size: int
+    aliases: tuple[str, ...] = ()
+
+
+@dataclass
+class _Window:
+    index: int  # the recorder's count of steps begun: ownership is by this, since a job's step ids may repeat
+    step: int
+    begin_ns: int
+    end_ns: int | None = None
+    next_seq: int = 0  # the seq of this step's next row (after the tracked calls')
+
+
+@dataclass
+class _Signatures:
+    """Per (window index, group or communicator hash): the (collective, bytes) calls seen, in launch order."""
+
+    tracked: dict[tuple[int, str], list[tuple[str, int]]] = field(default_factory=dict)
+    profiled: dict[tuple[int, int], list[tuple[int, str, int]]] = field(default_factory=dict)  # (launch ns, coll, bytes)
+
+    def trim(self, oldest: int) -> None:
+        self.tracked = {k: v for k, v in self.tracked.items() if k[0] >= oldest}
+        self.profiled = {k: v for k, v in self.profiled.items() if k[0] >= oldest}
+
+
+class NcclCalls:
+    """One recorder's reader of the profiler's ring. ``groups``: the process's NCCL groups, asked again whenever
+    NCCL has initialised a communicator the reader has not matched yet."""
+
+    def __init__(self, reader: ProfilerDrain, groups: Callable[[], list[NcclGroup]]) -> None:
+        self.reader, self._groups = reader, groups
+        self.matches: dict[int, GroupMatch] = {}  # communicator hash -> group and method
+        self.owned: dict[str, int] = {}  # group -> first window index whose collectives the profiler records
+        self.records: deque[np.ndarray] = deque()  # drained records of the job's steps, for what_ran (bounded)
+        self._kept = 0
+        self._windows: deque[_Window] = deque(maxlen=WINDOWS)
+        self._index = 0
+        self._communicators = 0
+        self._signatures = _Signatures()
+        self._sizes: dict[str, int] = {}  # group -> rank count, as last asked
+        self._said: set[str] = set()
+        self.loaded = False  # NCCL initialised this plugin in this process (at least one communicator)
+
+    # -- the recorder's step -----------------------------------------------------------------------
+    def begin(self, step: int) -> None:
+        self._index += 1
+        self._windows.append(_Window(self._index, step, time.monotonic_ns()))
+
+    def takes(self, group: str, collective: str) -> bool:
+        """Whether the profiler records this call from now on (the tap and adapters then leave it)."""
+        return collective in PROFILED and group in self.owned
+
+    def end(self, tracked_seq: int, tracked: list[CallRecord]) -> list[CallRecord]:
+        """The step ends: one drain; returns the rows of the records it holds (this step's and late ones of
+        earlier steps). ``tracked``: what the tap and adapters recorded at this end (for call-order matching);
+        ``tracked_seq``: how many calls they numbered in this step (the profiler's rows are numbered after)."""
+        window = self._windows[-1] if self._windows else None
+        if window is not None and window.end_ns is None:
+            window.end_ns, window.next_seq = time.monotonic_ns(), tracked_seq
+        if not self.loaded:
+            self.loaded = self.reader.stats().communicators > 0
+            if not self.loaded:
+                return []
+        drained = self.reader.drain()
+        self._remember_tracked(tracked)
+        rows = self._rows(drained)
+        self._match()
+        return rows
+
+    # -- records to rows ---------------------------------------------------------------------------
+    def _rows(self, drained: Drained) -> list[CallRecord]:
+        """Rows of the records of taken-over groups; the rest feed call-order matching. Computed on arrays, one
+        Python object per row: this runs for every collective of the job."""
+        records = drained.records
+        if not len(records) or not self._windows:
+            return []
+        windows = list(self._windows)
+        begins = np.array([w.begin_ns for w in windows], dtype=np.int64)
+        ends = np.array([w.end_ns if w.end_ns is not None else np.iinfo(np.int64).max for w in windows], dtype=np.int64)
+        launch = records["host_start_ns"].astype(np.int64)
+        at = np.searchsorted(begins, launch, side="right") - 1
+        inside = (at >= 0) & (launch <= ends[np.maximum(at, 0)])
+        records, launch, at = records[inside], launch[inside], at[inside]
+        self._keep(records)
+        share = records["count"].astype(np.int64) * records["type_size"]
+        whole = np.isin(records["func"], PER_RANK_FUNCS)
+        nbytes = np.where(whole, share * records["n_ranks"], share)
+        gpu = (records["channel_events"] > 0) & (records["gpu_stop_ns"] > records["gpu_start_ns"])
+        host = np.maximum(records["host_stop_ns"].astype(np.int64) - launch, 0)
+        took = np.where(gpu, (records["gpu_stop_ns"] - records["gpu_start_ns"]).astype(np.int64), host)
+        rows: list[CallRecord] = []
+        matches, owned, tracked = self.matches, self.owned, self._signatures.profiled
+        for comm_hash, func, size, start_ns, ns, exact, i in zip(
+                records["comm_hash"].tolist(), records["func"].tolist(), nbytes.tolist(), launch.tolist(),
+                took.tolist(), gpu.tolist(), at.tolist()):
+            window = windows[i]
+            function = FUNCTIONS[func] if func < len(FUNCTIONS) else None
+            match = matches.get(comm_hash)
+            if match is None or match.group is None:
+                tracked.setdefault((window.index, comm_hash), []).append((start_ns, function or "?", size))
+                continue
+            since = owned.get(match.group)
+            if function not in PROFILED or since is None or window.index < since:
+                continue  # NCCL does not report it as a collective here, or the tap recorded that step's calls
+            start = (start_ns - window.begin_ns) / 1e9
+            rows.append(CallRecord(match.group, function, size, window.next_seq, window.step, start, start + ns / 1e9,
+                                   exact=exact))
+            window.next_seq += 1
+        return rows
+
+    def _keep(self, records: np.ndarray) -> None:
+        if not len(records):
+            return
+        self.records.append(records)
+        self._kept += len(records)
+        while self._kept - len(self.records[0]) >= KEPT_RECORDS:
+            self._kept -= len(self.records.popleft())
+
+    def collectives(self) -> list[CollectiveRecord]:
+        """The kept records of the job's steps, as objects (for the report)."""
+        if not self.records:
+            return []
+        return Drained(np.concatenate(list(self.records)), 0).collectives()
+
+    # -- communicators to groups -------------------------------------------------------------------
+    def _remember_tracked(self, tracked: list[CallRecord]) -> None:
+        by_step = {w.step: w.index for w in self._windows}
+        for r in tracked:
+            index = by_step.get(r.step)
+            if index is not None and r.group not in self.owned and r.collective in PROFILED:
+                self._signatures.tracked.setdefault((index, r.group), []).append((r.collective, r.nbytes))
+        self._signatures.trim(self._index - WINDOWS)
+
+    def _match(self) -> None:
+        """Match the communicators NCCL initialised since the last time, then any still unmatched by call order."""
+        stats = self.reader.stats()
+        if stats.communicators != self._communicators:
+            self._communicators = stats.communicators
+            groups = self._groups()
+            known = {alias: g.name for g in groups for alias in g.aliases}
+            found = group_names(self.reader.communicators(), {g.name: g.size for g in groups}, known_names=known)
+            for comm_hash, match in found.items():
+                if comm_hash not in self.matches or self.matches[comm_hash].group is None:
+                    self._adopt(comm_hash, match)
+            self._sizes = {g.name: g.size for g in groups}
+        if any(m.group is None for m in self.matches.values()):
+            self._match_by_order()
+
+    def _match_by_order(self) -> None:
+        ready = self._index - ORDER_LAG
+        sizes = self._sizes
+        comm_sizes = {c.comm_hash: c.n_ranks for c in self.reader.communicators()}
+        taken = {m.group for m in self.matches.values() if m.group is not None}
+        for comm_hash, match in list(self.matches.items()):
+            if match.group is not None:
+                continue
+            candidates: set[str] | None = None
+            for (index, h), calls in self._signatures.profiled.items():
+                if h != comm_hash or index > ready:
+                    continue
+                sequence = [(c, b) for _, c, b in sorted(calls)]
+                same = {g for (i, g), seen in self._signatures.tracked.items()
+                        if i == index and seen == sequence and sizes.get(g) == comm_sizes.get(comm_hash)
+                        and g not in taken}
+                candidates = same if candidates is None else candidates & same
+            if candidates is not None and len(candidates) == 1:
+                self._adopt(comm_hash, GroupMatch(candidates.pop(), "call_order"))
+
+    def _adopt(self, comm_hash: int, match: GroupMatch) -> None:
+        self.matches[comm_hash] = match
+        if match.group is not None and match.group not in self.owned:
+            self.owned[match.group] = self._index + 1  # from the next step: this one's calls the tap has
+        if match.method not in self._said:
+            self._said.add(match.method)
+            if match.group is None:
+                log.info("NCCL profiler: communicator %x (and any other like it) matches several groups of its rank "
+                         "count and none by name; its collectives stay recorded through torch's hooks until its call "
+                         "order matches one group's", comm_hash)
+            else:
+                log.info("NCCL profiler: communicators matched to groups by %s (first: %x is %s); their collectives "
+                         "are recorded from NCCL's own records from the next step", _METHODS[match.method], comm_hash,
+                         match.group)
+
+
+_METHODS = {"hash": "the hash torch gave", "comm_name": "NCCL's commName, a torch name of the group",
+            "rank_count": "rank count (the only group of that size)",
+            "call_order": "call order (the one group of that size whose calls in a step were the same)"}
+
+
+_reading: weakref.ref[Any] | None = None  # the recorder that reads the ring: one reader per process
+
+
+def attach(recorder: Any, groups: Callable[[], list[NcclGroup]], library: Path | None = None) -> bool:
+    """Have ``recorder`` read NCCL's records once per step (``library``: default this install's profiler, the
+    file NCCL_PROFILER_PLUGIN names). False where another live recorder of this process reads them already:
+    the ring has one reader, so a second session records through torch's hooks."""
+    global _reading
+    if recorder.nccl is not None:
+        return True
+    other = _reading() if _reading is not None else None
+    if other is not None and other is not recorder and other.nccl is not None:
+        log.info("NCCL profiler: another Lagom session of this process reads NCCL's records; this one records "
+                 "through torch's hooks")
+        return False
+    recorder.nccl = NcclCalls(ProfilerDrain(library), groups)
+    _reading = weakref.ref(recorder)
+    return True
