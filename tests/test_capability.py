@@ -47,6 +47,8 @@ SPACE = SearchSpace(channels=(2, 8, 32), threads=(256, 512), chunks=(256 * 1024,
     ("2.28", True, 5, {"chunk": "per process", "cta_policy": "per communicator"}, ["default", "zero"]),
     ("2.30.7", True, 6, {"chunk": "per size", "algorithm": "per size"}, ["default", "zero"]),
     ("2.30.7", False, None, {"chunk": "per process", "channels": "per communicator"}, ["default", "efficiency", "zero"]),
+    ("2.32.6", True, 7, {"chunk": "per size", "algorithm": "per size", "cta_range": "per communicator"},
+     ["default", "zero"]),
     ("2.23", True, None, {"algorithm": "not settable"}, ["default"]),  # older than the plugin's v4 interface
 ])
 def test_scopes_follow_the_nccl_version_and_the_plugin(version, plugin, interface, scopes, policies):
@@ -60,6 +62,16 @@ def test_scopes_follow_the_nccl_version_and_the_plugin(version, plugin, interfac
     assert list(cap.cta_policies()) == policies
     assert ("chunk_bytes" in cap.process_fields()) == (cap.scope("chunk") == Scope.PER_PROCESS)
     assert Capability.from_dict(json.loads(json.dumps(cap.to_dict()))) == cap
+
+
+def test_a_per_call_config_is_recorded_from_2_31_and_no_knob_takes_it_while_no_framework_passes_one():
+    older, newer = Capability("2.30.7"), Capability("2.31.2")
+    assert older.per_call() == {} and "per-call" not in older.describe()
+    assert set(newer.per_call()) == {"algorithm", "cta_range", "cta_policy", "nvls_ctas"}  # no protocol, no chunk
+    assert Scope.PER_CALL not in newer.scopes().values()
+    assert newer.to_dict()["per_call_passed_by"] == [] and newer.to_dict()["per_call"] == newer.per_call()
+    assert "per-call config (algorithm, cta_range, cta_policy, nvls_ctas) passed by no framework yet" in newer.describe()
+    assert Capability.from_dict(json.loads(json.dumps(newer.to_dict()))) == newer
 
 
 def test_copy_engines_and_nvls_depend_on_the_topology():

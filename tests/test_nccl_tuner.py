@@ -161,9 +161,10 @@ def rules_file(plan, tmp_path, monkeypatch) -> Path:
     return path
 
 
-@pytest.fixture
-def v6(library) -> TunerV6:
-    tuner = TunerV6.in_dll(library, "ncclTunerPlugin_v6")
+@pytest.fixture(params=["ncclTunerPlugin_v6", "ncclTunerPlugin_v7"])
+def v6(library, request) -> TunerV6:
+    """The v6 interface and v7 (NCCL >= 2.32), which has v6's layout and calls: every test runs through both."""
+    tuner = TunerV6.in_dll(library, request.param)
     assert tuner.name == b"Lagom"
     return tuner
 

@@ -28,7 +28,9 @@ def test_the_plugin_has_nccls_abi_and_answers_nccls_calls(tmp_path: Path) -> Non
         pytest.skip("LAGOM_NCCL_SOURCE does not name an NCCL checkout with its tuner headers")
     compiler_or_skip()
     plugin = build.compile_plugin(tmp_path / "plugin.so")
-    harness = build.compile_driver(HARNESS, tmp_path / "abi", [*headers, build.SOURCE_DIR], ["-Werror"])
+    # v7 (NCCL >= 2.32) is checked against NCCL's own type where the checkout's header declares it
+    v7 = ["-DLAGOM_NCCL_HAS_TUNER_V7"] if "ncclTuner_v7_t" in (headers[0] / "nccl" / "tuner.h").read_text() else []
+    harness = build.compile_driver(HARNESS, tmp_path / "abi", [*headers, build.SOURCE_DIR], ["-Werror", *v7])
     rules = tmp_path / "rules.lagom"
     rules.write_text(RULES)
     done = subprocess.run([str(harness), str(plugin)], env={**os.environ, "LAGOM_NCCL_TUNER_FILE": str(rules),

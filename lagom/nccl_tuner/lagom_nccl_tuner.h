@@ -2,14 +2,17 @@
  * Lagom's NCCL tuner plugin: the binary interface it shares with NCCL.
  *
  * NCCL loads the library named by NCCL_TUNER_PLUGIN and looks up the newest interface it knows:
- * ncclTunerPlugin_v6 (NCCL >= 2.30), ncclTunerPlugin_v5 (2.28, 2.29), ncclTunerPlugin_v4 (2.24 .. 2.27).
+ * ncclTunerPlugin_v7 (NCCL >= 2.32), ncclTunerPlugin_v6 (2.30, 2.31), ncclTunerPlugin_v5 (2.28, 2.29),
+ * ncclTunerPlugin_v4 (2.24 .. 2.27). A plugin without the newest symbol is still loaded through an older
+ * one, but loses what that interface adds; v7 changes only the tuning-constants table init passes (rows
+ * for more GPU generations), which this plugin never reads, so it exports v7 with v6's functions.
  * Each symbol is a struct of a name and function pointers. The declarations below restate that ABI
  * (member order, argument types, enum values, symbol names) under Lagom's own names; nothing here
  * needs NCCL's headers or CUDA.
  *
  * What tells communicators apart. NCCL calls init once per communicator with:
  *   - nRanks and nNodes: the communicator's rank count and node count;
- *   - commId (v5, v6 only): NCCL's commHash, a hash of the ncclUniqueId bytes (ncclCommInitRank*)
+ *   - commId (v5 .. v7): NCCL's commHash, a hash of the ncclUniqueId bytes (ncclCommInitRank*)
  *     or of the parent's hash, split count and color (ncclCommSplit). It changes from run to run,
  *     so a rules file written before the job cannot name it; the plugin does not use it.
  * NCCL (up to 2.30) does not pass the tuner the communicator's name (ncclConfig_t.commName, which
@@ -67,12 +70,12 @@ enum { LAGOM_NCCL_SUBSYS_INIT = 0x1, LAGOM_NCCL_SUBSYS_TUNING = 0x40 };
 /* ncclDebugLogger_t: NCCL's printf-like logger (level, subsystem bits, file, line, format, ...). */
 typedef void (*lagom_nccl_logger)(int level, unsigned long flags, const char* file, int line, const char* fmt, ...);
 
-/* The v5/v6 init also passes NVLink domain information and NCCL's tuning constants (which a tuner
- * may edit). Lagom reads neither, so they stay opaque. */
+/* The v5 .. v7 init also passes NVLink domain information and NCCL's tuning constants (which a tuner
+ * may edit; v7's table has rows for more compute capabilities). Lagom reads neither, so they stay opaque. */
 struct lagom_nccl_nvl_domain_info;
 struct lagom_nccl_tuner_constants;
 
-/* getCollInfo, the same in v4, v5 and v6. collCostTable is NCCL's float[numAlgo][numProto] passed
+/* getCollInfo, the same in v4 .. v7. collCostTable is NCCL's float[numAlgo][numProto] passed
  * as float**; the plugin may lower costs (NCCL then picks the cheapest entry >= 0) and set
  * *nChannels (0 leaves NCCL's channel count). */
 typedef lagom_nccl_result (*lagom_nccl_get_coll_info)(void* context, lagom_nccl_func collType, size_t nBytes,
@@ -92,6 +95,9 @@ typedef struct {
   lagom_nccl_result (*getChunkSize)(void* context, lagom_nccl_func collType, size_t nBytes, int algo, int proto,
                                     int nChannels, size_t* chunkSize);
 } lagom_nccl_tuner_v6;
+
+/* v7: v6's members, in v6's order and with v6's types (its constants pointer names a larger table). */
+typedef lagom_nccl_tuner_v6 lagom_nccl_tuner_v7;
 
 typedef struct {
   const char* name;

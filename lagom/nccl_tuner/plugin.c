@@ -242,7 +242,7 @@ static lagom_nccl_result finalize(void* context) {
   return LAGOM_NCCL_SUCCESS;
 }
 
-static lagom_nccl_result init_v5_v6(void** context, uint64_t comm_id, size_t n_ranks, size_t n_nodes,
+static lagom_nccl_result init_with_comm_id(void** context, uint64_t comm_id, size_t n_ranks, size_t n_nodes,
                                     lagom_nccl_logger logger, struct lagom_nccl_nvl_domain_info* nvl_domain_info,
                                     struct lagom_nccl_tuner_constants* constants) {
   (void)comm_id; /* a per-run hash: see lagom_nccl_tuner.h */
@@ -415,7 +415,9 @@ EXPORT int lagom_tuner_lookup(int collective, uint64_t n_bytes, uint64_t n_ranks
   return rule != NULL;
 }
 
-EXPORT lagom_nccl_tuner_v6 ncclTunerPlugin_v6 = {PLUGIN_NAME, init_v5_v6, get_coll_info, finalize,
+EXPORT lagom_nccl_tuner_v7 ncclTunerPlugin_v7 = {PLUGIN_NAME, init_with_comm_id, get_coll_info, finalize,
                                                  get_chunk_size};
-EXPORT lagom_nccl_tuner_v5 ncclTunerPlugin_v5 = {PLUGIN_NAME, init_v5_v6, get_coll_info, finalize};
+EXPORT lagom_nccl_tuner_v6 ncclTunerPlugin_v6 = {PLUGIN_NAME, init_with_comm_id, get_coll_info, finalize,
+                                                 get_chunk_size};
+EXPORT lagom_nccl_tuner_v5 ncclTunerPlugin_v5 = {PLUGIN_NAME, init_with_comm_id, get_coll_info, finalize};
 EXPORT lagom_nccl_tuner_v4 ncclTunerPlugin_v4 = {PLUGIN_NAME, init_v4, get_coll_info, finalize};

@@ -8,8 +8,15 @@ per process (environment variables), per point (Flash-Overlap, Lagom's own code)
 search offers only what the record allows, the plan keeps the record it was made under, and the
 runtime compares it with what it finds.
 
-NCCL facts used here (release notes and nccl.h): the tuner interface is v4 from 2.24, v5 from 2.28
-and v6 (with ``getChunkSize``) from 2.30; a tuner cannot set threads, CTA policy or NVLS CTAs.
+NCCL facts used here (release notes and nccl.h): the tuner interface is v4 from 2.24, v5 from 2.28,
+v6 (with ``getChunkSize``) from 2.30 and v7 (v6's calls; a tuning-constants table with rows for more GPU
+generations) from 2.32; a tuner cannot set threads, CTA policy or NVLS CTAs. From 2.31 a collective may
+be called with its own ``ncclCollConfig_t`` (the ``nccl*Config`` entry points): per call, the algorithms
+it may run (by name, forced or as a filter), its CTA range (within the communicator's), its CTA policy and
+its NVLS CTAs, and a tag NCCL hands the profiler; no protocol and no chunk. No framework passes one yet:
+torch's ProcessGroupNCCL calls the plain entry points, and Megatron and DeepSpeed call through torch. So no
+knob has the per-call scope; ``per_call`` says what it would allow, and plans stay per size and per
+communicator until a framework can pass it.
 ``ncclConfig_t.CTAPolicy`` and ``nvlsCTAs`` arrive in 2.27 (DEFAULT, EFFICIENCY), the ZERO policy
 (copy-engine all-gather and all-to-all on symmetric windows, one NVLink domain) in 2.28, hierarchical
 ZERO all-gather / all-to-all across nodes in 2.30.7. There is no copy-engine reduce-scatter or
@@ -47,7 +54,7 @@ from lagom.hardware import Hardware
 class Scope(StrEnum):
     """How finely a knob can be set, widest first."""
 
-    PER_CALL = "per call"  # ncclCollConfig_t (NCCL 2.31): torch passes none, so no knob has it yet
+    PER_CALL = "per call"  # ncclCollConfig_t (NCCL 2.31): no framework passes one, so no knob has it yet
     PER_SIZE = "per size"  # the tuner plugin, per (communicator shape, collective, message size)
     PER_POINT = "per point"  # Lagom's own code decides at each call (Flash-Overlap)
     PER_COMMUNICATOR = "per communicator"  # ncclConfig_t, when the communicator is made
@@ -59,7 +66,14 @@ class Scope(StrEnum):
 KNOBS = ("threads", "buffsize", "transport", "chunk", "algorithm", "protocol", "channels", "cta_range",
          "priority", "cta_policy", "nvls_ctas", "decomposition")
 
-TUNER_INTERFACES = ((2, 30, 0, 6), (2, 28, 0, 5), (2, 24, 0, 4))  # first NCCL of each interface Lagom's plugin exports
+# first NCCL of each interface Lagom's plugin exports
+TUNER_INTERFACES = ((2, 32, 0, 7), (2, 30, 0, 6), (2, 28, 0, 5), (2, 24, 0, 4))
+PER_CALL_SINCE = (2, 31, 0)  # ncclCollConfig_t
+# what a per-call config sets, by knob (NCCL >= 2.31), and the frameworks that pass one (none yet)
+PER_CALL_KNOBS = {"algorithm": "the algorithms the call may run, by name (forced, or a filter)",
+                  "cta_range": "min and max CTAs of the call, within the communicator's",
+                  "cta_policy": "the call's CTA policy", "nvls_ctas": "the call's NVLS CTAs"}
+PER_CALL_PASSED_BY: tuple[str, ...] = ()  # torch's ProcessGroupNCCL calls the plain entry points
 CTA_POLICY_SINCE = (2, 27, 0)
 NVLS_CTAS_SINCE = (2, 27, 0)
 ZERO_SINCE = (2, 28, 0)
@@ -238,6 +252,11 @@ class Capability:
             "decomposition": Scope.PER_POINT,  # Flash-Overlap, routed by Lagom at each call
         }
 
+    def per_call(self) -> dict[str, str]:
+        """What this NCCL's per-call ``ncclCollConfig_t`` would let a plan set for each call, by knob (empty
+        before 2.31). No scope uses it while no framework passes one (``PER_CALL_PASSED_BY``)."""
+        return dict(PER_CALL_KNOBS) if self.version >= PER_CALL_SINCE else {}
+
     def cta_policies(self) -> tuple[str, ...]:
         """The CTA policies a plan may give a communicator (EFFICIENCY is skipped under a tuner plugin)."""
         if self.version < CTA_POLICY_SINCE:
@@ -292,7 +311,8 @@ class Capability:
                 "nvlink_domain": self.nvlink_domain, "tuner_interface": self.tuner_interface,
                 "scopes": {k: str(v) for k, v in self.scopes().items()}, "cta_policies": list(self.cta_policies()),
                 "buffsize": self.buffsize, "nvls_chunk": self.nvls_chunk, "chunk_ceilings": self.chunk_ceilings(),
-                "symmetric_groups": list(self.symmetric_groups)}
+                "symmetric_groups": list(self.symmetric_groups), "per_call": self.per_call(),
+                "per_call_passed_by": list(PER_CALL_PASSED_BY)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "capability") -> Capability:
@@ -311,8 +331,10 @@ class Capability:
         scopes = "; ".join(f"{k} {v}" for k, v in self.scopes().items())
         registered = (f", buffers registered symmetrically for {', '.join(self.symmetric_groups)}"
                       if self.symmetric_groups else ", no buffers registered symmetrically (no ZERO policy)")
+        per_call = (f", per-call config ({', '.join(self.per_call())}) passed by no framework yet" if self.per_call()
+                    else "")
         return (f"NCCL {self.nccl_version}, {plugin}, NVLS {'on' if self.nvls else 'off'}, "
-                f"CTA policies {', '.join(self.cta_policies())}{registered}: {scopes}")
+                f"CTA policies {', '.join(self.cta_policies())}{registered}{per_call}: {scopes}")
 
 
 def capability_for(hw: Hardware, nccl_version: str | None = None, tuner_plugin: bool | None = None) -> Capability:
