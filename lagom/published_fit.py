@@ -7,8 +7,9 @@ preset's ``fit`` points name (``constants: [nccl.nvls_efficiency]``) to those po
 ``lagom validate``'s. The preset keeps the values with a ``calibration.published_fit`` record (source
 ``published-fit``, the point ids); ``lagom calibrate`` on a user's machine then overrides them for that machine.
 
-Only collective points (``busbw``, ``latency``) set NCCL constants here; contention constants have too few
-published points with known shapes to be fitted (``configs/fidelity/README.md``) and stay estimates.
+Collective points (``busbw``, ``latency``) set NCCL constants here. Pair points (a kernel's slowdown beside a
+collective) set the contention constants, by the same fit ``lagom calibrate --contention`` runs on a user's
+samples (``contention.fit_observed``), per GPU generation: each preset on the points measured on it.
 """
 
 from __future__ import annotations
@@ -23,10 +24,23 @@ from typing import Any
 
 from lagom.config_file import read_mapping
 from lagom.errors import ConfigError
-from lagom.fidelity import COMM_KINDS, FidelityPoint, load_suite
-from lagom.hardware import Hardware, load_hardware
-from lagom.model.contention import best_on
-from lagom.validate import Machines, comm_figure
+from lagom.fidelity import COMM_KINDS, PAIR_KINDS, FidelityPoint, load_suite, needed
+from lagom.hardware import BASE_FILE, Hardware, load_hardware
+from lagom.model.contention import (
+    CONSTANTS,
+    PERSISTENT,
+    ContentionFit,
+    Measured,
+    best_on,
+    current_values,
+    fit_observed,
+    with_constants,
+)
+from lagom.model.cost_model import CostModel
+from lagom.plan.comm_config import CommConfig
+from lagom.resources import HARDWARE_DIR
+from lagom.step.graph import ComputeSegment, OverlapPoint
+from lagom.validate import Machines, aggregate, comm_figure, pair_beside, pair_setup
 
 SWEEPS = 3  # coordinate passes over the constants
 NUDGE = 0.05  # share of a constant's range it must be pinned within to count as set by the points
@@ -38,6 +52,8 @@ RANGES: dict[str, tuple[float, float]] = {
     "nccl.channel_gbps.ib": (2.0, 50.0),
     "nccl.step_overhead_us": (0.0, 20.0),
 }
+# What a pair fit point may name: the constants the contention fit sets (its own ranges).
+CONTENTION = {f"{c.section}.{c.key}": c for c in (*CONSTANTS, PERSISTENT)}
 
 
 def get_constant(hw: Hardware, path: str) -> float:
@@ -68,20 +84,52 @@ def set_constant(hw: Hardware, path: str, value: float) -> Hardware:
 @dataclass
 class PublishedFit:
     """One preset's fitted constants (those its points move), where they started, the constants the points
-    name but do not move (they keep the preset's value), the fit points and their errors before and after."""
+    name but do not move (they keep the preset's value), the fit points and their errors before and after;
+    ``contention``: the contention fit on the preset's pair points, where it has any."""
 
     preset: str
     constants: dict[str, float]
     start: dict[str, float]
     uninformed: list[str]
     points: list[str]
-    median_before: float
-    median_after: float
+    median_before: float | None
+    median_after: float | None
+    contention: ContentionFit | None = None
 
     def record(self) -> dict[str, Any]:
-        """What the preset keeps under ``calibration.published_fit``."""
-        return {"source": "published-fit", "constants": {k: float(f"{v:.4g}") for k, v in self.constants.items()},
-                "points": self.points}
+        """What the preset keeps under ``calibration.published_fit``: NCCL's and the contention constants by
+        their place in the profile."""
+        fitted = dict(self.constants)
+        if self.contention is not None:
+            by_key = {c.key: name for name, c in CONTENTION.items()}
+            fitted.update({by_key[k]: v for k, v in self.contention.constants.items()})
+        points = self.points + (self.contention.fit_ids if self.contention else [])
+        return {"source": "published-fit", "constants": {k: float(f"{v:.4g}") for k, v in fitted.items()},
+                "points": points}
+
+
+@dataclass(frozen=True)
+class PublishedPair:
+    """A published pair point as the contention fit sees it (a ``contention.Observation``): its kernels beside
+    its collective on its machines, set up once, and the figure ``lagom validate`` gives it under the constants."""
+
+    id: str
+    kind: str
+    measured: Measured
+    how: str  # aggregate over kernels and machines
+    parts: tuple[tuple[Hardware, OverlapPoint, CommConfig, ComputeSegment], ...]
+
+    @classmethod
+    def of(cls, point: FidelityPoint, machines: Machines) -> PublishedPair:
+        s, m = point.spec.setup, point.spec.measured
+        comm = needed(s.comm, f"{point.file}: {point.spec.id}.setup.comm")
+        parts = tuple(pair_setup(machines.get(h, point.folder), comm, k) for h in s.hardware for k in s.kernels)
+        return cls(point.spec.id, s.kind, (m[0], m[1]) if isinstance(m, list) else m, s.aggregate, parts)
+
+    def figures(self, values: dict[str, float]) -> list[tuple[float, Measured]]:
+        ratios = [pair_beside(CostModel(with_constants(hw, values)), point, cfg, seg).figure(self.kind)
+                  for hw, point, cfg, seg in self.parts]
+        return [(aggregate(ratios, self.how), self.measured)]
 
 
 def _built_on(point: FidelityPoint, preset: str) -> bool:
@@ -102,9 +150,36 @@ def _built_on(point: FidelityPoint, preset: str) -> bool:
     return ref == preset
 
 
-def fit_points(points: list[FidelityPoint], preset: str) -> list[FidelityPoint]:
-    """The suite's fit points measured on the preset or a machine built on it alone, collective kinds only."""
-    return [p for p in points if p.spec.role == "fit" and p.spec.setup.kind in COMM_KINDS and _built_on(p, preset)]
+def fit_points(points: list[FidelityPoint], preset: str, kinds: tuple[str, ...] = COMM_KINDS) -> list[FidelityPoint]:
+    """The suite's fit points measured on the preset or a machine built on it alone, of the given kinds."""
+    return [p for p in points if p.spec.role == "fit" and p.spec.setup.kind in kinds and _built_on(p, preset)]
+
+
+def fit_contention(points: list[FidelityPoint], preset: str) -> ContentionFit | None:
+    """The contention constants fitted to the preset's pair fit points (None without any), from its own values;
+    each point's machine must take its contention constants from the preset, or it would not follow the fit."""
+    mine = fit_points(points, preset, PAIR_KINDS)
+    if not mine:
+        return None
+    base, machines = load_hardware(preset), Machines([])
+    for p in mine:
+        unknown = [c for c in p.spec.constants if c not in CONTENTION]
+        if unknown:
+            raise ConfigError(f"fit point {p.spec.id}: constants", f"{', '.join(unknown)} is not set by the contention fit",
+                              f"a pair point may name {', '.join(CONTENTION)}")
+        hw = machines.get(p.spec.setup.hardware[0], p.folder)
+        if (hw.contention, hw.gpu.persistent_gemm) != (base.contention, base.gpu.persistent_gemm):
+            raise ConfigError(f"fit point {p.spec.id}", "its hardware file sets contention constants itself",
+                              "fit it on points whose machines inherit them from the preset")
+    return fit_observed([PublishedPair.of(p, machines) for p in mine], [], estimates(base))
+
+
+def estimates(hw: Hardware) -> dict[str, float]:
+    """Where the contention fit starts: the base profile's estimates (residency from the footprints), not the
+    preset's fitted values, so that the fit run again lands where it did (its loss has steps: whole waves)."""
+    base = read_mapping(HARDWARE_DIR / BASE_FILE)["contention"]
+    unfitted: dict[str, Any] = {c.key: float(base[c.key]) for c in CONSTANTS if c.key in base}
+    return current_values(replace(hw, contention=replace(hw.contention, **{**unfitted, "gemm_slots_per_comm_cta": None})))
 
 
 @dataclass
@@ -152,9 +227,12 @@ def fit_preset(points: list[FidelityPoint], preset: str) -> PublishedFit:
     """Fit the constants the preset's fit points name, by coordinate passes from the preset's own values; each
     constant on the points that name it."""
     mine = fit_points(points, preset)
-    if not mine:
+    contention = fit_contention(points, preset)
+    if not mine and contention is None:
         raise ConfigError(f"--fit {preset}", "the suite has no fit point measured on this preset alone",
                           "mark a whole source's points role: fit, naming the constants they set")
+    if not mine:
+        return PublishedFit(preset, {}, {}, [], [], None, None, contention)
     names = sorted({c for p in mine for c in p.spec.constants})
     unknown = [c for c in names if c not in RANGES]
     if unknown:
@@ -185,7 +263,7 @@ def fit_preset(points: list[FidelityPoint], preset: str) -> PublishedFit:
             values[c] = best_on(partial(loss, c), *RANGES[c], values[c])
     informed = {c: values[c] for c in names if pinned(c)}
     return PublishedFit(preset, informed, start, [c for c in names if c not in informed], [p.spec.id for p in mine],
-                        machines.median_error(start), machines.median_error({**start, **informed}))
+                        machines.median_error(start), machines.median_error({**start, **informed}), contention)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,12 +275,21 @@ def main(argv: list[str] | None = None) -> int:
     points = load_suite(args.suite) if args.suite else load_suite()
     for preset in args.preset:
         result = fit_preset(points, preset)
-        print(f"{preset}: {len(result.points)} fit points, median error {result.median_before:.1%} -> "
-              f"{result.median_after:.1%}")
+        if result.median_before is not None and result.median_after is not None:
+            print(f"{preset}: {len(result.points)} collective fit points, median error {result.median_before:.1%} -> "
+                  f"{result.median_after:.1%}")
         for c, v in result.constants.items():
             print(f"  {c}: {result.start[c]:.4g} -> {v:.4g}")
         for c in result.uninformed:
             print(f"  {c}: {result.start[c]:.4g} (the points do not move it)")
+        if result.contention is not None:
+            fit = result.contention
+            print(f"{preset}: {len(fit.fit_ids)} pair fit points, median error {fit.fitted['estimate']['median']:.1%} -> "
+                  f"{fit.fitted['fitted']['median']:.1%}")
+            start = estimates(load_hardware(preset))
+            for c, v in fit.constants.items():
+                print(f"  contention {c}: {start[c]:.4g} -> {v:.4g}")
+            print(f"  the points do not move: {', '.join(fit.uninformed) or 'none'}")
         print(f"  record: {result.record()}")
     return 0
 

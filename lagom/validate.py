@@ -131,9 +131,21 @@ class Pair:
         return {"slowdown": self.kernel, "comm_slowdown": self.comm, "overlap": self.overlap}[kind]
 
 
-def _pair(hw: Hardware, comm: Comm, kernel: Kernel) -> Pair:
+def pair_setup(hw: Hardware, comm: Comm, kernel: Kernel) -> tuple[Hardware, OverlapPoint, CommConfig, ComputeSegment]:
+    """A pair point's machine (grown to its nodes), collective, NCCL's setting for it and the kernel's segment:
+    what ``pair_beside`` times (none of it depends on the contention constants, which the pair's times do)."""
     hw, point, cfg = _nccl_choice(hw, comm)
-    return pair_beside(CostModel(hw), point, cfg, _segment(hw, kernel))
+    return hw, point, cfg, _segment(hw, kernel)
+
+
+def aggregate(ratios: list[float], how: str) -> float:
+    """A pair point's figure over its kernels and machines: the largest (``max``) or the mean (``mean``, ``one``)."""
+    return max(ratios) if how == "max" else statistics.fmean(ratios)
+
+
+def _pair(hw: Hardware, comm: Comm, kernel: Kernel) -> Pair:
+    hw, point, cfg, seg = pair_setup(hw, comm, kernel)
+    return pair_beside(CostModel(hw), point, cfg, seg)
 
 
 def pair_beside(model: CostModel, point: OverlapPoint, cfg: CommConfig, seg: ComputeSegment) -> Pair:
@@ -218,9 +230,8 @@ class Evaluator:
             return comm_figure(self.machines.get(s.hardware[0], point.folder), s.kind, needed(s.comm, f"{where}.comm"))
         if s.kind in PAIR_KINDS:
             comm = needed(s.comm, f"{where}.comm")
-            ratios = [_pair(self.machines.get(h, point.folder), comm, k).figure(s.kind)
-                      for h in s.hardware for k in s.kernels]
-            return max(ratios) if s.aggregate == "max" else statistics.fmean(ratios)
+            return aggregate([_pair(self.machines.get(h, point.folder), comm, k).figure(s.kind)
+                              for h in s.hardware for k in s.kernels], s.aggregate)
         return self._window(s, where, point.folder)
 
     def _window(self, s: Setup, where: str, folder: Path) -> float:

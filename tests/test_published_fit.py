@@ -4,10 +4,12 @@
 import pytest
 
 from lagom.errors import ConfigError
-from lagom.fidelity import Comm, load_suite
+from lagom.fidelity import Comm, Kernel, load_suite
 from lagom.hardware import load_hardware
-from lagom.published_fit import fit_points, fit_preset, get_constant, set_constant
-from lagom.validate import comm_figure
+from lagom.model.contention import with_constants
+from lagom.model.cost_model import CostModel
+from lagom.published_fit import CONTENTION, fit_points, fit_preset, get_constant, set_constant
+from lagom.validate import comm_figure, pair_beside, pair_setup
 from tests.helpers import write_yaml
 
 SOURCE = {"ref": "hand-made", "url": "https://example.org/none", "where": "this test"}
@@ -63,3 +65,48 @@ def test_shipped_presets_keep_what_the_published_fit_gives_with_its_points(prese
     assert record == result.record()
     for constant, value in record["constants"].items():
         assert get_constant(hw, constant) == value
+
+
+PAIR_COMM = {"collective": "all_gather", "ranks": 8, "bytes": 1 << 28}
+PAIR_KERNELS = [{"gemm": [8192, 4096, 4096]}, {"gemm": [4096, 2048, 2048]}, {"elements": 1 << 23},
+                {"elements": 1 << 25}]
+TRUTH = {"hbm_interference": 2.0, "l2_interference": 0.1, "comm_slowdown_per_hbm_util": 0.5,
+         "gemm_slots_per_comm_cta": 1.0}
+
+
+def _pair_point(pid: str, kernel: dict, measured: float, constants: list[str]) -> dict:
+    return {"id": pid, "role": "fit", "constants": constants, "what": "hand-made", "unit": "ratio", "measured": measured,
+            "source": dict(SOURCE), "setup": {"kind": "slowdown", "hardware": ["a100-8x-100g"], "comm": dict(PAIR_COMM),
+                                              "kernels": [kernel]}}
+
+
+def _slowdown(hw, kernel: dict) -> float:
+    """The kernel's slowdown beside the pair's all-gather on ``hw``, as ``lagom validate`` works it out."""
+    hw, point, cfg, seg = pair_setup(hw, Comm(**PAIR_COMM), Kernel(**kernel))
+    return pair_beside(CostModel(hw), point, cfg, seg).kernel
+
+
+def test_pair_fit_points_run_the_calibration_fit_and_land_on_what_made_them(tmp_path):
+    """One fit, two sources of samples: published pair points go through ``contention.fit_observed`` (the fit
+    ``lagom calibrate --contention`` runs), each figure on ``lagom validate``'s path under the constants tried."""
+    truth = with_constants(load_hardware("a100-8x-100g"), TRUTH)
+    folder = tmp_path / "suite"
+    folder.mkdir()
+    made = {f"k{i}": _slowdown(truth, k) for i, k in enumerate(PAIR_KERNELS)}
+    write_yaml(folder / "hand.yaml", {"group": "hand", "points": [
+        _pair_point(pid, k, made[pid], list(CONTENTION)) for pid, k in zip(made, PAIR_KERNELS)]})
+    points = load_suite(folder)
+    result = fit_preset(points, "a100-8x-100g")
+    assert result.points == [] and result.contention is not None
+    assert result.contention.fit_ids == list(made) and result.contention.held_out_ids == []
+    assert result.contention.fitted["fitted"]["max"] < 0.02 < result.contention.fitted["estimate"]["median"]
+    fitted = with_constants(load_hardware("a100-8x-100g"), result.contention.constants)
+    for pid, k in zip(made, PAIR_KERNELS):
+        assert _slowdown(fitted, k) == pytest.approx(made[pid], rel=0.02)
+    record = result.record()
+    assert record["points"] == list(made) and record["source"] == "published-fit"
+    assert set(record["constants"]) <= set(CONTENTION) and "contention.hbm_interference" in record["constants"]
+    write_yaml(folder / "hand.yaml", {"group": "hand", "points": [
+        _pair_point("bad", PAIR_KERNELS[0], 1.5, ["nccl.nvls_efficiency"])]})
+    with pytest.raises(ConfigError, match="not set by the contention fit"):
+        fit_preset(load_suite(folder), "a100-8x-100g")

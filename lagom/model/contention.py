@@ -15,9 +15,9 @@ from __future__ import annotations
 import math
 import statistics
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 from lagom.errors import ConfigError
 from lagom.hardware import Hardware
@@ -174,7 +174,44 @@ def current_values(hw: Hardware) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------------------------------------
-# The fit
+# The fit: one for a user's samples and for the published suite's fit points
+
+
+Measured = float | tuple[float, float]  # a ratio, or the [low, high] range a source gives
+
+
+class Observation(Protocol):
+    """Ratios something measured and the model's figure for each under given constants: a sample of ``lagom
+    calibrate --contention`` (``OnMachine``) or a published pair point (``lagom.published_fit``)."""
+
+    @property
+    def id(self) -> str: ...
+
+    def figures(self, values: dict[str, float]) -> list[tuple[float, Measured]]:
+        """(predicted, measured) per ratio, the constants in ``values`` set on the observation's machine."""
+        ...
+
+
+@dataclass(frozen=True)
+class OnMachine:
+    """A user's sample on the machine it was measured on: its kernel's ratio and its collective's."""
+
+    sample: ContentionSample
+    base: Hardware
+
+    @property
+    def id(self) -> str:
+        return self.sample.id
+
+    def figures(self, values: dict[str, float]) -> list[tuple[float, Measured]]:
+        kernel, comm = predict(CostModel(with_constants(self.base, values)), self.sample)
+        return [(kernel, self.sample.kernel_ratio), (comm, self.sample.comm_ratio)]
+
+
+def _log_miss(predicted: float, measured: Measured) -> float:
+    """log(predicted / measured); to a range's nearer end, zero inside it."""
+    low, high = measured if isinstance(measured, tuple) else (measured, measured)
+    return 0.0 if low <= predicted <= high else math.log(predicted / (low if predicted < low else high))
 
 
 def is_held_out(sample_id: str) -> bool:
@@ -182,24 +219,15 @@ def is_held_out(sample_id: str) -> bool:
     return zlib.crc32(sample_id.encode()) % HELD_OUT_EVERY == 0
 
 
-def errors(hw: Hardware, samples: list[ContentionSample]) -> list[float]:
-    """Relative error of each predicted ratio (the kernel's, then the collective's) against the measured one."""
-    model = CostModel(hw)
-    out = []
-    for s in samples:
-        kernel, comm = predict(model, s)
-        out += [abs(kernel - s.kernel_ratio) / s.kernel_ratio, abs(comm - s.comm_ratio) / s.comm_ratio]
-    return out
+def errors(values: dict[str, float], observed: Sequence[Observation]) -> list[float]:
+    """Relative error of each predicted ratio against the measured one (a range: to its nearer end)."""
+    return [abs(math.expm1(_log_miss(p, m))) for o in observed for p, m in o.figures(values)]
 
 
-def _loss(hw: Hardware, samples: list[ContentionSample]) -> float:
+def _loss(values: dict[str, float], observed: Sequence[Observation]) -> float:
     """Mean squared log ratio of predicted to measured: a 2x miss counts the same either way."""
-    model = CostModel(hw)
-    total = 0.0
-    for s in samples:
-        kernel, comm = predict(model, s)
-        total += math.log(kernel / s.kernel_ratio) ** 2 + math.log(comm / s.comm_ratio) ** 2
-    return total / max(1, len(samples))
+    misses = [_log_miss(p, m) ** 2 for o in observed for p, m in o.figures(values)]
+    return sum(misses) / max(1, len(misses))
 
 
 def best_on(objective: Callable[[float], float], low: float, high: float, start: float) -> float:
@@ -218,27 +246,27 @@ def best_on(objective: Callable[[float], float], low: float, high: float, start:
     return middle if objective(middle) < objective(best) else best
 
 
-def _descend(base: Hardware, samples: list[ContentionSample], start: dict[str, float]) -> tuple[dict[str, float], float]:
+def _descend(observed: Sequence[Observation], start: dict[str, float]) -> tuple[dict[str, float], float]:
     """Coordinate passes on a grid (the loss has steps: whole GEMM waves), then Powell's method on all of them
     together, which follows the valleys where two constants trade off (HBM share against the L2 term)."""
     values = dict(start)
     for _ in range(SWEEPS):
         for c in CONSTANTS:
             def along(v: float, key: str = c.key) -> float:
-                return _loss(with_constants(base, {**values, key: v}), samples)
+                return _loss({**values, key: v}, observed)
 
             values[c.key] = best_on(along, c.low, c.high, values[c.key])
 
     from scipy.optimize import minimize  # only a fit needs it: `lagom validate` reads samples without it
 
     def loss(x: Any) -> float:
-        return _loss(with_constants(base, {**values, **{c.key: float(v) for c, v in zip(CONSTANTS, x)}}), samples)
+        return _loss({**values, **{c.key: float(v) for c, v in zip(CONSTANTS, x)}}, observed)
 
     polished = minimize(loss, [values[c.key] for c in CONSTANTS], method="Powell",
                         bounds=[(c.low, c.high) for c in CONSTANTS], options={"xtol": 1e-4, "ftol": 1e-12})
     if polished.fun < loss([values[c.key] for c in CONSTANTS]):
         values.update({c.key: float(v) for c, v in zip(CONSTANTS, polished.x)})
-    return values, _loss(with_constants(base, values), samples)
+    return values, _loss(values, observed)
 
 
 @dataclass
@@ -260,36 +288,40 @@ def _summary(errs: list[float]) -> dict[str, float]:
     return {"median": statistics.median(errs), "max": max(errs)} if errs else {}
 
 
-def _informs(base: Hardware, samples: list[ContentionSample], values: dict[str, float], c: Constant) -> bool:
-    """Whether the samples' loss moves at all across the constant's range (no GEMM sample: residency doesn't)."""
-    ends = [_loss(with_constants(base, {**values, c.key: v}), samples) for v in (c.low, c.high, values[c.key])]
+def _informs(observed: Sequence[Observation], values: dict[str, float], c: Constant) -> bool:
+    """Whether the loss moves at all across the constant's range (no GEMM sample: residency doesn't)."""
+    ends = [_loss({**values, c.key: v}, observed) for v in (c.low, c.high, values[c.key])]
     return max(ends) - min(ends) > 1e-12 * max(1.0, max(ends))
 
 
 def fit(samples: list[ContentionSample], base: Hardware) -> ContentionFit:
-    """Fit the contention constants to the samples not held out, starting from ``base``'s; both GEMM schedules
-    (persistent or not) are tried and the better kept. Constants the samples do not inform keep ``base``'s."""
-    train = [s for s in samples if not is_held_out(s.id)]
-    held = [s for s in samples if is_held_out(s.id)]
+    """``lagom calibrate --contention``: the constants fitted to the samples not held out (``is_held_out``),
+    from ``base``'s, checked on the held-out ones."""
+    train = [OnMachine(s, base) for s in samples if not is_held_out(s.id)]
     if not train:
         raise ConfigError("calibration.contention", f"{len(samples)} sample(s), none left to fit once held-out ones "
                           "are set aside", "measure more settings (a larger --budget-s)")
-    start = current_values(base)
+    return fit_observed(train, [OnMachine(s, base) for s in samples if is_held_out(s.id)], current_values(base))
+
+
+def fit_observed(train: Sequence[Observation], held: Sequence[Observation], start: dict[str, float]) -> ContentionFit:
+    """The fit both sources of samples run: the constants from ``start`` (``current_values`` of the base), both
+    GEMM schedules (persistent or not) tried and the better kept; constants ``train`` does not inform keep
+    ``start``'s. ``held`` is only measured against, never fitted to."""
     tried = []
     for persistent in (0.0, 1.0):
-        values, loss = _descend(base, train, {**start, PERSISTENT.key: persistent})
+        values, loss = _descend(train, {**start, PERSISTENT.key: persistent})
         tried.append((loss, persistent != start[PERSISTENT.key], values))
     loss, _, values = min(tried)  # a tie keeps the base's schedule
     schedule_matters = abs(tried[0][0] - tried[1][0]) > 1e-12 * max(1.0, loss)
-    informed = {c.key: values[c.key] for c in CONSTANTS if _informs(base, train, values, c)}
+    informed = {c.key: values[c.key] for c in CONSTANTS if _informs(train, values, c)}
     if schedule_matters:
         informed[PERSISTENT.key] = values[PERSISTENT.key]
-    fitted_hw = with_constants(base, informed)
-    result = ContentionFit(constants=informed, fit_ids=[s.id for s in train], held_out_ids=[s.id for s in held],
+    result = ContentionFit(constants=informed, fit_ids=[o.id for o in train], held_out_ids=[o.id for o in held],
                            uninformed=[c.key for c in (*CONSTANTS, PERSISTENT) if c.key not in informed])
-    for label, hw in (("fitted", fitted_hw), ("estimate", base)):
-        result.held_out[label] = _summary(errors(hw, held))
-        result.fitted[label] = _summary(errors(hw, train))
+    for label, these in (("fitted", {**start, **informed}), ("estimate", start)):
+        result.held_out[label] = _summary(errors(these, held))
+        result.fitted[label] = _summary(errors(these, train))
     return result
 
 
