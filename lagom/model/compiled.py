@@ -49,7 +49,7 @@ COST_FN = ctypes.CFUNCTYPE(ctypes.c_double, ctypes.c_int, ctypes.c_int, _f64)
 
 class _Phase(ctypes.Structure):
     _fields_ = [("n_tasks", ctypes.c_int32), ("n_queues", ctypes.c_int32), ("n_devices", ctypes.c_int32),
-                ("n_blame", ctypes.c_int32), ("queue_first", _i32),
+                ("n_blame", ctypes.c_int32), ("queue_first", _i32), ("task_queue", _i32),
                 ("comm", _u8), ("first", _u8), ("last", _u8), ("device", _i32), ("cost", _i32), ("record", _i32),
                 ("dev_off", _i32), ("dev_list", _i32), ("dep_off", _i32), ("dep_list", _i32),
                 ("wake_off", _i32), ("wake_list", _i32),
@@ -120,6 +120,7 @@ class PhaseArrays:
     lowering: Lowering
     positions: list[np.ndarray]  # per queue: its tasks' positions in the lowering
     queue_first: np.ndarray
+    task_queue: np.ndarray  # per task: its queue
     comm: np.ndarray
     first: np.ndarray
     last: np.ndarray
@@ -378,7 +379,8 @@ def _arrays(lowering: Lowering, per_queue: list[_Rows], devices: list[int], dens
         return out
 
     return PhaseArrays(
-        lowering, positions, queue_first, rows.comm, rows.first, rows.last, rows.device, rows.cost, record,
+        lowering, positions, queue_first, np.repeat(np.arange(len(positions), dtype=np.int32), np.diff(queue_first)),
+        rows.comm, rows.first, rows.last, rows.device, rows.cost, record,
         offsets(rows.n_dev), rows.dev, offsets(rows.n_dep), dep_list, offsets(rows.n_wake), rows.wake, costs, cost_task,
         keys, np.asarray(cost_key, dtype=np.int32), np.frombuffer(bytes(cross), dtype=np.uint8).copy(),
         np.frombuffer(bytes(one_way), dtype=np.uint8).copy(), compute_queue,
@@ -600,7 +602,7 @@ def _struct(arrays: PhaseArrays, run: Any, model: CostModel) -> _Phase:
         a = arrays
         struct = arrays._struct = _Phase(
             a.tasks, len(a.positions), len(a.compute_queue), len(a.blame_device), _ptr(a.queue_first, _i32),
-            _ptr(a.comm, _u8), _ptr(a.first, _u8), _ptr(a.last, _u8), _ptr(a.device, _i32), _ptr(a.cost, _i32),
+            _ptr(a.task_queue, _i32), _ptr(a.comm, _u8), _ptr(a.first, _u8), _ptr(a.last, _u8), _ptr(a.device, _i32), _ptr(a.cost, _i32),
             _ptr(a.record, _i32), _ptr(a.dev_off, _i32), _ptr(a.dev_list, _i32), _ptr(a.dep_off, _i32),
             _ptr(a.dep_list, _i32), _ptr(a.wake_off, _i32), _ptr(a.wake_list, _i32), _ptr(a.cost_key, _i32),
             _ptr(a.cost_cross, _u8), _ptr(a.cost_one_way, _u8), None, None, None, _ptr(a.compute_queue, _i32),

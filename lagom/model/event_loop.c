@@ -274,7 +274,8 @@ struct lagom_sim {
     memo_t *memo;         /* a clone shares its parent's */
     memo_t own_memo;
     int owns_memo;
-    int32_t *task_queue, *head;
+    const int32_t *task_queue;
+    int32_t *head;
     head_t *state;
     int32_t *compute_on; /* per device: the queue of the compute task running there, or -1 */
     int32_t *comms_on;   /* per device: n_queues slots, the queues of the comm tasks running there */
@@ -320,7 +321,6 @@ EXPORT void lagom_sim_close(sim_t *s) {
     if (s->owns_memo)
         memo_free(&s->own_memo);
     free(s->heap.items);
-    free(s->task_queue);
     free(s->head);
     free(s->state);
     free(s->compute_on);
@@ -346,7 +346,7 @@ static sim_t *sim_alloc(const lagom_phase_t *ph) {
     if (!s)
         return NULL;
     s->ph = ph;
-    s->task_queue = malloc((size_t)ph->n_tasks * sizeof *s->task_queue + 1);
+    s->task_queue = ph->task_queue;
     s->head = malloc((size_t)nq * sizeof *s->head + 1);
     s->state = calloc((size_t)nq + 1, sizeof *s->state);
     s->compute_on = malloc((size_t)nd * sizeof *s->compute_on + 1);
@@ -361,7 +361,7 @@ static sim_t *sim_alloc(const lagom_phase_t *ph) {
     s->finished = malloc((size_t)nq * sizeof *s->finished + 1);
     s->blockers = malloc((size_t)nd * sizeof *s->blockers + 1);
     s->key = malloc((size_t)(2 + 2 * nq) * sizeof *s->key);
-    if (!s->task_queue || !s->head || !s->state || !s->compute_on || !s->comms_on || !s->comms_len || !s->woken.ids ||
+    if (!s->head || !s->state || !s->compute_on || !s->comms_on || !s->comms_len || !s->woken.ids ||
         !s->woken.in || !s->dirty.ids || !s->dirty.in || !s->rate_dirty.ids || !s->rate_dirty.in || !s->finished ||
         !s->blockers || !s->key) {
         lagom_sim_close(s);
@@ -385,8 +385,6 @@ EXPORT sim_t *lagom_sim_open(const lagom_phase_t *ph, lagom_cost_fn cost, lagom_
     s->out = out;
     s->check = check;
     for (int32_t q = 0; q < ph->n_queues; q++) {
-        for (int32_t t = ph->queue_first[q]; t < ph->queue_first[q + 1]; t++)
-            s->task_queue[t] = q;
         s->head[q] = ph->queue_first[q];
         s->state[q].version = -1;
         fresh(&s->state[q]);
@@ -719,7 +717,6 @@ EXPORT sim_t *lagom_sim_probe(const sim_t *src, lagom_result_t *out, const doubl
     s->out = out;
     s->check = src->check;
     s->watching = 1;
-    memcpy(s->task_queue, src->task_queue, (size_t)ph->n_tasks * sizeof *s->task_queue);
     memcpy(s->head, src->head, (size_t)nq * sizeof *s->head);
     memcpy(s->state, src->state, (size_t)nq * sizeof *s->state);
     memcpy(s->compute_on, src->compute_on, (size_t)nd * sizeof *s->compute_on);

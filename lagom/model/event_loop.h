@@ -18,6 +18,7 @@ typedef double (*lagom_cost_fn)(int kind, int n, const double *key);
 typedef struct {
     int32_t n_tasks, n_queues, n_devices, n_blame;
     const int32_t *queue_first; /* n_queues + 1: a queue's tasks are [queue_first[q], queue_first[q + 1]) */
+    const int32_t *task_queue;  /* per task: its queue */
     /* per task */
     const uint8_t *comm, *first, *last;
     const int32_t *device, *cost, *record; /* record: its slot in the results (comm tasks), else -1 */
