@@ -239,6 +239,19 @@ def test_a_persistent_gemm_beside_24_ctas_takes_two_rounds():
     assert tiled / CostModel(A100).compute_solo(ComputeSegment("gemm", 1e12, 1e8, 4096)) < 1.3  # tiles: 47 vs 38 waves
 
 
+@pytest.mark.parametrize("tiles, ctas, waves", [(108, 0, (1, 1)), (108, 1, (2, 1)), (216, 8, (3, 2)), (200, 8, (2, 2))])
+def test_a_tiled_gemms_last_wave_spills_when_comm_ctas_take_sms(tiles, ctas, waves):
+    # A100: one 128x128 GEMM CTA per SM, 108 SMs; a comm CTA leaves no room for one. 108 tiles are one wave
+    # alone and two beside a single comm CTA (107 SMs); 216 tiles three beside 8 (100 SMs), 200 tiles two
+    # either way. The math stretches by the waves, the tiles' pipeline fills (HBM, no traffic here) do not.
+    model = CostModel(A100)
+    seg = ComputeSegment("gemm", 1e11, 1e7, tiles)
+    fill = tiles * (4 * 256 * 64 + 128 * 128) * 2 / (2039e9 * 0.85)
+    solo = 1e11 / (312e12 * 0.7)
+    got = model.compute_time(seg, (RunningComm(CommConfig(channels=max(1, ctas)), 0.0, ctas),))
+    assert got == pytest.approx((solo - fill) * waves[0] / waves[1] + fill, rel=1e-12)
+
+
 def test_hbm_traffic_slows_a_compute_bound_gemm_through_its_pipeline_fills():
     model = CostModel(A100)
     n = 4096
