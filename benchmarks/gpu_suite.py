@@ -1,6 +1,6 @@
 """Everything this project owes a GPU, in one driver that fits a short lease (10 minutes a command).
 
-    python benchmarks/gpu_suite.py --out benchmarks/results/<date>-<gpu> [--parts calibrate,cuda,window]
+    python benchmarks/gpu_suite.py --out benchmarks/results/<date>-<gpu> [--parts calibrate,cuda,window,profiler]
                                    [--budget-s 240] [--part-timeout-s 540]
 
 Each part runs in its own process under a time limit and writes its CSV and log into ``--out``; a part
@@ -20,6 +20,13 @@ that fails writes its exact error (``<part>.error``) and the driver goes on with
    makespan at every (channels, chunk) pair, and at the pairs the ``nccl``, ``autoccl`` and ``lagom``
    strategies pick on the calibrated model. Targets: Lagom >= 1.15x faster than AutoCCL's pick and within
    3% of the measured best; the figures are written whether or not they are met.
+4. ``profiler``: both of Lagom's plugins loaded into the real NCCL by two ranks on one GPU (as ``two_ranks``),
+   all-reduces at two sizes under two tuner rules (ring Simple on 2 channels, ring LL on 1), each call timed by
+   CUDA events around it; the profiler's records, drained as the recorder drains them, must show each rule's
+   algorithm, protocol and channels, and GPU times within the events' (``profiler_vs_events.csv``,
+   ``profiler_nccl.log``).
+
+Every part needs a CUDA device: without one the driver says so and runs nothing.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-PARTS = ("calibrate", "cuda", "window")
+PARTS = ("calibrate", "cuda", "window", "profiler")
 REPO = Path(__file__).resolve().parent.parent
 WINDOW_WORKLOAD = "llama3-8b-fsdp"
 WINDOW_CHANNELS = (1, 2, 4, 8, 16, 32, 64)
@@ -418,6 +425,104 @@ def part_window(out: Path, budget_s: float) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Part 4: the profiler plugin inside the real NCCL, against the tuner's rules and CUDA events
+
+
+# (bytes, algorithm, protocol, channels, chunk): one tuner rule per size, both sizes run by each rank
+PROFILED_RULES = ((1 << 20, "ring", "simple", 2, 131072), (8 << 20, "ring", "ll", 1, 16384))
+PROFILED_CALLS = 5  # timed calls per size, after one untimed
+# Each rank: NCCL loads both plugins (the environment names them); one untimed call per size, then the timed ones
+# with CUDA events on the current stream around each (the wait torch adds makes the end event follow the
+# collective); the records are drained once, after a pause for the proxy thread's last kernel-channel events.
+PROFILER_CHECK = """
+import dataclasses, datetime, json, os, sys, time, torch, torch.distributed as dist
+from lagom.nccl_profiler.drain import ProfilerDrain
+rank = int(sys.argv[1])
+os.environ["NCCL_HOSTID"] = f"lagom-suite-host-{rank}"
+os.environ["NCCL_DEBUG_FILE"] = os.environ["LAGOM_SUITE_LOG"] + f".{rank}"
+sizes, calls = json.loads(os.environ["LAGOM_SUITE_SIZES"]), int(os.environ["LAGOM_SUITE_CALLS"])
+reader = ProfilerDrain()
+torch.cuda.set_device(0)
+dist.init_process_group("nccl", init_method="file://" + sys.argv[2], rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=60))
+tensors = [torch.ones(n // 4, device="cuda") for n in sizes]
+for t in tensors:
+    dist.all_reduce(t)
+torch.cuda.synchronize()
+time.sleep(0.5)
+reader.drain()
+events = []
+for t in tensors:
+    for _ in range(calls):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        dist.all_reduce(t)
+        end.record()
+        events.append((begin, end))
+torch.cuda.synchronize()
+time.sleep(0.5)
+records = reader.drain().collectives()
+print("profiled " + json.dumps({"rank": rank, "stats": dataclasses.asdict(reader.stats()), "events_us": [
+    b.elapsed_time(e) * 1e3 for b, e in events], "records": [
+    {"function": r.function, "bytes": r.bytes, "algorithm": r.algorithm, "protocol": r.protocol,
+     "channels": r.channels, "source": r.time_source, "us": r.duration_ns / 1e3} for r in records]}), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def _profiled(out: Path) -> list[dict[str, Any]]:
+    """Both ranks' profiled calls beside their CUDA-event times, one row per call."""
+    from lagom import nccl_profiler
+
+    library = nccl_profiler.path()
+    if library is None:
+        raise RuntimeError(nccl_profiler.UNAVAILABLE)
+    rules = "".join(f"allreduce {int(n * 0.95)} {int(n * 1.05)} 2 {nodes} {a} {p} {c} {chunk}\n"
+                    for n, a, p, c, chunk in PROFILED_RULES for nodes in (1, 2))
+    log = out / "profiler_nccl.log"
+    env = {**_plugin_env(out / "profiler_rules.lagom", f"lagom-nccl-tuner 1\nworld 2\n{rules}"),
+           nccl_profiler.PLUGIN_ENV: str(library), "LAGOM_SUITE_LOG": str(log),
+           "LAGOM_SUITE_SIZES": json.dumps([n for n, *_ in PROFILED_RULES]), "LAGOM_SUITE_CALLS": str(PROFILED_CALLS)}
+    codes, outputs = _run_pair(PROFILER_CHECK, env, out / "rendezvous-profiler")
+    log.write_text("\n---\n".join(outputs))
+    reports = [json.loads(line[len("profiled "):]) for o in outputs for line in o.splitlines()
+               if line.startswith("profiled ")]
+    if codes != [0, 0] or len(reports) != 2:
+        raise AssertionError(f"exit codes {codes}, {len(reports)} ranks reported; see {log.name}")
+    rows = []
+    for report in reports:
+        records = [r for r in report["records"] if r["function"] == "all_reduce"]
+        if len(records) != len(report["events_us"]):
+            raise AssertionError(f"rank {report['rank']}: {len(records)} all-reduce records for "
+                                 f"{len(report['events_us'])} calls; stats {report['stats']}")
+        for i, (record, events_us) in enumerate(zip(records, report["events_us"])):
+            nbytes, algorithm, protocol, channels, _ = PROFILED_RULES[i // PROFILED_CALLS]
+            rows.append({"rank": report["rank"], "bytes": nbytes, "rule": f"{algorithm}/{protocol} x{channels}",
+                         "ran": f"{record['algorithm']}/{record['protocol']} x{record['channels']}",
+                         "record_bytes": record["bytes"], "time_source": record["source"],
+                         "profiler_us": round(record["us"], 2), "events_us": round(events_us, 2),
+                         "ratio": round(record["us"] / events_us, 3) if events_us > 0 else None})
+    return rows
+
+
+def part_profiler(out: Path, budget_s: float) -> None:
+    """The profiler's account against the rules NCCL was given and against CUDA events (``profiler_vs_events.csv``).
+    A call must run its size's rule and report GPU times no longer than the events around it, nor under a tenth of
+    them (the events also cover the launch and torch's stream wait)."""
+    rows = _profiled(out)
+    write_csv(out / "profiler_vs_events.csv", rows)
+    wrong = [r for r in rows if r["ran"] != r["rule"] or r["record_bytes"] != r["bytes"]]
+    untimed = [r for r in rows if r["time_source"] != "gpu" or r["ratio"] is None or not 0.1 <= r["ratio"] <= 1.05]
+    ratios = sorted(r["ratio"] for r in rows if r["ratio"] is not None)
+    summary = (f"{len(rows)} calls; profiler/events time ratio median {ratios[len(ratios) // 2] if ratios else None}, "
+               f"range {ratios[0] if ratios else None}..{ratios[-1] if ratios else None}")
+    (out / "profiler_summary.txt").write_text(summary + "\n")
+    if wrong or untimed:
+        raise AssertionError(f"{summary}; {len(wrong)} calls not as their rule (e.g. {wrong[:1]}), {len(untimed)} "
+                             f"without GPU times within the events' (e.g. {untimed[:1]})")
+
+
+# ---------------------------------------------------------------------------------------------
 # The driver
 
 
@@ -426,7 +531,8 @@ def run_part(name: str, out: Path, budget_s: float) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.error").unlink(missing_ok=True)
     try:
-        {"calibrate": part_calibrate, "cuda": part_cuda, "window": part_window}[name](out, budget_s)
+        {"calibrate": part_calibrate, "cuda": part_cuda, "window": part_window,
+         "profiler": part_profiler}[name](out, budget_s)
     except Exception:
         (out / f"{name}.error").write_text(traceback.format_exc())
         raise
@@ -448,6 +554,12 @@ def main() -> int:
     unknown = [p for p in parts if p not in PARTS]
     if unknown:
         parser.error(f"--parts: unknown {', '.join(unknown)} (use {', '.join(PARTS)})")
+    import torch
+
+    if not torch.cuda.is_available():
+        print(f"gpu_suite: skipped, no CUDA device here (torch {torch.__version__}); every part ({', '.join(parts)}) "
+              "runs NCCL or CUDA kernels on a GPU")
+        return 0
     out.mkdir(parents=True, exist_ok=True)
     failed = []
     for part in parts:

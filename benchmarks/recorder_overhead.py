@@ -19,7 +19,11 @@
 4. The NCCL profiler plugin's drain (lagom.nccl_profiler), the path that replaces the tap where NCCL is
    the backend: a step's records are put in the plugin's ring (as NCCL's calls would; their C cost is
    benchmarks/profiler_overhead.py's), then one ``drain()`` per step, alone and with the records turned
-   into ``CollectiveRecord`` objects; per collective of the step.
+   into ``CollectiveRecord`` objects; per collective of the step. Then the recorder's own path
+   (lagom.runtime.apply.nccl_calls), on a communicator initialised through the plugin's NCCL entry point
+   and matched to its group: what the calling thread pays per collective (``Recorder.track`` leaving a call
+   NCCL's records carry, as the adapters call it), and ``end_step``'s one drain turned into the recorder's
+   rows, per collective; their sum is the added CPU per collective, amortised over the step.
 
 Runs on torch 2.4 and later; the ``torch hook`` rows need torch's ``FlightRecorderHook`` (2.14+: its
 ``attach`` takes the group alone there, and the group and its ranks in builds that ask for them).
@@ -28,6 +32,7 @@ Runs on torch 2.4 and later; the ``torch hook`` rows need torch's ``FlightRecord
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
 import tempfile
 import time
@@ -41,7 +46,7 @@ import torch.multiprocessing as mp
 from lagom import nccl_profiler
 from lagom.nccl_profiler import drain as profiler_drain
 from lagom.runtime import Recorder
-from lagom.runtime.apply import torch_tap
+from lagom.runtime.apply import nccl_calls, torch_tap
 
 BATCH = 100  # calls timed together: one perf_counter pair per batch, not per call
 
@@ -218,11 +223,58 @@ def profiler_drain_per_call(calls: int, per_step: int = 200) -> dict[str, float]
             f"profiler drain + CollectiveRecord objects, step of {per_step} (cpu)": _us(objects)}
 
 
+def _init_communicator(library: Path, comm_hash: int, n_ranks: int, name: bytes) -> None:
+    """One communicator initialised as NCCL initialises it, through the plugin's ncclProfiler_v6 (its ``init``)."""
+    handle = ctypes.POINTER(ctypes.c_void_p)
+    init = ctypes.CFUNCTYPE(ctypes.c_int, handle, ctypes.c_uint64, ctypes.POINTER(ctypes.c_int), ctypes.c_char_p,
+                            ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p)
+    plugin = type("Plugin", (ctypes.Structure,), {"_fields_": [("name", ctypes.c_char_p), ("init", init)]})
+    context, mask = ctypes.c_void_p(), ctypes.c_int(0)
+    plugin.in_dll(ctypes.CDLL(str(library)), "ncclProfiler_v6").init(ctypes.byref(context), comm_hash,
+                                                                      ctypes.byref(mask), name, 1, n_ranks, 0, None)
+
+
+def recorder_on_nccl_records(calls: int, per_step: int = 200) -> dict[str, float]:
+    """The recorder reading NCCL's records: per collective, ``track`` on the calling thread and ``end_step``."""
+    library = nccl_profiler.path()
+    if library is None:
+        return {}
+    _init_communicator(library, comm_hash=9, n_ranks=8, name=b"dp")
+    reader = profiler_drain.ProfilerDrain(library)
+    rec = Recorder(cuda=False)
+    rec.nccl = nccl_calls.NcclCalls(reader, lambda: [nccl_calls.NcclGroup("dp", 8)])
+    record = profiler_drain.RecordC(comm_hash=9, count=1 << 20, n_ranks=8, func=4, algorithm=1, protocol=2,
+                                    type_size=2, channels=8, warps=16, channel_events=8, gpu_start_ns=1,
+                                    gpu_stop_ns=1_000_001)
+    for step in (1, 2):  # the group is matched at the first step's end and recorded from NCCL's from the next
+        rec.begin_step(step)
+        rec.end_step()
+    tracked, ended = [], []
+    for i in range(max(1, calls // per_step)):
+        rec.begin_step(3 + i)
+        cpu = time.thread_time()
+        for _ in range(per_step):
+            rec.track("dp", "all_reduce", 1 << 21)
+        tracked.append((time.thread_time() - cpu) / per_step)
+        record.host_start_ns = record.host_stop_ns = time.monotonic_ns()
+        for _ in range(per_step):
+            reader.push(record)
+        cpu = time.thread_time()
+        rows = rec.end_step()
+        ended.append((time.thread_time() - cpu) / max(1, len(rows)))
+        assert len(rows) == per_step, f"{len(rows)} rows for {per_step} collectives"
+    track_us, end_us = _us(tracked), _us(ended)
+    return {"recorder on NCCL's records: track, left at once (cpu)": track_us,
+            f"recorder on NCCL's records: end_step per collective, step of {per_step} (cpu)": end_us,
+            "recorder on NCCL's records: added per collective (cpu)": track_us + end_us}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=5000)
     args = parser.parse_args()
-    rows = {**track_alone(args.calls), **profiler_drain_per_call(args.calls), **all_reduce_pair(args.calls)}
+    rows = {**track_alone(args.calls), **profiler_drain_per_call(args.calls), **recorder_on_nccl_records(args.calls),
+            **all_reduce_pair(args.calls)}
     width = max(map(len, rows))
     for name, us in rows.items():
         print(f"{name:{width}s} {us:8.2f} us")

@@ -52,6 +52,7 @@ WINDOWS = 100  # steps whose windows are kept for late records (the recorder's S
 ORDER_LAG = 2  # steps between a step's end and its use for call-order matching
 KEPT_RECORDS = 1 << 16  # records kept for the report's what-ran table (the most recent)
 PER_RANK_FUNCS = [FUNCTIONS.index(f) for f in PER_RANK_COUNT]  # a record's count is one rank's share
+PROFILED_FUNCS = [FUNCTIONS.index(f) for f in sorted(PROFILED)]
 
 
 @dataclass(frozen=True)
@@ -145,30 +146,48 @@ class NcclCalls:
         records, launch, at = records[inside], launch[inside], at[inside]
         self._keep(records)
         share = records["count"].astype(np.int64) * records["type_size"]
-        whole = np.isin(records["func"], PER_RANK_FUNCS)
-        nbytes = np.where(whole, share * records["n_ranks"], share)
+        nbytes = np.where(np.isin(records["func"], PER_RANK_FUNCS), share * records["n_ranks"], share)
         gpu = (records["channel_events"] > 0) & (records["gpu_stop_ns"] > records["gpu_start_ns"])
         host = np.maximum(records["host_stop_ns"].astype(np.int64) - launch, 0)
         took = np.where(gpu, (records["gpu_stop_ns"] - records["gpu_start_ns"]).astype(np.int64), host)
-        rows: list[CallRecord] = []
-        matches, owned, tracked = self.matches, self.owned, self._signatures.profiled
-        for comm_hash, func, size, start_ns, ns, exact, i in zip(
-                records["comm_hash"].tolist(), records["func"].tolist(), nbytes.tolist(), launch.tolist(),
-                took.tolist(), gpu.tolist(), at.tolist()):
-            window = windows[i]
-            function = FUNCTIONS[func] if func < len(FUNCTIONS) else None
-            match = matches.get(comm_hash)
-            if match is None or match.group is None:
-                tracked.setdefault((window.index, comm_hash), []).append((start_ns, function or "?", size))
-                continue
-            since = owned.get(match.group)
-            if function not in PROFILED or since is None or window.index < since:
-                continue  # NCCL does not report it as a collective here, or the tap recorded that step's calls
-            start = (start_ns - window.begin_ns) / 1e9
-            rows.append(CallRecord(match.group, function, size, window.next_seq, window.step, start, start + ns / 1e9,
-                                   exact=exact))
-            window.next_seq += 1
-        return rows
+        # per communicator: its group and the first window whose collectives the profiler records (else never)
+        hashes, of_hash = np.unique(records["comm_hash"], return_inverse=True)
+        groups = [self._group_of(h) for h in hashes.tolist()]
+        never = np.iinfo(np.int64).max
+        since = np.array([self.owned.get(g, never) if g is not None else never for g in groups], dtype=np.int64)
+        index = np.array([w.index for w in windows], dtype=np.int64)[at]
+        self._remember_unmatched(records, nbytes, launch, at, windows, [g is None for g in groups], of_hash)
+        taken = np.isin(records["func"], PROFILED_FUNCS) & (index >= since[of_hash])
+        if not taken.any():
+            return []
+        at, start_s = at[taken], (launch[taken] - begins[at[taken]]) / 1e9
+        seq = np.empty(len(at), dtype=np.int64)
+        for i in np.unique(at).tolist():  # each window numbers its rows after its tracked calls, in launch order
+            mine = at == i
+            seq[mine] = windows[i].next_seq + np.arange(int(mine.sum()))
+            windows[i].next_seq += int(mine.sum())
+        names = np.array([*FUNCTIONS, "?"], dtype=object)[np.minimum(records["func"][taken], len(FUNCTIONS))]
+        steps = np.array([w.step for w in windows], dtype=np.int64)[at]
+        return [CallRecord(*row) for row in zip(
+            np.array(groups, dtype=object)[of_hash[taken]].tolist(), names.tolist(), nbytes[taken].tolist(),
+            seq.tolist(), steps.tolist(), start_s.tolist(), (start_s + took[taken] / 1e9).tolist(),
+            gpu[taken].tolist())]
+
+    def _group_of(self, comm_hash: int) -> str | None:
+        match = self.matches.get(comm_hash)
+        return match.group if match is not None else None
+
+    def _remember_unmatched(self, records: np.ndarray, nbytes: np.ndarray, launch: np.ndarray, at: np.ndarray,
+                            windows: list[_Window], unmatched: list[bool], of_hash: np.ndarray) -> None:
+        """The calls of communicators no group is matched to yet, for call-order matching."""
+        if not any(unmatched):
+            return
+        table = self._signatures.profiled
+        for i in np.flatnonzero(np.array(unmatched)[of_hash]).tolist():
+            func = int(records["func"][i])
+            function = FUNCTIONS[func] if func < len(FUNCTIONS) else "?"
+            table.setdefault((windows[at[i]].index, int(records["comm_hash"][i])), []).append(
+                (int(launch[i]), function, int(nbytes[i])))
 
     def _keep(self, records: np.ndarray) -> None:
         if not len(records):

@@ -11,18 +11,20 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from operator import attrgetter
 from typing import Any
 
 import torch
 
 from lagom.runtime.apply.nccl_calls import NcclCalls
 from lagom.runtime.apply.step_clock import device_now
-from lagom.step.calls import CallRecord
+from lagom.step.calls import CallRecord, TuningKey
 
 log = logging.getLogger("lagom.runtime")
 
 CALLBACK_GRACE_S = 0.01  # a completed future runs its callbacks right after waking its waiters
 STALE_STEPS = 100  # a call still open this many steps after its own was never completed: dropped
+_ORDER = attrgetter("step", "seq")
 
 
 class _Open:
@@ -89,7 +91,7 @@ class Recorder:
         self._seq = 0
         self._t0: Any = None
         self._open: list[_Open] = []
-        self._totals: dict[str, list[float]] = {}  # key -> [count, total seconds]
+        self._totals: dict[tuple[str, str, int], list[float]] = {}  # (group, collective, bytes) -> [count, seconds]
         self.nccl: NcclCalls | None = None  # NCCL's own records, where its profiler plugin is Lagom's
 
     def _now(self) -> Any:
@@ -176,14 +178,17 @@ class Recorder:
                 done.append(record)
         self._open = still
         done += self._from_nccl(done)
-        done.sort(key=lambda r: (r.step, r.seq))
+        done.sort(key=_ORDER)
         self.records.extend(done)
         if len(self.records) > self.max_records:
             del self.records[: len(self.records) - self.max_records]
-        for r in done:
-            total = self._totals.setdefault(r.key, [0, 0.0])
+        totals = self._totals
+        for r in done:  # keyed by tuple: a key's text is made once, in ``summary``, not per call
+            total = totals.get((r.group, r.collective, r.nbytes))
+            if total is None:
+                total = totals[(r.group, r.collective, r.nbytes)] = [0, 0.0]
             total[0] += 1
-            total[1] += r.duration_s
+            total[1] += r.end_s - r.start_s
         return done
 
     def _from_nccl(self, tracked: list[CallRecord]) -> list[CallRecord]:
@@ -213,4 +218,4 @@ class Recorder:
 
     def summary(self) -> dict[str, dict[str, float]]:
         """Per key over every resolved call: how many, and their total seconds."""
-        return {k: {"count": int(c), "total_s": t} for k, (c, t) in self._totals.items()}
+        return {str(TuningKey(*k)): {"count": int(c), "total_s": t} for k, (c, t) in self._totals.items()}
