@@ -434,6 +434,12 @@ def test_the_runtime_points_nccl_at_its_profiler_and_a_users_profiler_wins(libra
     second.record_nccl(nccl=True)
     assert second.recorder.nccl is None and "another Lagom session" in (second.nccl_records_off or "")
     second.close()
+    nccl_calls.detach(rt.recorder)  # as a session's close does
+    again = apply_runtime.open_runtime(None)
+    again.record_nccl(nccl=True)
+    assert again.recorder.nccl is not None and again.nccl_records_off is None
+    nccl_calls.detach(again.recorder)
+    again.close()
     rt.close()
     assert "NCCL_PROFILER_PLUGIN" not in os.environ
     monkeypatch.setenv("NCCL_PROFILER_PLUGIN", "/opt/their-profiler.so")
@@ -538,6 +544,9 @@ def test_a_session_measures_drifts_and_reports_what_ran_from_nccls_records(nccl,
         assert "the tuner rule did not fire" in ran["mismatches"][0]
         text = report.markdown(report.build(session))
         assert "## What NCCL ran (" in text and ran["mismatches"][0] in text
+        session.close()  # the ring's one reader is released for the process's next session
+        assert session.runtime.recorder.nccl is None and "NCCL_PROFILER_PLUGIN" not in os.environ
+        assert report.build(session)["nccl_ran"]["why"] == "the session is closed (NCCL's records are read while it runs)"
     finally:
         session.close()
 

@@ -286,3 +286,11 @@ def attach(recorder: Any, groups: Callable[[], list[NcclGroup]], library: Path |
     recorder.nccl = NcclCalls(ProfilerDrain(library), groups)
     _reading = weakref.ref(recorder)
     return True
+
+
+def detach(recorder: Any) -> None:
+    """``recorder`` stops reading NCCL's records (its session ends), so another session of the process may."""
+    global _reading
+    recorder.nccl = None
+    if _reading is not None and _reading() is recorder:
+        _reading = None

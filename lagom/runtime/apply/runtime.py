@@ -363,6 +363,7 @@ class Runtime:
         communicator: NCCL reads NCCL_PROFILER_PLUGIN at its first. A profiler the user named wins, and is said
         once; the tap then records every call, as it does without NCCL or without the built library. ``groups``:
         the process's NCCL groups (default: those the torch tap names for this runtime's recorder)."""
+        self.nccl_records_off = None
         if not (nccl_backend() if nccl is None else nccl):
             self.nccl_records_off = "the job's collectives do not run on NCCL (no CUDA device or no NCCL in torch)"
             return
@@ -451,10 +452,11 @@ class Runtime:
         if self._closed:
             return
         self._closed = True
-        if self.tap is not None:  # ``init``'s runtime: no session reports for it
+        if self.tap is not None:  # ``init``'s runtime: no session reports for it, and its recorder is its own
             self._log_coverage()
             self.tap.close()
             self.tap = None
+            nccl_calls.detach(self.recorder)
         if self in _open:
             _open.remove(self)
             if not _open:

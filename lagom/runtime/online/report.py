@@ -73,7 +73,8 @@ def nccl_ran(session: Reported) -> dict[str, Any]:
     reader = runtime.recorder.nccl if runtime is not None else None
     why = None
     if reader is None:
-        why = (runtime.nccl_records_off if runtime is not None else None) or "no runtime was opened"
+        why = ("no runtime was opened" if runtime is None else runtime.nccl_records_off
+               or "the session is closed (NCCL's records are read while it runs)")
     elif not reader.loaded:
         why = NOT_LOADED
     elif session.plan is None:

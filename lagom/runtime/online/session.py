@@ -49,6 +49,7 @@ from lagom.errors import ConfigError
 from lagom.hardware import Hardware
 from lagom.plan.capability import Capability
 from lagom.plan.plan import Plan
+from lagom.runtime.apply import nccl_calls
 from lagom.runtime.apply.control import Control
 from lagom.runtime.apply.runtime import job_world_size, open_runtime, runtime_capability
 from lagom.runtime.apply.step_clock import KEEP, StepClock
@@ -577,6 +578,7 @@ class TuningSession(StartPlanning, LiveSwitching):
             self.live_table = None
         if self.runtime is not None:
             self.runtime.close()
+            nccl_calls.detach(self.runtime.recorder)  # another session of the process may read NCCL's records
 
 
 _open_sessions: weakref.WeakSet[TuningSession] = weakref.WeakSet()
