@@ -256,8 +256,9 @@ def recorder_on_nccl_records(calls: int, per_step: int = 200) -> dict[str, float
         for _ in range(per_step):
             rec.track("dp", "all_reduce", 1 << 21)
         tracked.append((time.thread_time() - cpu) / per_step)
-        record.host_start_ns = record.host_stop_ns = time.monotonic_ns()
-        for _ in range(per_step):
+        launched = time.monotonic_ns()
+        for k in range(per_step):  # one launch each, as ungrouped collectives are: started after the last stopped
+            record.host_start_ns, record.host_stop_ns = launched + k * 100, launched + k * 100 + 50
             reader.push(record)
         cpu = time.thread_time()
         rows = rec.end_step()

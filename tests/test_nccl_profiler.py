@@ -588,3 +588,39 @@ def test_the_torch_tap_leaves_the_collectives_nccls_records_carry_and_records_th
         assert steps[0] == sorted(tapped), steps[0]  # the communicator appears: the tap has this step's calls
         for step, got in ((2, steps[1]), (3, steps[2])):  # NCCL's records: the tap's pre-hook leaves the all-reduce
             assert got == sorted([("world/all_reduce/4096", step, True), (p2p, step, False)]), got
+
+
+def test_a_coalesced_launch_is_recorded_as_the_aggregates_nccl_tuned(nccl, library) -> None:
+    """NCCL starts every collective of a group's launch before it stops any, and joins those of one function and
+    type, smallest first, while under 4x the smallest's bytes: the recorder and the what-ran table see those
+    aggregates, as the tap and the plan count them (bytes in all, tensors)."""
+    rec = Recorder(cuda=False)
+    rec.nccl = nccl_calls.NcclCalls(profiler.ProfilerDrain(library), lambda: [NcclGroup("dp", 4)])
+    dp = nccl(6, comm_hash=30, n_ranks=4)
+    rec.begin_step(1)
+    dp.run(1, [(0, 10)], count=8)  # matched at this step's end, recorded from NCCL's records from the next
+    rec.end_step()
+
+    def coalesced(seq: int) -> None:
+        handles = [dp.coll(seq + i, func=b"ReduceScatter", count=n, channels=1) for i, n in enumerate((1024, 2048, 16384))]
+        for h in handles:  # stopped after the launch, all of them
+            dp.stop(h)
+        for i, h in enumerate(handles):
+            dp.channel_end(dp.channel(h, 0, 1_000 * (i + 1)), 1_000 * (i + 1) + 500)
+
+    rec.begin_step(2)
+    coalesced(10)
+    dp.run(20, [(0, 700)], count=1024, func=b"ReduceScatter")  # its own launch: never joined
+    rows = rec.end_step()
+    assert [(r.key, r.tensors, r.exact) for r in rows] == [
+        ("dp/reduce_scatter/49152", 2, True), ("dp/reduce_scatter/262144", 1, True), ("dp/reduce_scatter/16384", 1, True)]
+    assert [r.seq for r in rows] == [0, 1, 2]
+    assert [round(r.duration_s * 1e9) for r in rows] == [1_500, 500, 700]  # the aggregate: first start to last stop
+    coalesced(30)
+    plan = Plan("w", "wf", "h", "hf", 4, "priority", [
+        _entry("dp", "reduce_scatter", 49152, CommConfig(Algorithm.RING, Protocol.SIMPLE, channels=1, by_tuner=True))],
+        predicted_step_s={})
+    records = profiler.ProfilerDrain(library).drain().collectives()
+    comparison = what_ran.compare(records, plan, {30: profiler.GroupMatch("dp", "rank_count")})
+    assert [(run.key, run.calls, run.mismatched) for run in comparison.keys] == [("dp/reduce_scatter/49152", 1, 0)]
+    assert comparison.unplanned == 1  # the 256 KiB aggregate has no key

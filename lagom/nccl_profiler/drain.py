@@ -15,12 +15,13 @@ from __future__ import annotations
 import ctypes
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
 from lagom import nccl_profiler
+from lagom.step.calls import nccl_aggregates
 
 log = logging.getLogger("lagom.nccl_profiler")
 
@@ -90,6 +91,7 @@ class CollectiveRecord:
     gpu_start_ns: int
     gpu_stop_ns: int
     channel_events: int
+    tensors: int = 1  # collectives NCCL ran as this one aggregate (``joined``); their counts are summed
 
     @property
     def bytes(self) -> int:
@@ -108,6 +110,60 @@ class CollectiveRecord:
         if self.time_source == "gpu":
             return self.gpu_stop_ns - self.gpu_start_ns
         return max(0, self.host_stop_ns - self.host_start_ns)
+
+
+def launches(host_start_ns: np.ndarray, host_stop_ns: np.ndarray, comm_hash: np.ndarray) -> np.ndarray:
+    """Each record's launch, numbered, for records in (communicator, host start) order: NCCL starts the Coll events
+    of every collective of one launch (a group's plan) before it stops any, so a record that starts before the one
+    before it stopped, on the same communicator, is of the same launch."""
+    new = np.ones(len(host_start_ns), dtype=bool)
+    new[1:] = (comm_hash[1:] != comm_hash[:-1]) | (host_start_ns[1:].astype(np.int64) > host_stop_ns[:-1].astype(np.int64))
+    return np.cumsum(new)
+
+
+def joined(records: list[CollectiveRecord]) -> list[CollectiveRecord]:
+    """The records as NCCL planned them: the collectives of one launch that share function and element size
+    (NCCL's function, op and type; the record has no op) joined as ``calls.nccl_aggregates`` joins them, smallest
+    first, each run of under 4x the smallest's bytes one aggregate, which NCCL tuned at its total size and ran on one
+    algorithm and protocol. An aggregate's count is its members' total, its channels the most any member ran, its
+    times from its first start to its last stop (GPU times only where every member has them); the rest pass as
+    they are. In (communicator, launch) order."""
+    ordered = sorted(records, key=lambda r: (r.comm_hash, r.host_start_ns))
+    if len(ordered) < 2:
+        return ordered
+    launch = launches(np.array([r.host_start_ns for r in ordered], dtype=np.uint64),
+                      np.array([r.host_stop_ns for r in ordered], dtype=np.uint64),
+                      np.array([r.comm_hash for r in ordered], dtype=np.uint64)).tolist()
+    out: list[CollectiveRecord] = []
+    i = 0
+    while i < len(ordered):
+        j = i + 1
+        while j < len(ordered) and launch[j] == launch[i]:
+            j += 1
+        kinds: dict[tuple[str | None, int, bool], list[CollectiveRecord]] = {}
+        for r in ordered[i:j]:
+            kinds.setdefault((r.function, r.type_size, r.copy_engine), []).append(r)
+        for members in kinds.values():
+            members.sort(key=lambda r: r.bytes)
+            k = 0
+            for _, n in nccl_aggregates([r.bytes for r in members]):  # smallest first, as ``members``
+                out.append(_join(members[k:k + n]))
+                k += n
+        i = j
+    return out
+
+
+def _join(members: list[CollectiveRecord]) -> CollectiveRecord:
+    if len(members) == 1:
+        return members[0]
+    first = min(members, key=lambda r: r.host_start_ns)
+    timed = all(r.time_source == "gpu" for r in members)
+    return replace(first, count=sum(r.count for r in members), channels=max(r.channels for r in members),
+                   host_start_ns=first.host_start_ns, host_stop_ns=max(r.host_stop_ns for r in members),
+                   gpu_start_ns=min(r.gpu_start_ns for r in members) if timed else 0,
+                   gpu_stop_ns=max(r.gpu_stop_ns for r in members) if timed else 0,
+                   channel_events=min(r.channel_events for r in members) if timed else 0,
+                   tensors=sum(r.tensors for r in members))
 
 
 @dataclass(frozen=True)

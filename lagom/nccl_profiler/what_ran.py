@@ -21,7 +21,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from lagom.nccl_profiler.drain import CollectiveRecord, GroupMatch
+from lagom.nccl_profiler.drain import CollectiveRecord, GroupMatch, joined
 from lagom.nccl_tuner.live import PluginCounters
 from lagom.plan.comm_config import CTAPolicy, Decomposition
 from lagom.plan.plan import Plan, PlanEntry
@@ -100,11 +100,11 @@ def _reason(planned: Planned, algorithm: str | None, protocol: str | None, chann
 def compare(records: Iterable[CollectiveRecord], plan: Plan, groups: Mapping[int, GroupMatch],
             tuner: PluginCounters | None = None) -> Comparison:
     """Each record placed on its plan key (by group, collective and whole-buffer size, as the recorder
-    places calls) and checked against the plan's choice for that key. ``tuner``: the tuner plugin's counters
+    places calls; the collectives of one coalesced launch joined into NCCL's aggregates first) and checked against the plan's choice for that key. ``tuner``: the tuner plugin's counters
     (``lagom.nccl_tuner.live.counters()``), which say whether NCCL loaded it at all."""
     runs: dict[str, KeyRun] = {}
     out = Comparison(keys=[])
-    for record in records:
+    for record in joined(list(records)):  # a coalesced launch's collectives as the aggregates NCCL tuned
         match = groups.get(record.comm_hash)
         if match is None or match.group is None or record.function is None:
             out.unplaced[record.comm_hash] += 1

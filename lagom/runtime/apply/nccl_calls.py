@@ -23,6 +23,7 @@ bytes) equals that of exactly one group of its size, as the tap recorded it in t
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 import weakref
@@ -42,6 +43,8 @@ from lagom.nccl_profiler.drain import (
     GroupMatch,
     ProfilerDrain,
     group_names,
+    joined,
+    launches,
 )
 from lagom.step.calls import CallRecord
 
@@ -157,9 +160,13 @@ class NcclCalls:
         since = np.array([self.owned.get(g, never) if g is not None else never for g in groups], dtype=np.int64)
         index = np.array([w.index for w in windows], dtype=np.int64)[at]
         self._remember_unmatched(records, nbytes, launch, at, windows, [g is None for g in groups], of_hash)
-        taken = np.isin(records["func"], PROFILED_FUNCS) & (index >= since[of_hash])
-        if not taken.any():
+        taken = np.flatnonzero(np.isin(records["func"], PROFILED_FUNCS) & (index >= since[of_hash]))
+        if not len(taken):
             return []
+        taken = taken[np.lexsort((launch[taken], records["comm_hash"][taken]))]
+        if np.bincount(launches(launch[taken], records["host_stop_ns"][taken], records["comm_hash"][taken])).max() > 1:
+            return self._joined_rows(Drained(records[taken], 0).collectives(), windows)  # a coalesced launch
+        taken = taken[np.argsort(launch[taken], kind="stable")]  # launch order, across communicators
         at, start_s = at[taken], (launch[taken] - begins[at[taken]]) / 1e9
         seq = np.empty(len(at), dtype=np.int64)
         for i in np.unique(at).tolist():  # each window numbers its rows after its tracked calls, in launch order
@@ -172,6 +179,20 @@ class NcclCalls:
             np.array(groups, dtype=object)[of_hash[taken]].tolist(), names.tolist(), nbytes[taken].tolist(),
             seq.tolist(), steps.tolist(), start_s.tolist(), (start_s + took[taken] / 1e9).tolist(),
             gpu[taken].tolist())]
+
+    def _joined_rows(self, records: list[CollectiveRecord], windows: list[_Window]) -> list[CallRecord]:
+        """Rows where a launch ran several collectives (a coalesced operation): one per aggregate NCCL planned
+        (``drain.joined``), with its total bytes and its tensor count, as the tap and adapters record it."""
+        begins = [w.begin_ns for w in windows]
+        rows = []
+        for r in sorted(joined(records), key=lambda r: r.host_start_ns):
+            window = windows[bisect.bisect_right(begins, r.host_start_ns) - 1]
+            start = (r.host_start_ns - window.begin_ns) / 1e9
+            rows.append(CallRecord(self._group_of(r.comm_hash) or "?", r.function or "?", r.bytes, window.next_seq,
+                                   window.step, start, start + r.duration_ns / 1e9, r.time_source == "gpu",
+                                   r.tensors))
+            window.next_seq += 1
+        return rows
 
     def _group_of(self, comm_hash: int) -> str | None:
         match = self.matches.get(comm_hash)
