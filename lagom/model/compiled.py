@@ -144,10 +144,20 @@ class PhaseArrays:
     record_task: np.ndarray  # per record: its task
     _struct: _Phase | None = field(default=None, repr=False)
     _costs: tuple | None = field(default=None, repr=False)
+    _boundaries: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
 
     @property
     def tasks(self) -> int:
         return int(self.queue_first[-1])
+
+    def boundaries(self, ref: int) -> np.ndarray:
+        """Per task, 1 where starting it is a period boundary of queue ``ref`` (what the loop pauses at)."""
+        check = self._boundaries.get(ref)
+        if check is None:
+            check = self._boundaries[ref] = np.zeros(self.tasks, dtype=np.uint8)
+            first, shift = int(self.queue_first[ref]), self.lowering.queues[ref].shift
+            check[first:first + len(self.positions[ref])] = self.positions[ref] % shift == 0
+        return check
 
     def where(self, task: int) -> tuple[int, int]:
         """(queue, position) of a task number."""
@@ -547,9 +557,12 @@ class LoopRun:
         return LoopRun(self.arrays, None, None, self._check, parent=self, remaining=remaining)
 
     def close(self) -> None:
+        """Free the C run, and the callback (whose closure holds the reference run that holds this one: a cycle
+        that would keep every run's records until the garbage collector's rare full pass)."""
         if self._sim:
             self.lib.lagom_sim_close(self._sim)
             self._sim = None
+        self._callback = None
 
     def outcome(self) -> Outcome:
         keys = self.arrays.keys

@@ -773,6 +773,7 @@ class _PhaseRun:
                 t.version += 1  # no heap entry of it is live any more
                 if nxt >= END:
                     live -= 1
+        self.history = []  # the run is kept for its timings: not the states it compared
         return PhaseResult(ix.phase.name, ix.phase.repeat, now, exposed_total, compute_solo, comm_peak,
                            {k: dict(zip(("time", "solo", "exposed", "count"), row)) for k, row in totals.items()},
                            [span for _, span in sorted(self.spans, key=lambda s: s[0])], self.simulated,
@@ -1063,13 +1064,7 @@ class _CompiledPhaseRun(_PhaseRun):
         queues = arrays.lowering.queues
         self.band_ref = next((q for q, queue in enumerate(queues) if queue.kind == COMPUTE and queue.shift), None) \
             if extrapolate else None
-        check = None
-        if self.band_ref is not None:
-            ref = self.band_ref
-            check = np.zeros(arrays.tasks, dtype=np.uint8)
-            first = int(arrays.queue_first[ref])
-            check[first:first + len(arrays.positions[ref])] = arrays.positions[ref] % queues[ref].shift == 0
-        self.loop = compiled.LoopRun(arrays, self, model, check)
+        self.loop = compiled.LoopRun(arrays, self, model, None if self.band_ref is None else arrays.boundaries(self.band_ref))
 
     def simulate_loop(self) -> compiled.Outcome:
         loop, ref = self.loop, self.band_ref
@@ -1094,6 +1089,7 @@ class _CompiledPhaseRun(_PhaseRun):
             return loop.outcome()
         finally:
             loop.close()
+            self.history = []  # the run is kept for its timings: not the states it compared
 
     def _seen_of(self, loop: compiled.LoopRun, heads: list[int]) -> _Seen | None:
         running = {q: float(r) for q, r in enumerate(loop.remaining.tolist()) if not math.isnan(r)}
