@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 ENV = "LAGOM_SIMULATOR"  # "compiled" (the default where built) or "python"
 ABI = 2  # LAGOM_EVENT_LOOP_ABI in event_loop.h
 OK, NOMEM, CALLBACK, DEADLOCK, STALLED, PAUSED = range(6)
+TILE_BLOCK = 64  # periods a lowering tests for copying at once (numpy over the block, not a call per period)
 
 _i32, _u8, _f64 = ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_uint8), ctypes.POINTER(ctypes.c_double)
 COST_FN = ctypes.CFUNCTYPE(ctypes.c_double, ctypes.c_int, ctypes.c_int, _f64)
@@ -263,14 +264,17 @@ class _Band:
         for (d, i), released in ix.releases.items():
             self.releases[d][i] = len(released)
 
-    def in_spans(self, queue: np.ndarray, pos: np.ndarray) -> bool:
+    def in_spans(self, queue: np.ndarray, pos: np.ndarray, shift: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """Per count c of ``counts``: whether every (queue, position) moved c times its ``shift`` lies in one of
+        its queue's spans."""
+        ok = np.ones(len(counts), dtype=bool)
         for q in np.unique(queue):
             los, his = self.spans[q]
-            at = pos[queue == q]
+            mask = queue == q
+            at = pos[mask][None, :] + counts[:, None] * shift[mask][None, :]
             i = np.searchsorted(los, at, side="right") - 1
-            if (i < 0).any() or (at >= his[np.maximum(i, 0)]).any():
-                return False
-        return True
+            ok &= ~((i < 0) | (at >= his[np.maximum(i, 0)])).any(axis=1)
+        return ok
 
 
 def _tail(parts: list[_Rows], position: int) -> _Rows:
@@ -294,17 +298,22 @@ def _tile(lowering: Lowering, band: _Band, q: int, prev: _Rows, pos: int) -> tup
     nexts = np.append(prev.pos[1:], pos)  # each row's next position
     dep_shift = band.shift[prev.dep_queue]
     releases = band.releases.get(queue.device) if queue.kind == COMPUTE else None
-    count = 0
-    while True:
-        moved = count * shift  # the base period is ``count`` periods past ``prev``
-        if nexts[-1] + moved >= span[1] or not band.in_spans(prev.dep_queue, prev.dep_pos + count * dep_shift):
-            break
+    most = max(0, -(-(span[1] - int(nexts[-1])) // shift))  # copies whose last row's next stays in the span
+    count = 0  # the base period is ``count`` periods past ``prev``; the first that fails a test ends the copies
+    while count < most:
+        counts = np.arange(count, min(most, count + TILE_BLOCK), dtype=np.int64)
+        ok = band.in_spans(prev.dep_queue, prev.dep_pos, dep_shift, counts)
         if releases is not None:
-            base = (prev.pos + moved) // SLOT
+            base = (prev.pos[None, :] + counts[:, None] * shift) // SLOT
             image = base + shift // SLOT
-            if image[-1] >= len(releases) or (releases[image] != releases[base]).any():
-                break
-        count += 1
+            inside = image[:, -1] < len(releases)
+            same = (releases[np.minimum(image, len(releases) - 1)] == releases[np.minimum(base, len(releases) - 1)]).all(axis=1)
+            ok &= inside & same
+        failed = np.flatnonzero(~ok)
+        if len(failed):
+            count += int(failed[0])
+            break
+        count += len(counts)
     return (prev.periods(count, shift, dep_shift), pos + count * shift) if count else None
 
 
