@@ -52,10 +52,10 @@ class Kernel:
 
 @dataclass
 class Setup:
-    kind: str = "???"  # busbw | latency | slowdown | comm_slowdown | overlap | window
+    kind: str = "???"  # busbw | latency | slowdown | comm_slowdown | overlap | sequential | window
     hardware: list[str] = field(default_factory=list)  # preset names or files; a pair kind may average several
     comm: Comm | None = None  # busbw, latency and the pair kinds (the collective running beside)
-    kernels: list[Kernel] = field(default_factory=list)  # the pair kinds: slowdown, comm_slowdown, overlap
+    kernels: list[Kernel] = field(default_factory=list)  # the pair kinds: slowdown, comm_slowdown, overlap, sequential
     aggregate: str = "one"  # a pair kind over several kernels x hardware: one | mean | max
     workload: str | None = None  # window
     collective: str | None = None  # window: which of the step's collectives
@@ -98,7 +98,7 @@ class FidelityPoint:
 COMM_KINDS = ("busbw", "latency")  # one collective alone
 
 
-PAIR_KINDS = ("slowdown", "comm_slowdown", "overlap")  # one kernel and one collective, run together
+PAIR_KINDS = ("slowdown", "comm_slowdown", "overlap", "sequential")  # one kernel and one collective
 
 
 _KIND_FIELDS = {"busbw": {"comm"}, "latency": {"comm"}, **{k: {"comm", "kernels", "aggregate"} for k in PAIR_KINDS},

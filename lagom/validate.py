@@ -17,6 +17,8 @@ Setups (``setup.kind``):
   time alone;
 - ``overlap``: kernel and collective launched together over the two run one after the other (the window
   estimate the priority search ranks settings with, for a window of that one kernel);
+- ``sequential``: the kernel, then the collective, each alone: the sum of their times in microseconds (what a
+  framework's unoverlapped GEMM followed by its collective takes);
 - ``window``: a collective of a workload's step at a given setting against NCCL's: the speed-up of the
   compute that runs beside it under either setting (``local``), of the whole step (``step``), or the largest slowdown
   any setting of the space causes to the compute beside it (``max_slowdown``).
@@ -120,15 +122,18 @@ def _segment(hw: Hardware, kernel: Kernel) -> ComputeSegment:
 @dataclass(frozen=True)
 class Pair:
     """One kernel and one collective launched together, as the model sees them: each one's time beside the
-    other over its time alone, and the two launched together over the two run one after the other."""
+    other over its time alone, the two launched together over the two run one after the other, and that
+    one-after-the-other time itself."""
 
     kernel: float  # slowdown: the kernel beside the collective (running for the kernel's whole duration)
     comm: float  # comm_slowdown: the collective beside the kernel (the kernel's HBM share for all of it)
     overlap: float  # overlap: together (the priority search's window estimate) over back to back
+    sequential_us: float  # sequential: the kernel alone, then the collective alone
 
     def figure(self, kind: str) -> float:
         """The figure a pair kind of setup measures."""
-        return {"slowdown": self.kernel, "comm_slowdown": self.comm, "overlap": self.overlap}[kind]
+        return {"slowdown": self.kernel, "comm_slowdown": self.comm, "overlap": self.overlap,
+                "sequential": self.sequential_us}[kind]
 
 
 def pair_setup(hw: Hardware, comm: Comm, kernel: Kernel) -> tuple[Hardware, OverlapPoint, CommConfig, ComputeSegment]:
@@ -161,7 +166,8 @@ def pair_beside(model: CostModel, point: OverlapPoint, cfg: CommConfig, seg: Com
     window = Window(point, 1, [seg], [])
     together = window.costs(False, model).hide + estimate(cfg, [window], model).added
     return Pair(kernel=model.compute_time(seg, (RunningComm(cfg, rate, ctas),)) / solo,
-                comm=seconds / alone if alone > 0 else 1.0, overlap=together / (solo + alone))
+                comm=seconds / alone if alone > 0 else 1.0, overlap=together / (solo + alone),
+                sequential_us=(solo + alone) * 1e6)
 
 
 @dataclass

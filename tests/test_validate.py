@@ -206,7 +206,7 @@ def test_pair_kinds_are_the_kernel_and_the_collective_of_one_pair_on_the_planner
     window estimate by hand."""
     elements = 1 << 27
     _tiny_suite(tmp_path / "s", [*(_pair_point(f"p-{kind}", kind, {"elements": elements}, channels=4)
-                                   for kind in ("slowdown", "comm_slowdown", "overlap")),
+                                   for kind in ("slowdown", "comm_slowdown", "overlap", "sequential")),
                                  _pair_point("long-gemm", "overlap", {"gemm": [16384, 16384, 16384]}, channels=4)])
     got = {r.id: r.predicted for r in validate(load_suite(tmp_path / "s"))}
     hw = load_hardware("a100-8x-100g")
@@ -221,6 +221,7 @@ def test_pair_kinds_are_the_kernel_and_the_collective_of_one_pair_on_the_planner
     assert got["p-comm_slowdown"] == pytest.approx(beside / alone, rel=1e-12)
     together = solo + estimate(cfg, [Window(point, 1, [seg], [])], model).added
     assert got["p-overlap"] == pytest.approx(together / (solo + alone), rel=1e-12)
+    assert got["p-sequential"] == pytest.approx((solo + alone) * 1e6, rel=1e-12)  # back to back, in us
     # a pass that streams HBM slows the collective beside it; launched together the pair never beats the
     # longer of the two alone, nor takes longer than the longer of the two slowed ones, the comm stretched
     # by its wait for SMs (the window charges the comm's slowdown for all of it, however short the pass)
@@ -330,7 +331,11 @@ def test_local_measure_keeps_only_the_compute_beside_the_collective(evaluator):
 #   every SM takes twice as long and the pair 1.3-1.45x the time of running them back to back; the model has the
 #   pair at 0.64-0.85x (it lets the comm run beside the GEMM at a slowed rate), a median error of 42% where
 #   "overlap changes nothing" (every ratio 1.0) scores 31%. The bound only keeps it from getting worse.
-CHECK_MEDIAN_BOUNDS = {"nccl-tests": 0.30, "gemm-contention": 0.40, "phi2-window": 0.25, "overlap-pairs": 0.45}
+# - gemm-sequential 15%: a GEMM then its reduce-scatter, each alone: the sum of the GEMM's time at the preset's
+#   efficiency (an estimate, 65% of the bf16 peak on H100) and a ring reduce-scatter the nccl-tests points check
+#   to within ~10%; 15% lets either be ~10% off, not both.
+CHECK_MEDIAN_BOUNDS = {"nccl-tests": 0.30, "gemm-contention": 0.40, "phi2-window": 0.25, "overlap-pairs": 0.45,
+                       "gemm-sequential": 0.15}
 
 
 def test_every_check_group_has_a_bound(suite):
