@@ -54,8 +54,9 @@ PROFILED = frozenset({"all_reduce", "all_gather", "reduce_scatter", "broadcast",
 WINDOWS = 100  # steps whose windows are kept for late records (the recorder's STALE_STEPS)
 ORDER_LAG = 2  # steps between a step's end and its use for call-order matching
 KEPT_RECORDS = 1 << 16  # records kept for the report's what-ran table (the most recent)
-PER_RANK_FUNCS = [FUNCTIONS.index(f) for f in PER_RANK_COUNT]  # a record's count is one rank's share
-PROFILED_FUNCS = [FUNCTIONS.index(f) for f in sorted(PROFILED)]
+# by a record's function id (a byte): whether its count is one rank's share, whether the profiler takes it
+PER_RANK = np.isin(np.arange(256), [FUNCTIONS.index(f) for f in PER_RANK_COUNT])
+TAKEN = np.isin(np.arange(256), [FUNCTIONS.index(f) for f in PROFILED])
 
 
 @dataclass(frozen=True)
@@ -149,7 +150,7 @@ class NcclCalls:
         records, launch, at = records[inside], launch[inside], at[inside]
         self._keep(records)
         share = records["count"].astype(np.int64) * records["type_size"]
-        nbytes = np.where(np.isin(records["func"], PER_RANK_FUNCS), share * records["n_ranks"], share)
+        nbytes = np.where(PER_RANK[records["func"]], share * records["n_ranks"], share)
         gpu = (records["channel_events"] > 0) & (records["gpu_stop_ns"] > records["gpu_start_ns"])
         host = np.maximum(records["host_stop_ns"].astype(np.int64) - launch, 0)
         took = np.where(gpu, (records["gpu_stop_ns"] - records["gpu_start_ns"]).astype(np.int64), host)
@@ -160,7 +161,7 @@ class NcclCalls:
         since = np.array([self.owned.get(g, never) if g is not None else never for g in groups], dtype=np.int64)
         index = np.array([w.index for w in windows], dtype=np.int64)[at]
         self._remember_unmatched(records, nbytes, launch, at, windows, [g is None for g in groups], of_hash)
-        taken = np.flatnonzero(np.isin(records["func"], PROFILED_FUNCS) & (index >= since[of_hash]))
+        taken = np.flatnonzero(TAKEN[records["func"]] & (index >= since[of_hash]))
         if not len(taken):
             return []
         taken = taken[np.lexsort((launch[taken], records["comm_hash"][taken]))]
