@@ -5,7 +5,9 @@ timed alone and beside the other (``lagom calibrate --contention`` takes them). 
 both ratios, beside over alone, from the hardware profile's constants: the GEMM CTA slots a comm CTA
 leaves no room for (residency), whether GEMMs run persistent, the share of the comm's HBM traffic the
 compute loses, the L2 term of chunk staging, and how much the compute's HBM use slows the comm. The fit
-sets those constants from part of the samples and checks them on the rest, held out.
+sets those constants from part of the samples and checks them on the rest, held out. The same fit
+(``fit_observed``) runs on any ``Observation``: ``lagom.published_fit`` feeds it the published suite's pair
+points of one GPU generation, with no held-out part (the suite's check points are the check).
 
 Framework-free: the samples are plain data, the measuring lives in ``lagom.runtime.measure.contention_bench``.
 """
