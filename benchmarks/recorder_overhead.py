@@ -15,6 +15,8 @@
    loaded machine the wall clock of a small gloo call is mostly scheduling).
    ``torch hook`` is the floor of torch's process-group hook API: torch's own C++ hook pair
    (``FlightRecorderHook``, which on gloo returns at once: gloo records itself), no Python at all.
+   ``nccl records``: the tap on a group whose collectives a recorder takes from NCCL's profiler records
+   (its hooks run and leave the call at once), what a tapped NCCL call costs where the plugin is loaded.
    ``end_step`` is what closing the tapped steps cost, per recorded call.
 4. The NCCL profiler plugin's drain (lagom.nccl_profiler), the path that replaces the tap where NCCL is
    the backend: a step's records are put in the plugin's ring (as NCCL's calls would; their C cost is
@@ -123,7 +125,8 @@ def _ranks(rank: int, world: int, rendezvous: str, calls: int, out: str) -> None
     dist.destroy_process_group()
 
 
-TAP_KINDS = ("bare", "tracked", "tapped", "claimed", "torch hook")
+# "nccl records": the tap on a group whose collectives come from NCCL's records (its pre-hook leaves them at once)
+TAP_KINDS = ("bare", "tracked", "tapped", "claimed", "torch hook") + (("nccl records",) if nccl_profiler.path() else ())
 TAP_VARIANTS = tuple(f"{kind} {clock}" for clock in ("wall", "cpu") for kind in TAP_KINDS)
 
 
@@ -167,8 +170,28 @@ def _tap_blocks(tensor: torch.Tensor, calls: int) -> dict[str, list[float]]:
         block("torch hook", plain)
         hook.remove()
 
+    def nccl_records() -> None:
+        subscription = torch_tap.subscribe(lambda group: "dp", owned)
+        owned.begin_step(owned.step + 1)
+        block("nccl records", plain)
+        owned.end_step()
+        if subscription is not None:
+            subscription.close()
+
     runs = {"bare": lambda: block("bare", plain), "tracked": lambda: block("tracked", tracked),
-            "tapped": lambda: tap_on("tapped"), "claimed": lambda: tap_on("claimed"), "torch hook": torch_hook}
+            "tapped": lambda: tap_on("tapped"), "claimed": lambda: tap_on("claimed"), "torch hook": torch_hook,
+            "nccl records": nccl_records}
+    owned = Recorder(cuda=False)  # reads NCCL's records: "dp" is matched by its commName at the first step's end
+    library = nccl_profiler.path()
+    if library is not None:
+        name = distributed_c10d._get_default_group().group_name
+        _init_communicator(library, comm_hash=11, n_ranks=2, name=name.encode())
+        owned.nccl = nccl_calls.NcclCalls(profiler_drain.ProfilerDrain(library),
+                                          lambda: [nccl_calls.NcclGroup("dp", 2, (name,))])
+        for step in (1, 2):
+            owned.begin_step(step)
+            owned.end_step()
+        assert owned.from_nccl("dp", "all_reduce")
     for i in range(max(1, calls // BATCH)):
         rec.begin_step(i)
         n = i % len(TAP_KINDS)
