@@ -22,7 +22,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass, field, fields
-from functools import cache
+from functools import cache, cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +45,7 @@ OK, NOMEM, CALLBACK, DEADLOCK, STALLED, PAUSED = range(6)
 TILE_BLOCK = 64  # periods a lowering tests for copying at once (numpy over the block, not a call per period)
 
 _i32, _u8, _f64 = ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_uint8), ctypes.POINTER(ctypes.c_double)
+_i64 = ctypes.POINTER(ctypes.c_int64)
 COST_FN = ctypes.CFUNCTYPE(ctypes.c_double, ctypes.c_int, ctypes.c_int, _f64)
 
 
@@ -56,7 +57,8 @@ class _Phase(ctypes.Structure):
                 ("wake_off", _i32), ("wake_list", _i32),
                 ("cost_key", _i32), ("cost_cross", _u8), ("cost_one_way", _u8),
                 ("cost_solo", _f64), ("cost_launch", _f64), ("cost_util", _f64),
-                ("compute_queue", _i32), ("blame_device", _i32)]
+                ("compute_queue", _i32), ("blame_device", _i32),
+                ("position", _i64), ("shift", _i64), ("span_off", _i32), ("span_lo", _i64), ("span_hi", _i64)]
 
 
 class _Result(ctypes.Structure):
@@ -150,6 +152,21 @@ class PhaseArrays:
     @property
     def tasks(self) -> int:
         return int(self.queue_first[-1])
+
+    @cached_property
+    def flat_positions(self) -> np.ndarray:
+        """Every task's position, by task number."""
+        return np.concatenate(self.positions).astype(np.int64) if self.positions else np.zeros(0, dtype=np.int64)
+
+    @cached_property
+    def band(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The band as the C loop reads it: per queue its shift, then its spans as offsets, lows and highs."""
+        queues = self.lowering.queues
+        off = np.zeros(len(queues) + 1, dtype=np.int32)
+        np.cumsum([len(queue.spans) for queue in queues], out=off[1:])
+        spans = [span for queue in queues for span in queue.spans]
+        return (np.asarray([queue.shift for queue in queues], dtype=np.int64), off,
+                np.asarray([lo for lo, _ in spans], dtype=np.int64).reshape(-1), np.asarray([hi for _, hi in spans], dtype=np.int64).reshape(-1))
 
     def boundaries(self, ref: int) -> np.ndarray:
         """Per task, 1 where starting it is a period boundary of queue ``ref`` (what the loop pauses at)."""
@@ -540,8 +557,9 @@ class LoopRun:
     def positions(self) -> list[int]:
         """Each queue's head as the lowering's position (END past its last task)."""
         a = self.arrays
-        return [int(a.positions[q][t - a.queue_first[q]]) if t < a.queue_first[q + 1] else END
-                for q, t in enumerate(self.heads.tolist())]
+        at = a.flat_positions[np.minimum(self.heads, a.tasks - 1)]
+        at[self.heads >= a.queue_first[1:]] = END
+        return at.tolist()
 
     def key_totals(self) -> dict[str, list[float]]:
         """Per key touched so far, in the order first touched: comm time, solo, exposed and count."""
@@ -628,7 +646,7 @@ def _struct(arrays: PhaseArrays, run: Any, model: CostModel) -> _Phase:
             _ptr(a.record, _i32), _ptr(a.dev_off, _i32), _ptr(a.dev_list, _i32), _ptr(a.dep_off, _i32),
             _ptr(a.dep_list, _i32), _ptr(a.wake_off, _i32), _ptr(a.wake_list, _i32), _ptr(a.cost_key, _i32),
             _ptr(a.cost_cross, _u8), _ptr(a.cost_one_way, _u8), None, None, None, _ptr(a.compute_queue, _i32),
-            _ptr(a.blame_device, _i32))
+            _ptr(a.blame_device, _i32), _ptr(a.flat_positions, _i64), *(_ptr(x, kind) for x, kind in zip(a.band, (_i64, _i32, _i64, _i64))))
     arrays._costs = (solo, launch, util)  # the struct points into them: they live as long as the arrays' struct
     struct.cost_solo, struct.cost_launch, struct.cost_util = _ptr(solo, _f64), _ptr(launch, _f64), _ptr(util, _f64)
     return struct

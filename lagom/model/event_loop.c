@@ -271,6 +271,7 @@ struct lagom_sim {
     lagom_result_t *out;
     const uint8_t *check; /* per task: starting it is a period boundary to pause at while watching */
     int watching, at_boundary; /* at_boundary: paused there; the run goes on from its exposed-time step */
+    int every_boundary;        /* a probe pauses at every boundary; a run only at those inside the band */
     memo_t *memo;         /* a clone shares its parent's */
     memo_t own_memo;
     int owns_memo;
@@ -306,6 +307,44 @@ static int deps_done(const sim_t *r, int32_t task) {
 static int started(const sim_t *r, int32_t task) {
     int32_t q = r->task_queue[task];
     return r->head[q] == task && r->state[q].start >= 0;
+}
+
+#define END_POSITION ((int64_t)1 << 62) /* lowering.END: past a queue's last task */
+
+static int64_t head_position(const sim_t *s, int32_t q) {
+    int32_t t = s->head[q];
+    return t < s->ph->queue_first[q + 1] ? s->ph->position[t] : END_POSITION;
+}
+
+/* Whether every band queue's head lies in one of its spans (the first that holds it) with a whole period
+   left in it: the only states the caller compares (simulator._seen gives None for the others). */
+static int in_band(const sim_t *s) {
+    const lagom_phase_t *ph = s->ph;
+    for (int32_t q = 0; q < ph->n_queues; q++) {
+        if (!ph->shift[q])
+            continue;
+        int64_t p = head_position(s, q);
+        int inside = 0;
+        for (int32_t k = ph->span_off[q]; k < ph->span_off[q + 1]; k++) {
+            if (ph->span_lo[k] <= p && p < ph->span_hi[k]) {
+                inside = p + ph->shift[q] <= ph->span_hi[k];
+                break;
+            }
+        }
+        if (!inside)
+            return 0;
+    }
+    return 1;
+}
+
+/* Whether every band queue with spans is past its last one: no boundary can be in the band any more. */
+static int band_over(const sim_t *s) {
+    const lagom_phase_t *ph = s->ph;
+    for (int32_t q = 0; q < ph->n_queues; q++)
+        if (ph->shift[q] && ph->span_off[q + 1] > ph->span_off[q] &&
+            head_position(s, q) + ph->shift[q] <= ph->span_hi[ph->span_off[q + 1] - 1])
+            return 0;
+    return 1;
 }
 
 static void touch(sim_t *s, int32_t key) {
@@ -530,8 +569,11 @@ EXPORT int lagom_sim_run(sim_t *s) {
         if (!s->heap.len)
             return LAGOM_SIM_DEADLOCK;
         if (check) { /* the caller compares the state with earlier boundaries, and may jump periods on */
-            s->at_boundary = 1;
-            return LAGOM_SIM_PAUSED;
+            if (s->every_boundary || in_band(s)) {
+                s->at_boundary = 1;
+                return LAGOM_SIM_PAUSED;
+            }
+            s->watching = !band_over(s); /* outside the band: wait for it, unless it is over */
         }
     exposed:;
         /* Exposed communication: a compute stream idle while it waits on a released collective (one still
@@ -717,6 +759,7 @@ EXPORT sim_t *lagom_sim_probe(const sim_t *src, lagom_result_t *out, const doubl
     s->out = out;
     s->check = src->check;
     s->watching = 1;
+    s->every_boundary = 1;
     memcpy(s->head, src->head, (size_t)nq * sizeof *s->head);
     memcpy(s->state, src->state, (size_t)nq * sizeof *s->state);
     memcpy(s->compute_on, src->compute_on, (size_t)nd * sizeof *s->compute_on);

@@ -32,6 +32,11 @@ typedef struct {
     /* per device */
     const int32_t *compute_queue;          /* -1: a device without compute (a send's peer) */
     const int32_t *blame_device;           /* n_blame: devices whose idle compute is charged, in order */
+    /* the pipeline's periodic band, for the period boundaries (lagom/model/lowering.py's Queue.shift, spans) */
+    const int64_t *position;               /* per task: its position in the lowering */
+    const int64_t *shift;                  /* per queue: positions per period (0: outside the band) */
+    const int32_t *span_off;               /* n_queues + 1 offsets into span_lo/span_hi: a queue's spans */
+    const int64_t *span_lo, *span_hi;      /* [lo, hi) positions mapped one period on */
 } lagom_phase_t;
 
 typedef struct {
@@ -47,7 +52,9 @@ typedef struct {
 int lagom_event_loop_abi(void); /* LAGOM_EVENT_LOOP_ABI as built: a library older than its Python side is not used */
 
 /* One run of a phase, kept between calls (event_loop.c says what each call does). check: per task, 1 where
- * starting it is a period boundary of the band to pause at while watching (NULL: never pause). */
+ * starting it is a period boundary of the band to pause at while watching (NULL: never pause); the run
+ * pauses only where every band queue is inside one of its spans with a period left in it (a probe: at every
+ * boundary). */
 typedef struct lagom_sim lagom_sim_t;
 lagom_sim_t *lagom_sim_open(const lagom_phase_t *phase, lagom_cost_fn cost, lagom_result_t *out, const uint8_t *check);
 void lagom_sim_watch(lagom_sim_t *sim, int watching);

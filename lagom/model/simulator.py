@@ -684,7 +684,7 @@ class _PhaseRun:
                 elif seen is None:
                     watching = not self._band_over()
                 else:
-                    plan = self._steady(seen, compute_on, comms_on, longest)
+                    plan = self._steady(seen, compute_on, comms_on, longest) if seen.room >= 2 else None
                     self.history = [h for h in self.history if h.unit > seen.unit - UNITS_KEPT] + [seen]
                     if plan is not None:
                         periods = min(seen.room // plan.units - 1, plan.most or END)
@@ -798,7 +798,7 @@ class _PhaseRun:
             t = self.tasks[q].get(pos) if pos < END else None
             if t is not None and t.start >= 0:
                 running[q] = t.rem - (now - t.since) / t.dur
-        return _seen(self.lw, self.heads, running, now, totals, exposed_total, ref)
+        return _seen(self.lw, self.heads, running, now, lambda: {k: list(v) for k, v in totals.items()}, exposed_total, ref)
 
     def _band_over(self) -> bool:
         """Whether every stream of the band is past its last span (no jump can come any more)."""
@@ -808,7 +808,8 @@ class _PhaseRun:
     def _steady(self, now: _Seen, compute_on, comms_on, longest: float) -> _Plan | None:
         """A jump from this period boundary: where the state repeats one seen whole periods ago (a cycle of
         up to REPEAT_MOST periods), or where the last periods' states converge geometrically (one mode,
-        checked over three periods) to a fixed point that a probe period confirms."""
+        checked over three periods) to a fixed point that a probe period confirms. Callers ask only with room
+        for two periods: a jump skips at least one cycle and lands a period short of the band's end."""
         alike = [h for h in self.history if h.key == now.key and h.spans == now.spans]
         for old in reversed(alike):
             if _close(now.remaining, old.remaining):
@@ -1073,10 +1074,8 @@ class _CompiledPhaseRun(_PhaseRun):
             while not loop.run():
                 self.heads = loop.positions()
                 seen = self._seen_of(loop, self.heads)
-                if seen is None:
-                    loop.watch(not self._band_over())
-                    continue
-                plan = self._steady(seen, None, None, 0.0)
+                assert seen is not None  # the loop pauses only in the band (and stops watching when it is over)
+                plan = self._steady(seen, None, None, 0.0) if seen.room >= 2 else None
                 self.history = [h for h in self.history if h.unit > seen.unit - UNITS_KEPT] + [seen]
                 if plan is None:
                     continue
@@ -1093,7 +1092,7 @@ class _CompiledPhaseRun(_PhaseRun):
 
     def _seen_of(self, loop: compiled.LoopRun, heads: list[int]) -> _Seen | None:
         running = {q: float(r) for q, r in enumerate(loop.remaining.tolist()) if not math.isnan(r)}
-        return _seen(self.lw, heads, running, loop.now, loop.key_totals(), loop.exposed_total, self.band_ref)  # type: ignore[arg-type]
+        return _seen(self.lw, heads, running, loop.now, loop.key_totals, loop.exposed_total, self.band_ref)  # type: ignore[arg-type]
 
     def _running_queues(self) -> list[int]:
         return [q for q, r in enumerate(self.loop.remaining.tolist()) if not math.isnan(r)]
@@ -1131,10 +1130,11 @@ class _CompiledPhaseRun(_PhaseRun):
             probe.close()
 
 
-def _seen(lw: Lowering, heads: list[int], running: dict[int, float], now: float, totals, exposed_total: float,
-          ref: int) -> _Seen | None:
+def _seen(lw: Lowering, heads: list[int], running: dict[int, float], now: float,
+          totals: Callable[[], dict[str, list[float]]], exposed_total: float, ref: int) -> _Seen | None:
     """The state at a period boundary of stream ``ref`` (``running``: each running head's remaining fraction, in
-    queue order); None when a stream is outside the band."""
+    queue order; ``totals``: a copy of the per-key sums, taken only for a state in the band); None when a stream
+    is outside the band."""
     queues = lw.queues
     unit = heads[ref] // queues[ref].shift
     key: list[tuple[int, bool]] = []
@@ -1152,8 +1152,7 @@ def _seen(lw: Lowering, heads: list[int], running: dict[int, float], now: float,
         else:
             spans.append(None)
         key.append((pos, q in running))
-    return _Seen(unit, tuple(key), list(running.values()), spans, now, {k: list(v) for k, v in totals.items()},
-                 exposed_total, room)
+    return _Seen(unit, tuple(key), list(running.values()), spans, now, totals(), exposed_total, room)
 
 
 def _close(a: list[float], b: list[float]) -> bool:
