@@ -23,19 +23,18 @@
 #define SAME_MEMBER(ours, theirs, member) \
   _Static_assert(offsetof(ours, member) == offsetof(theirs, member), #member " of " #ours " is not NCCL's")
 
-SAME_MEMBER(lagom_nccl_tuner_v6, ncclTuner_v6_t, name);
-SAME_MEMBER(lagom_nccl_tuner_v6, ncclTuner_v6_t, init);
-SAME_MEMBER(lagom_nccl_tuner_v6, ncclTuner_v6_t, getCollInfo);
-SAME_MEMBER(lagom_nccl_tuner_v6, ncclTuner_v6_t, finalize);
-SAME_MEMBER(lagom_nccl_tuner_v6, ncclTuner_v6_t, getChunkSize);
-_Static_assert(sizeof(lagom_nccl_tuner_v6) == sizeof(ncclTuner_v6_t), "v6 size");
+/* v6 and v7 have the same members (v7 changes only the constants table init passes) */
+#define SAME_TUNER(ours, theirs)                         \
+  SAME_MEMBER(ours, theirs, name);                       \
+  SAME_MEMBER(ours, theirs, init);                       \
+  SAME_MEMBER(ours, theirs, getCollInfo);                \
+  SAME_MEMBER(ours, theirs, finalize);                   \
+  SAME_MEMBER(ours, theirs, getChunkSize);               \
+  _Static_assert(sizeof(ours) == sizeof(theirs), #ours " size")
+
+SAME_TUNER(lagom_nccl_tuner_v6, ncclTuner_v6_t);
 #ifdef LAGOM_NCCL_HAS_TUNER_V7
-SAME_MEMBER(lagom_nccl_tuner_v7, ncclTuner_v7_t, name);
-SAME_MEMBER(lagom_nccl_tuner_v7, ncclTuner_v7_t, init);
-SAME_MEMBER(lagom_nccl_tuner_v7, ncclTuner_v7_t, getCollInfo);
-SAME_MEMBER(lagom_nccl_tuner_v7, ncclTuner_v7_t, finalize);
-SAME_MEMBER(lagom_nccl_tuner_v7, ncclTuner_v7_t, getChunkSize);
-_Static_assert(sizeof(lagom_nccl_tuner_v7) == sizeof(ncclTuner_v7_t), "v7 size");
+SAME_TUNER(lagom_nccl_tuner_v7, ncclTuner_v7_t);
 typedef ncclTuner_v7_t tuner_v7;
 #else
 typedef ncclTuner_v6_t tuner_v7;
