@@ -15,6 +15,17 @@ from lagom.errors import LagomError
 from lagom.outputs import output_file, output_folder
 
 
+def positive_float(text: str) -> float:
+    """An argparse type: a number above zero (seconds, budgets)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
 def _load(args: argparse.Namespace):
     """Workload and hardware from the flags (hardware defaults to the workload's own)."""
     from lagom.errors import ConfigError
@@ -41,14 +52,19 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from lagom.plan import emit
     from lagom.progress import PlanningProgress
     from lagom.report import plan_markdown, plan_table, print_table
+    from lagom.search.driver import Budget
     from lagom.tune import make_plan
 
     plan_file = output_file(args.out, "--out") if args.out else None
     emit_dir = output_folder(args.emit, "--emit") if args.emit else None
     wl, hw = _load(args)
     capability = _capability(args, hw)
+    budget = Budget(seconds=args.search_seconds)
     with PlanningProgress(f"tuning {wl.name}") as progress:
-        plan = make_plan(wl, hw, args.strategy, progress=progress, capability=capability)
+        plan = make_plan(wl, hw, args.strategy, progress=progress, capability=capability, budget=budget)
+    if budget.cut:
+        print(f"lagom: the search was {budget.cut} (--search-seconds): the plan holds the best settings found so "
+              "far; a longer budget may find better", file=sys.stderr)
     if plan_file:
         plan.save(plan_file)
     if emit_dir:
@@ -178,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="plan JSON to write (its folder must exist)")
     p.add_argument("--emit", metavar="DIR", help="also write NCCL/megatron/TE/bucket files for the plan into DIR")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--search-seconds", type=positive_float, metavar="S",
+                   help="stop the search after S seconds of wall clock and plan with the best settings found so far "
+                        "(default: search to the end)")
     _capability_args(p)
     p.set_defaults(func=cmd_tune)
 

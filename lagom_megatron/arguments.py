@@ -17,6 +17,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from lagom.cli import positive_float
 from lagom.errors import ConfigError
 from lagom.runtime.online.background import DEFAULT_SEARCH_S
 from lagom.runtime.online.live import DEFAULT_BUDGET_S
@@ -38,16 +39,6 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"'{text}' is not an integer") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
     return value
 
 
@@ -74,9 +65,9 @@ def add_lagom_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                        default=60, metavar="N",
                        help="online mode: the step budget of tuning (after one warm-up step): the first 5 fit the "
                             "model, the rest try settings on live steps (default 60)")
-    group.add_argument("--lagom-tune-seconds", type=_positive_float, default=DEFAULT_BUDGET_S, metavar="S",
+    group.add_argument("--lagom-tune-seconds", type=positive_float, default=DEFAULT_BUDGET_S, metavar="S",
                        help=f"online mode: the wall-clock budget of trying settings live (default {DEFAULT_BUDGET_S:g})")
-    group.add_argument("--lagom-search-seconds", type=_positive_float, default=DEFAULT_SEARCH_S, metavar="S",
+    group.add_argument("--lagom-search-seconds", type=positive_float, default=DEFAULT_SEARCH_S, metavar="S",
                        help="the wall-clock budget of each search Lagom runs beside the job (at start-up without a "
                             "plan, on the calibrated model, after a drift); at its end the best plan found so far "
                             f"is taken and the report says so (default {DEFAULT_SEARCH_S:g})")

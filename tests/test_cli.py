@@ -112,3 +112,22 @@ def test_a_plugged_subcommand_loads_its_flags_when_used(capsys):
     out = capsys.readouterr().out
     for flag in ("--base", "--out", "--name", "--sizes", "--iters", "--backend", "--ranks"):
         assert flag in out
+
+
+def test_tune_within_a_search_budget_plans_with_what_it_found_and_says_so(wl, tmp_path, capsys):
+    """A budget spent before the first evaluation leaves NCCL's own choice, priced once: a plan that runs, whose
+    notes and stderr say the search was cut."""
+    plan_file = tmp_path / "plan.json"
+    assert main(["tune", wl, "--hardware", "a100-8x-100g", "--search-seconds", "1e-9", "--out", str(plan_file)]) == 0
+    plan = json.loads(plan_file.read_text())
+    assert plan["predicted_step_s"]["lagom"] == plan["predicted_step_s"]["nccl"]
+    assert all("cut at its budget of 1e-09 s" in e["note"] for e in plan["entries"])
+    assert "cut at its budget of 1e-09 s (--search-seconds)" in capsys.readouterr().err
+
+
+def test_tune_refuses_a_search_budget_that_is_not_a_positive_number(wl, capsys):
+    for bad in ("0", "-3", "soon"):
+        with pytest.raises(SystemExit) as ended:
+            main(["tune", wl, "--search-seconds", bad])
+        assert ended.value.code == 2
+        assert "--search-seconds" in capsys.readouterr().err
