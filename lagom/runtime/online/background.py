@@ -22,7 +22,8 @@ from typing import Any
 from lagom.search.driver import Budget
 
 SHARE = 0.5  # of one core, at most, for a search beside the job
-DEFAULT_SEARCH_S = 1200.0  # a search's wall-clock budget: the 1,024-GPU search (690 s of a core) at half a core
+DEFAULT_SEARCH_S = 1200.0  # a search's wall-clock budget: room for a slower machine than ours (the 1,024-GPU search, about
+# 75 s of one core here, takes about 150 s at half a core) and for the 2,048-GPU one
 JOIN_S = 5.0  # how long ``stop`` waits for the thread to leave its evaluation
 
 
