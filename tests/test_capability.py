@@ -22,6 +22,7 @@ from lagom.plan.comm_config import (
     communicator_knobs,
     default_config,
     is_consistent,
+    with_communicator_value,
     with_process,
 )
 from lagom.plan.plan import Plan
@@ -144,14 +145,23 @@ def applicable(problem: Problem, found: SearchResult) -> list[str]:
             wrong.append(f"{key}: CTA policy {cfg.cta_policy}")
         if cfg.algorithm == Algorithm.NVLS and not cap.nvls_applies(point.collective, point.group.nodes):
             wrong.append(f"{key}: NVLS")
-        # a candidate of the space, or NCCL's own choice kept for a key no candidate beat
-        if found.strategy != "nccl" and cfg not in candidates(point, hw, under.space) and cfg != nccls_own[key]:
+        # a candidate of the space, or NCCL's own choice kept for a key no candidate beat (with its
+        # communicator's values of the knobs set per communicator, which the search settles for every key)
+        kept = nccls_own[key]
+        for knob in communicator_knobs(cap):
+            kept = with_communicator_value(knob, _value(cfg, knob), point, kept, cap)
+        if found.strategy != "nccl" and cfg not in candidates(point, hw, under.space) and cfg != kept:
             wrong.append(f"{key}: {cfg.describe()} is not a candidate")
     for members in groups(problem).values():
         for knob in communicator_knobs(cap):
             if not is_consistent(knob, [(problem.keys[k][0], found.configs[k]) for k in members], cap):
                 wrong.append(f"{knob}: two values on one communicator")
     return wrong
+
+
+def _value(cfg: CommConfig, knob: str):
+    """The value a config holds for a communicator knob (NVLS CTAs are an NVLS config's channels)."""
+    return cfg.cta_policy if knob == "cta_policy" else cfg.priority if knob == "priority" else cfg.channels
 
 
 @st.composite
