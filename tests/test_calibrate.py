@@ -52,6 +52,7 @@ def _calibrate_in_job(rank: int, world_size: int, out: str) -> int:
     return calibrate.run(args("--base", BASE, "--out", out, "--sizes", "16K,16M", "--iters", "5"))
 
 
+@pytest.mark.slow  # two gloo ranks calibrating inside a running job (9 s): CI's slower tier
 def test_calibrate_uses_the_ranks_of_a_running_job(tmp_path):
     out = tmp_path / "job.yaml"
     assert run_ranks(_calibrate_in_job, 2, str(out)) == [0, 0]

@@ -60,6 +60,7 @@ def synthetic(truth: dict[str, float], kernels: list[KernelShape], noise: float,
 KERNELS = [KernelShape(gemm=(4096, 4096, 4096)), KernelShape(gemm=(1024, 1024, 8192)), KernelShape(elements=1 << 26)]
 
 
+@pytest.mark.slow  # a fit of every constant to hundreds of samples (10 s): CI's slower tier
 def test_the_fit_recovers_known_constants_from_noisy_samples() -> None:
     samples = synthetic(TRUTH, KERNELS, noise=0.005)
     result = fit(samples, load_hardware(BASE))

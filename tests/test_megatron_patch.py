@@ -142,6 +142,7 @@ PARSE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a patched megatron checkout started in a subprocess (9 s): CI's slower tier
 def test_patched_megatron_parses_the_flags_and_starts_lagom(copy: Path) -> None:
     patch_megatron(copy)
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "PYTHONWARNINGS": "ignore"}

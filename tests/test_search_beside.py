@@ -160,6 +160,7 @@ def test_what_a_plan_found_while_running_cannot_change_waits_for_the_next_start(
                    or "fixed when the framework makes its buffers" in line for line in out["next_start"]), taken
 
 
+@pytest.mark.slow  # two gloo ranks training beside a search slowed past its budget (12 s): CI's slower tier
 def test_a_search_past_its_budget_hands_over_its_best_so_far(full_search: list, tmp_path: Path) -> None:
     budget = 0.5
     ranks = run_ranks(beside, 2, str(tmp_path), budget, 2)  # the second evaluation spends the whole budget
