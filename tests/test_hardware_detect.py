@@ -118,6 +118,7 @@ def _detect(rank: int, world_size: int, cache_dir: str, empty_dir: str) -> dict:
                for name, c in (("measured", measured), ("cached", cached), ("no_time", no_time))}}
 
 
+@pytest.mark.slow  # two gloo ranks measuring the machine (8 s): CI's slower tier
 def test_two_gloo_ranks_measure_cache_and_agree(tmp_path):
     cache, empty = tmp_path / "cache", tmp_path / "empty"
     ranks = run_ranks(_detect, 2, str(cache), str(empty))

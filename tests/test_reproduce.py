@@ -112,6 +112,7 @@ def test_synthetic_search_problems_have_the_requested_number_of_keys():
     assert costs[1].evaluations["exhaustive"] > costs[0].evaluations["exhaustive"] ** 3
 
 
+@pytest.mark.slow  # a whole quick reproduction with its plots (7 s, the path of make demo): CI's slower tier
 def test_quick_reproduction_of_one_workload_writes_report_and_plots(tmp_path, capsys, monkeypatch):
     # the search-cost study on 2 and 8 keys, not up to 64: the same code and plot, a tenth of the time
     # (how its cost grows with the key count is test_synthetic_search_problems_have_the_requested_number_of_keys)
