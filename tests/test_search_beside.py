@@ -249,3 +249,54 @@ def test_an_online_search_the_job_ends_before_is_cached_for_the_next_start(tmp_p
         assert again.plan is not None and plan_fingerprint(again.plan) == plan_fingerprint(plan)
     finally:
         again.close()
+
+
+def test_a_start_up_search_the_job_ends_before_is_cached_and_written_for_the_next_start(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An offline job with no plan, shorter than rank 0's start-up search (one process): at close the search stops
+    at its next evaluation and its best so far is cached and written to the plan path, so the next start runs it
+    from its first step instead of searching again."""
+    from lagom.plan.plan import Plan
+    from lagom.runtime.online import background
+    from tests.test_capability import tiny_job
+
+    monkeypatch.setattr(background, "JOIN_S", 120.0)  # close waits for the stopped search, however loaded the machine
+    wl, hw = tiny_job(tmp_path)
+    options = SessionOptions(cache_dir=tmp_path / "cache", plan_out=tmp_path / "plan.json")
+    session = TuningSession(wl, hw, options, world_size=8)
+    original = SimulatedEvaluator.evaluate
+
+    def evaluate(self: SimulatedEvaluator, configs: Any) -> Any:  # no evaluation ends before the job does
+        search = session._search  # noqa: SLF001
+        if search is not None and search.budget.stop is not None:
+            search.budget.stop.wait(timeout=120)
+        return original(self, configs)
+
+    monkeypatch.setattr(SimulatedEvaluator, "evaluate", evaluate)
+    try:
+        session.start()
+        assert session.searching and session.plan is None
+        for _ in range(3):  # the job runs on while the search waits
+            session.begin_step()
+            time.sleep(STEP_S)
+            session.end_step()
+        assert session.plan is None and session.searching
+    finally:
+        session.close()
+    written = Plan.load(tmp_path / "plan.json")
+    assert written.entries and all("stopped before its end" in e.note for e in written.entries)
+    assert any("the job ended before every rank adopted the start-up plan" in e for e in session.events)
+    again = TuningSession(wl, hw, options, world_size=8)  # the next start of the same job
+    try:
+        again.start()
+        assert again.plan_source.startswith("searched beside an earlier run of this job") and not again.searching
+        assert again.plan is not None and plan_fingerprint(again.plan) == plan_fingerprint(written)
+    finally:
+        again.close()
+    (tmp_path / "plan.json").unlink()
+    third = TuningSession(wl, hw, options, world_size=8)  # a start from the cache writes the plan path too
+    try:
+        third.start()
+        assert plan_fingerprint(Plan.load(tmp_path / "plan.json")) == plan_fingerprint(written)
+    finally:
+        third.close()

@@ -38,6 +38,7 @@ it; its peers, waiting in the same collective, time out the same way.
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import time
 import weakref
@@ -539,22 +540,30 @@ class TuningSession(StartPlanning, LiveSwitching):
         report.write(self.report(), self.options.report_files)
 
     def _cache_unadopted(self) -> None:
-        """Rank 0, at close: an online search the job ended before adopting (stopped at its next evaluation, so its
-        payload is the best found so far, and the plan's notes say the search was cut) is cached for the next start,
-        which runs it from its first step, as an adopted plan is; without it a job shorter than its search would
-        search again at every start. Nothing changes in this job: its ranks close at different moments, so no
-        collective runs here."""
+        """Rank 0, at close: a search the job ended before adopting (stopped at its next evaluation, so its payload
+        is the best found so far, and the plan's notes say the search was cut) is cached for the next start, which
+        runs it from its first step, as an adopted plan is; without it a job shorter than its search would search
+        again at every start. A start-up search's plan is also written to ``plan_out``, as an adopted one is.
+        Nothing changes in this job: its ranks close at different moments, so no collective runs here."""
         search = self._search
-        if search is None or search.payload is None or self._search_kind != "online" or self.tuner is None \
-                or self.off is not None or "error" in search.payload:
+        if search is None or search.payload is None or self.off is not None or "error" in search.payload:
+            return
+        start = self._search_kind == "start"
+        if not start and self.tuner is None:
             return
         try:
-            plan = self.tuner.take(search.payload)  # cached per node, and logged
+            if start:
+                plan = Plan.from_dict(json.loads(search.payload["plan"]), "rank 0's start-up plan")
+                self._model_cache().save(plan)
+            else:
+                assert self.tuner is not None
+                plan = self.tuner.take(search.payload)  # cached per node, and logged
             self._save(plan)
         except Exception as err:  # noqa: BLE001 - closing must not fail the job
-            log.warning("lagom: the online plan found as the job ended could not be cached: %s", err)
+            log.warning("lagom: the plan found as the job ended could not be cached: %s", err)
             return
-        self.events.append(f"the job ended before every rank adopted the online plan ({search.budget.cut}: the best "
+        what = "start-up" if start else "online"
+        self.events.append(f"the job ended before every rank adopted the {what} plan ({search.budget.cut}: the best "
                            f"found so far); cached in {self.options.cache_dir} for the next start")
 
     def close(self) -> None:

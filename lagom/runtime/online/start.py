@@ -125,6 +125,7 @@ class StartPlanning:
                 self.check_plan(cached, f"cache {options.cache_dir}")
                 self._measuring(cached)
                 self.tuning = False
+                self._save(cached)  # the plan path holds the plan the job runs, as after a search
                 return StartPlan(cached, f"tuned by an earlier online run, cached in {options.cache_dir}")
         if file_plan is not None:
             self._measuring(file_plan)
@@ -142,6 +143,7 @@ class StartPlanning:
         cached = self.control.on_rank0(cache.load, "the cached start-up plan")
         if cached is not None:
             self.check_plan(cached, f"cache {self.options.cache_dir}")
+            self._save(cached)  # the plan path holds the plan the job runs, as after a search
             return StartPlan(cached, f"searched beside an earlier run of this job, cached in {self.options.cache_dir}")
         self.search_at_start = True
         return StartPlan(None, f"none at start-up ({why}): the framework's own settings while rank 0 searches one "
