@@ -201,26 +201,33 @@ def test_a_budget_stops_the_driver_between_evaluations_with_the_best_it_evaluate
     assert first.predicted_step_s["lagom"] == first.predicted_step_s["nccl"]
 
 
-def test_an_online_search_the_job_ends_before_is_cached_for_the_next_start(tmp_path: Path,
-                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """A job shorter than its online search (one process): at close, rank 0's search stops at its next evaluation
-    and its best so far is cached, so the next start runs that plan from its first step instead of searching again
-    (nothing is adopted in the ending job)."""
-    from lagom.plan.plan import Plan
+def searches_until_closed(session: TuningSession, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No evaluation of the session's search ends before the job does: each waits for the stop that close sends,
+    and close waits for the stopped search however loaded the machine."""
     from lagom.runtime.online import background
-    from tests.test_live_safety import one_process_session
 
-    monkeypatch.setattr(background, "JOIN_S", 120.0)  # close waits for the stopped search, however loaded the machine
-    session = one_process_session(tmp_path)
+    monkeypatch.setattr(background, "JOIN_S", 120.0)
     original = SimulatedEvaluator.evaluate
 
-    def evaluate(self: SimulatedEvaluator, configs: Any) -> Any:  # no evaluation ends before the job does
+    def evaluate(self: SimulatedEvaluator, configs: Any) -> Any:
         search = session._search  # noqa: SLF001
         if search is not None and search.budget.stop is not None:
             search.budget.stop.wait(timeout=120)
         return original(self, configs)
 
     monkeypatch.setattr(SimulatedEvaluator, "evaluate", evaluate)
+
+
+def test_an_online_search_the_job_ends_before_is_cached_for_the_next_start(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job shorter than its online search (one process): at close, rank 0's search stops at its next evaluation
+    and its best so far is cached, so the next start runs that plan from its first step instead of searching again
+    (nothing is adopted in the ending job)."""
+    from lagom.plan.plan import Plan
+    from tests.test_live_safety import one_process_session
+
+    session = one_process_session(tmp_path)
+    searches_until_closed(session, monkeypatch)
 
     def step() -> None:
         session.begin_step()
@@ -257,22 +264,12 @@ def test_a_start_up_search_the_job_ends_before_is_cached_and_written_for_the_nex
     at its next evaluation and its best so far is cached and written to the plan path, so the next start runs it
     from its first step instead of searching again."""
     from lagom.plan.plan import Plan
-    from lagom.runtime.online import background
     from tests.test_capability import tiny_job
 
-    monkeypatch.setattr(background, "JOIN_S", 120.0)  # close waits for the stopped search, however loaded the machine
     wl, hw = tiny_job(tmp_path)
     options = SessionOptions(cache_dir=tmp_path / "cache", plan_out=tmp_path / "plan.json")
     session = TuningSession(wl, hw, options, world_size=8)
-    original = SimulatedEvaluator.evaluate
-
-    def evaluate(self: SimulatedEvaluator, configs: Any) -> Any:  # no evaluation ends before the job does
-        search = session._search  # noqa: SLF001
-        if search is not None and search.budget.stop is not None:
-            search.budget.stop.wait(timeout=120)
-        return original(self, configs)
-
-    monkeypatch.setattr(SimulatedEvaluator, "evaluate", evaluate)
+    searches_until_closed(session, monkeypatch)
     try:
         session.start()
         assert session.searching and session.plan is None
