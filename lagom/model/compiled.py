@@ -493,6 +493,7 @@ class LoopRun:
         self.heads = np.zeros(len(arrays.positions), dtype=np.int32)
         self.remaining = np.zeros(len(arrays.positions))
         self.seq = np.zeros(len(arrays.positions), dtype=np.int64)
+        self._state_out = (_ptr(self.remaining, _f64), _ptr(self.seq, _i64))  # read at every pause
         recorded = parent is None
         self._result = _Result(0.0, 0.0, 0, _ptr(self.totals, _f64), _ptr(self.touched, _i32),
                                _ptr(self.first_start, _f64), *(
@@ -540,7 +541,7 @@ class LoopRun:
 
     def state(self) -> None:
         """Refresh ``now``, ``exposed_total``, ``heads`` and per queue ``remaining`` (NaN: not running) and ``seq``."""
-        self.lib.lagom_sim_state(self._sim, _ptr(self.remaining, _f64), self.seq.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)))
+        self.lib.lagom_sim_state(self._sim, *self._state_out)
 
     @property
     def now(self) -> float:

@@ -684,21 +684,18 @@ class _PhaseRun:
                 elif seen is None:
                     watching = not self._band_over()
                 else:
-                    plan = self._steady(seen, compute_on, comms_on, longest) if seen.room >= 2 else None
-                    self.history = [h for h in self.history if h.unit > seen.unit - UNITS_KEPT] + [seen]
-                    if plan is not None:
-                        periods = min(seen.room // plan.units - 1, plan.most or END)
-                        if periods >= 1:
-                            now, exposed_total = self._jump(plan, periods, now, totals, exposed_total, compute_on, comms_on)
-                            woken.update(range(nq))
-                            heap = []
-                            for d in devices:
-                                for held in [compute_on[d], *comms_on[d]]:
-                                    if held is not None and held.device == d:
-                                        counter += 1
-                                        heap.append((held.since + held.rem * held.dur, counter, held.version, held))
-                            heapq.heapify(heap)
-                            self.history = []
+                    decided = self._decide(seen, compute_on, comms_on, longest)
+                    if decided is not None:
+                        now, exposed_total = self._jump(*decided, now, totals, exposed_total, compute_on, comms_on)
+                        woken.update(range(nq))
+                        heap = []
+                        for d in devices:
+                            for held in [compute_on[d], *comms_on[d]]:
+                                if held is not None and held.device == d:
+                                    counter += 1
+                                    heap.append((held.since + held.rem * held.dur, counter, held.version, held))
+                        heapq.heapify(heap)
+                        self.history = []
             # Exposed communication: a compute stream idle while it waits on a released collective (one
             # still waiting for another stage's compute is a pipeline bubble, not exposed comm).
             blockers = []
@@ -804,6 +801,16 @@ class _PhaseRun:
         """Whether every stream of the band is past its last span (no jump can come any more)."""
         return all(self.heads[q] + queue.shift > queue.spans[-1][1]
                    for q, queue in enumerate(self.lw.queues) if queue.shift and queue.spans)
+
+    def _decide(self, seen: _Seen, compute_on, comms_on, longest: float) -> tuple[_Plan, int] | None:
+        """At a period boundary in the band (both loops): remember the state, and the jump to make from it with
+        the periods it skips, if any. The steady-state logic is asked only with room for a jump."""
+        plan = self._steady(seen, compute_on, comms_on, longest) if seen.room >= 2 else None
+        self.history = [h for h in self.history if h.unit > seen.unit - UNITS_KEPT] + [seen]
+        if plan is None:
+            return None
+        periods = min(seen.room // plan.units - 1, plan.most or END)
+        return (plan, periods) if periods >= 1 else None
 
     def _steady(self, now: _Seen, compute_on, comms_on, longest: float) -> _Plan | None:
         """A jump from this period boundary: where the state repeats one seen whole periods ago (a cycle of
@@ -1075,14 +1082,10 @@ class _CompiledPhaseRun(_PhaseRun):
                 self.heads = loop.positions()
                 seen = self._seen_of(loop, self.heads)
                 assert seen is not None  # the loop pauses only in the band (and stops watching when it is over)
-                plan = self._steady(seen, None, None, 0.0) if seen.room >= 2 else None
-                self.history = [h for h in self.history if h.unit > seen.unit - UNITS_KEPT] + [seen]
-                if plan is None:
-                    continue
-                periods = min(seen.room // plan.units - 1, plan.most or END)
-                if periods >= 1:
+                decided = self._decide(seen, None, None, 0.0)
+                if decided is not None:
                     totals = loop.key_totals()
-                    self._jump(plan, periods, loop.now, totals, loop.exposed_total, None, None)
+                    self._jump(*decided, loop.now, totals, loop.exposed_total, None, None)
                     loop.set_totals(totals)
                     self.history = []
             return loop.outcome()
