@@ -470,8 +470,10 @@ class LoopRun:
     logic can read the state (``state``), try periods from a copy (``probe``) and skip them (``jump``).
 
     ``run`` is the reference's ``_PhaseRun`` for this run's configs: its memoised cost methods answer the C
-    loop's callback, so both loops ask the model the same questions. A probe (``records=False``) keeps no
-    per-collective records and shares its parent's memo of durations; close it before its parent."""
+    loop's callback, so both loops ask the model the same questions. A probe (``parent`` given, with its running
+    heads' ``remaining``) keeps no per-collective records and shares its parent's boundaries, callback and memo
+    of durations; close it before its parent. ``check`` is the arrays' (``PhaseArrays.boundaries``), which keep
+    it alive as long as the C run reads it."""
 
     def __init__(self, arrays: PhaseArrays, run: Any, model: CostModel | None, check: np.ndarray | None,
                  parent: LoopRun | None = None, remaining: np.ndarray | None = None) -> None:
@@ -480,7 +482,6 @@ class LoopRun:
             raise LagomError("the compiled simulator is not built")
         self.lib, self.arrays = lib, arrays
         self.failed: list[BaseException] = []
-        self._check = check
         keys, records = len(arrays.keys), len(arrays.record_task)
         if parent is None:
             self.totals, self.touched = np.zeros(4 * keys), np.zeros(keys, dtype=np.int32)
@@ -582,7 +583,7 @@ class LoopRun:
 
     def probe(self, remaining: np.ndarray) -> LoopRun:
         """A copy from this state, its running heads restarted at ``remaining`` (per queue), watching."""
-        return LoopRun(self.arrays, None, None, self._check, parent=self, remaining=remaining)
+        return LoopRun(self.arrays, None, None, None, parent=self, remaining=remaining)
 
     def close(self) -> None:
         """Free the C run, and the callback (whose closure holds the reference run that holds this one: a cycle
