@@ -125,7 +125,8 @@ class StartPlanning:
                 self.check_plan(cached, f"cache {options.cache_dir}")
                 self._measuring(cached)
                 self.tuning = False
-                self._save(cached)  # the plan path holds the plan the job runs, as after a search
+                if file_plan is None:  # the plan path holds the plan the job runs (a plan file there stays)
+                    self._save(cached)
                 return StartPlan(cached, f"tuned by an earlier online run, cached in {options.cache_dir}")
         if file_plan is not None:
             self._measuring(file_plan)
