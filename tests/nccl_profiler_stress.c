@@ -1,8 +1,9 @@
 /*
  * The profiler plugin called as NCCL calls it, from several threads, through Lagom's restatement of the ABI
  * (lagom_nccl_profiler.h; tests/nccl_profiler_abi.c checks that restatement against NCCL's headers):
- *   - launcher threads, one communicator each, start and stop Coll events; a proxy thread per launcher
- *     reports each collective's kernel channels afterwards (start, KernelChStop state, stop); a reader
+ *   - launcher threads, one communicator each, start and stop Coll events, and every seventh a send or
+ *     receive's P2p event; a proxy thread per launcher reports each one's network proxy operation (its chunk)
+ *     and its kernel channels afterwards (start, KernelChStop state, stop); a reader
  *     thread drains the ring all along and checks every record against the values its collective was
  *     started with (a torn or mixed record fails), and every collective is drained or counted as dropped;
  *   - v4 and v5 give the same record as v6; v6's copy-engine collectives are recorded;
@@ -24,6 +25,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/types.h>
+#include <unistd.h>
 
 #include "lagom_nccl_profiler.h"
 
@@ -57,6 +59,8 @@ static void fail(const char* what, unsigned long long a, unsigned long long b) {
 static uint64_t count_of(uint64_t seq) { return seq * 3 + 1; }
 static int channels_of(uint64_t seq) { return 1 + (int)(seq % 4); }
 static uint64_t gpu_start_of(uint64_t seq) { return 1000000 + seq * 1000; }
+static int chunk_of(uint64_t seq) { return 4096 * (1 + (int)(seq % 16)); }
+static bool is_p2p(uint64_t seq) { return seq % 7 == 6; }
 
 typedef struct {
   int index;
@@ -71,16 +75,25 @@ static void* launch(void* arg) {
     while (seq - atomic_load(&l->reported) >= LEAD) sched_yield();
     lagom_prof_descr_v6 d;
     memset(&d, 0, sizeof d);
-    d.type = LAGOM_PROF_EVENT_COLL;
     d.rank = l->index;
-    d.coll.base.seqNumber = (uint64_t)seq;
-    d.coll.base.func = FUNCS[seq % 5];
-    d.coll.base.count = count_of((uint64_t)seq);
-    d.coll.base.datatype = "ncclFloat16";
-    d.coll.base.nChannels = (uint8_t)channels_of((uint64_t)seq);
-    d.coll.base.nWarps = 8;
-    d.coll.base.algo = ALGOS[seq % 4];
-    d.coll.base.proto = "LL128";
+    if (is_p2p((uint64_t)seq)) {
+      d.type = LAGOM_PROF_EVENT_P2P;
+      d.p2p.base.func = seq % 2 ? "Send" : "Recv";
+      d.p2p.base.count = count_of((uint64_t)seq);
+      d.p2p.base.datatype = "ncclFloat16";
+      d.p2p.base.peer = seq % 8;
+      d.p2p.base.nChannels = (uint8_t)channels_of((uint64_t)seq);
+    } else {
+      d.type = LAGOM_PROF_EVENT_COLL;
+      d.coll.base.seqNumber = (uint64_t)seq;
+      d.coll.base.func = FUNCS[seq % 5];
+      d.coll.base.count = count_of((uint64_t)seq);
+      d.coll.base.datatype = "ncclFloat16";
+      d.coll.base.nChannels = (uint8_t)channels_of((uint64_t)seq);
+      d.coll.base.nWarps = 8;
+      d.coll.base.algo = ALGOS[seq % 4];
+      d.coll.base.proto = "LL128";
+    }
     void* handle = NULL;
     v6->startEvent(l->context, &handle, &d);
     if (handle == NULL) fail("no handle for a collective", (unsigned long long)l->index, (unsigned long long)seq);
@@ -97,6 +110,17 @@ static void* proxy(void* arg) {
   for (int seq = 0; seq < COLLECTIVES; seq++) {
     while (atomic_load(&l->launched) <= seq) sched_yield();
     void* parent = l->handles[seq];
+    for (int ch = 0; ch < channels_of((uint64_t)seq); ch++) { /* the network's operations come first (see the header) */
+      lagom_prof_descr_v6 op;
+      memset(&op, 0, sizeof op);
+      op.type = LAGOM_PROF_EVENT_PROXY_OP;
+      op.parentObj = parent;
+      op.proxyOp.pid = getpid();
+      op.proxyOp.channelId = (uint8_t)ch;
+      op.proxyOp.chunkSize = chunk_of((uint64_t)seq);
+      void* none = NULL;
+      v6->startEvent(l->context, &none, &op);
+    }
     for (int ch = 0; ch < channels_of((uint64_t)seq); ch++) {
       lagom_prof_descr_v6 d;
       memset(&d, 0, sizeof d);
@@ -120,16 +144,30 @@ static void* proxy(void* arg) {
 static _Atomic int launching_done = 0;
 static uint64_t drained = 0, overwritten = 0;
 
+/* A send or receive has no sequence number from NCCL: its count says which it was, its record's number is the
+   communicator's count of them. */
+static bool p2p_differs(const lagom_prof_record* r, uint64_t seq) {
+  return !is_p2p(seq) || r->seq_number != seq / 7 || r->func != (seq % 2 ? 6 : 7) || r->peer != (int)(seq % 8) ||
+         r->algorithm != 255 || r->protocol != 255 || r->warps != 0;
+}
+
+static bool coll_differs(const lagom_prof_record* r, uint64_t seq) {
+  return is_p2p(seq) || r->func != FUNC_IDS[seq % 5] || r->algorithm != ALGO_IDS[seq % 4] || r->protocol != 1 ||
+         r->warps != 8 || r->peer != -1;
+}
+
 static void check(const lagom_prof_record* r) {
-  uint64_t seq = r->seq_number;
+  bool p2p = r->func == 6 || r->func == 7;
+  uint64_t seq = p2p ? (r->count - 1) / 3 : r->seq_number;
   int launcher_index = (int)(r->comm_hash - 0x100);
   if (launcher_index < 0 || launcher_index >= LAUNCHERS || r->rank != launcher_index || seq >= COLLECTIVES) {
     fail("a record from no collective", (unsigned long long)r->comm_hash, (unsigned long long)seq);
     return;
   }
   int channels = channels_of(seq);
-  if (r->count != count_of(seq) || r->func != FUNC_IDS[seq % 5] || r->algorithm != ALGO_IDS[seq % 4] ||
-      r->protocol != 1 || r->type_size != 2 || r->channels != channels || r->warps != 8 || r->n_ranks != 8 ||
+  if (r->count != count_of(seq) || (p2p ? p2p_differs(r, seq) : coll_differs(r, seq)) ||
+      r->proxy_chunk_bytes != (uint32_t)chunk_of(seq) || r->type_size != 2 || r->channels != channels ||
+      r->n_ranks != 8 ||
       r->channel_events != channels || r->gpu_start_ns != gpu_start_of(seq) ||
       r->gpu_stop_ns != gpu_start_of(seq) + 500 + (uint64_t)(channels - 1) || r->host_stop_ns < r->host_start_ns ||
       r->kind != LAGOM_PROF_KIND_KERNEL) {
@@ -155,7 +193,9 @@ static void* init_comm(uint64_t hash, int n_ranks) {
   void* ctx = NULL;
   int mask = 0;
   v6->init(&ctx, hash, &mask, "lagom-abi", 1, n_ranks, 0, logger);
-  if (ctx == NULL || mask != (LAGOM_PROF_EVENT_COLL | LAGOM_PROF_EVENT_KERNEL_CH | LAGOM_PROF_EVENT_CE_COLL)) fail("v6 init", 0, 0);
+  int wanted = LAGOM_PROF_EVENT_COLL | LAGOM_PROF_EVENT_P2P | LAGOM_PROF_EVENT_PROXY_OP | LAGOM_PROF_EVENT_KERNEL_CH |
+               LAGOM_PROF_EVENT_CE_COLL;
+  if (ctx == NULL || mask != wanted) fail("v6 init", 0, 0);
   return ctx;
 }
 
@@ -231,6 +271,13 @@ static void copy_engine_and_malformed(void* ctx) {
   d.parentObj = stray;
   v6->startEvent(ctx, &h, &d);
   if (h != NULL) fail("a channel of a parent the plugin never made", 0, 0);
+  d.type = LAGOM_PROF_EVENT_PROXY_OP; /* a network operation of a parent that is not ours, or of none */
+  d.proxyOp.pid = getpid();
+  d.proxyOp.chunkSize = 1 << 20;
+  v6->startEvent(ctx, &h, &d);
+  d.parentObj = NULL;
+  v6->startEvent(ctx, &h, &d);
+  if (h != NULL) fail("a handle for a network proxy operation", 0, 0);
   v6->stopEvent(stray);
   v6->stopEvent(NULL);
   v6->recordEventState(stray, LAGOM_PROF_STATE_KERNEL_CH_STOP, NULL);

@@ -3,7 +3,8 @@
 Each test gets its own copy of the built library, so its ring and counters start empty (the dynamic loader
 maps a file once per process, and the ring is per library instance). NCCL's calls are made through the
 exported ncclProfiler_v4/v5/v6 structs with descriptors laid out as lagom_nccl_profiler.h restates them
-(tests/nccl_profiler_abi.c checks that layout against NCCL's own headers).
+(tests/nccl_profiler_abi.c checks that layout against NCCL's own headers): Coll, P2p, network ProxyOp,
+kernel-channel and copy-engine events.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ from lagom.tune import make_plan
 from tests.test_capability import tiny_job
 from tests.test_nccl_tuner import compiler_or_skip
 
-COLL, KERNEL_CH, CE_COLL, KERNEL_CH_STOP = 1 << 1, 1 << 6, 1 << 12, 22
+COLL, P2P, PROXY_OP, KERNEL_CH, CE_COLL, KERNEL_CH_STOP = 1 << 1, 1 << 2, 1 << 3, 1 << 6, 1 << 12, 22
+ALL_EVENTS = COLL | P2P | PROXY_OP | KERNEL_CH | CE_COLL
 STRESS = Path(__file__).with_name("nccl_profiler_stress.c")
 SANITIZERS = {"plain": [], "address": ["-fsanitize=address,undefined", "-fno-omit-frame-pointer",
                                        "-fno-sanitize-recover=all"], "thread": ["-fsanitize=thread"]}
@@ -50,6 +52,17 @@ class CollV5(ctypes.Structure):
                 ("recvBuff", ctypes.c_void_p), ("count", ctypes.c_size_t), ("root", ctypes.c_int),
                 ("datatype", ctypes.c_char_p), ("nChannels", ctypes.c_uint8), ("nWarps", ctypes.c_uint8),
                 ("algo", ctypes.c_char_p), ("proto", ctypes.c_char_p), ("parentGroup", ctypes.c_void_p)]
+
+
+class P2pV5(ctypes.Structure):
+    _fields_ = [("func", ctypes.c_char_p), ("buff", ctypes.c_void_p), ("datatype", ctypes.c_char_p),
+                ("count", ctypes.c_size_t), ("peer", ctypes.c_int), ("nChannels", ctypes.c_uint8),
+                ("parentGroup", ctypes.c_void_p)]
+
+
+class ProxyOp(ctypes.Structure):
+    _fields_ = [("pid", ctypes.c_int), ("channelId", ctypes.c_uint8), ("peer", ctypes.c_int), ("nSteps", ctypes.c_int),
+                ("chunkSize", ctypes.c_int), ("isSend", ctypes.c_int)]
 
 
 class KernelCh(ctypes.Structure):
@@ -65,7 +78,7 @@ class CeColl(ctypes.Structure):
 
 
 class Payload(ctypes.Union):
-    _fields_ = [("coll", CollV5), ("kernelCh", KernelCh), ("ceColl", CeColl)]
+    _fields_ = [("coll", CollV5), ("p2p", P2pV5), ("proxyOp", ProxyOp), ("kernelCh", KernelCh), ("ceColl", CeColl)]
 
 
 class DescrV6(ctypes.Structure):
@@ -129,6 +142,18 @@ class Nccl:
                         algo=algo, proto=proto)
         return self.start(d)
 
+    def p2p(self, func: bytes = b"Send", count: int = 1024, datatype: bytes = b"ncclBfloat16", peer: int = 1,
+            channels: int = 1) -> ctypes.c_void_p:
+        d = self.descr_type(type=P2P, rank=1)
+        d.p2p = P2pV5(func=func, count=count, datatype=datatype, peer=peer, nChannels=channels)
+        return self.start(d)
+
+    def proxy_op(self, parent: ctypes.c_void_p, chunk: int, pid: int | None = None) -> ctypes.c_void_p:
+        """A network proxy operation of ``parent`` (made by this process unless ``pid`` says otherwise)."""
+        d = self.descr_type(type=PROXY_OP, parentObj=parent)
+        d.proxyOp = ProxyOp(pid=os.getpid() if pid is None else pid, nSteps=8, chunkSize=chunk)
+        return self.start(d)
+
     def channel(self, parent: ctypes.c_void_p, channel: int, start_ns: int) -> ctypes.c_void_p:
         d = self.descr_type(type=KERNEL_CH, parentObj=parent)
         d.kernelCh = KernelCh(channelId=channel, pTimer=start_ns)
@@ -141,10 +166,22 @@ class Nccl:
     def stop(self, handle: ctypes.c_void_p) -> None:
         self.plugin.stopEvent(handle)
 
-    def run(self, seq: int, channel_times: list[tuple[int, int]], **coll: object) -> None:
-        """One collective as NCCL reports it: Coll start and stop on the launching thread, then each channel."""
+    def run(self, seq: int, channel_times: list[tuple[int, int]], proxy_chunk: int = 0, **coll: object) -> None:
+        """One collective as NCCL reports it: Coll start and stop on the launching thread, then (on the proxy thread)
+        its network operation when ``proxy_chunk`` is given, then each channel."""
         handle = self.coll(seq, channels=len(channel_times), **coll)  # type: ignore[arg-type]
         self.stop(handle)
+        self._proxy(handle, channel_times, proxy_chunk)
+
+    def run_p2p(self, channel_times: list[tuple[int, int]], proxy_chunk: int = 0, **p2p: object) -> None:
+        """One send or receive as NCCL reports it, as ``run`` a collective."""
+        handle = self.p2p(channels=len(channel_times), **p2p)  # type: ignore[arg-type]
+        self.stop(handle)
+        self._proxy(handle, channel_times, proxy_chunk)
+
+    def _proxy(self, handle: ctypes.c_void_p, channel_times: list[tuple[int, int]], proxy_chunk: int) -> None:
+        if proxy_chunk:
+            assert self.proxy_op(handle, proxy_chunk).value is None  # nothing for NCCL to stop or update
         for i, (start, stop) in enumerate(channel_times):
             self.channel_end(self.channel(handle, i, start), stop)
 
@@ -178,7 +215,7 @@ def test_the_install_builds_the_profiler_beside_the_tuner() -> None:
 
 def test_a_collective_is_one_record_with_what_nccl_ran_and_its_gpu_times(nccl, library) -> None:
     comm = nccl(6, comm_hash=0xABCDEF0123, n_ranks=4)
-    assert comm.mask.value == COLL | KERNEL_CH | CE_COLL
+    assert comm.mask.value == ALL_EVENTS
     reader = profiler.ProfilerDrain(library)
     handle = comm.coll(7, func=b"AllGather", count=1024, datatype=b"ncclBfloat16", channels=2, warps=16,
                        algo=b"NVLS", proto=b"LL128")
@@ -204,7 +241,7 @@ def test_a_collective_is_one_record_with_what_nccl_ran_and_its_gpu_times(nccl, l
 @pytest.mark.parametrize("version", [4, 5])
 def test_older_interfaces_give_the_same_record(nccl, library, version) -> None:
     comm = nccl(version)
-    assert comm.mask.value == COLL | KERNEL_CH  # no copy-engine events before v6
+    assert comm.mask.value == ALL_EVENTS & ~CE_COLL  # no copy-engine events before v6
     comm.run(3, [(100, 300), (150, 250)], func=b"ReduceScatter", count=10, datatype=b"ncclFloat64", algo=b"PAT",
              proto=b"LL")
     [record] = profiler.ProfilerDrain(library).drain().collectives()
@@ -219,7 +256,7 @@ def test_copy_engine_collectives_and_host_times(nccl, library, monkeypatch) -> N
     comm.stop(comm.start(d))
     monkeypatch.setenv("LAGOM_NCCL_PROFILER_GPU_TIMES", "0")
     host_only = nccl(6, comm_hash=2)
-    assert host_only.mask.value == COLL | CE_COLL
+    assert host_only.mask.value == COLL | P2P | CE_COLL  # no channels, so no proxy operations either
     host_only.stop(host_only.coll(12, channels=4))  # no channel expected: published at Coll stop
     ce, kernel = profiler.ProfilerDrain(library).drain().collectives()
     assert (ce.copy_engine, ce.function, ce.seq_number, ce.bytes, ce.algorithm, ce.time_source) == \
@@ -308,37 +345,49 @@ def _entry(group: str, collective: str, nbytes: int, config: CommConfig) -> Plan
 
 def test_the_what_ran_table_says_where_nccl_did_not_run_the_plan(nccl, library) -> None:
     plan = Plan("w", "wf", "h", "hf", 4, "priority", [
-        _entry("dp", "all_reduce", 1 << 20, CommConfig(Algorithm.RING, Protocol.SIMPLE, channels=4, by_tuner=True)),
+        _entry("dp", "all_reduce", 1 << 20, CommConfig(Algorithm.RING, Protocol.SIMPLE, channels=4, by_tuner=True,
+                                                       chunk_bytes=512 << 10)),
         _entry("dp", "all_gather", 1 << 22, CommConfig(channels=4, cta_policy=CTAPolicy.ZERO)),
-        _entry("dp", "reduce_scatter", 1 << 22, CommConfig(Algorithm.TREE, Protocol.LL, channels=2))],
+        _entry("dp", "reduce_scatter", 1 << 22, CommConfig(Algorithm.TREE, Protocol.LL, channels=2)),
+        _entry("dp", "send_recv", 1 << 16, CommConfig(channels=2))],
         predicted_step_s={})
     comm = nccl(6, comm_hash=77, n_ranks=4)
     floats = (1 << 20) // 4
-    comm.run(1, [(0, 1)] * 4, count=floats)  # as planned
+    # as planned: ring all-reduce on SIMPLE slices its chunk over 2 steps, and NCCL's proxy reports chunk x 2
+    comm.run(1, [(0, 1)] * 4, count=floats, proxy_chunk=2 * (512 << 10))
     comm.run(2, [(0, 1)] * 2, count=floats)  # NCCL trimmed the channels
     comm.run(3, [(0, 1)] * 4, count=floats, algo=b"TREE", proto=b"LL")  # the rule did not fire
-    comm.run(4, [(0, 1)] * 4, count=floats)
+    comm.run(4, [(0, 1)] * 4, count=floats, proxy_chunk=2 * (256 << 10))  # NCCL clamped the chunk
+    for seq in (5, 7):
+        comm.run(seq, [(0, 1)] * 4, count=floats)  # inside a node: no proxy operation, no chunk to compare
     comm.run(1, [(0, 1)] * 8, func=b"AllGather", count=(1 << 22) // 16)  # ZERO planned, a kernel ran
     comm.run(1, [(0, 1)] * 8, func=b"ReduceScatter", count=(1 << 22) // 16)  # NCCL decides: never a mismatch
-    comm.run(5, [(0, 1)], count=10)  # no key this small
+    comm.run(6, [(0, 1)], count=10)  # no key this small
+    for func, peer in ((b"Send", 2), (b"Recv", 0)):  # both halves of a transfer count under its send_recv key
+        comm.run_p2p([(0, 1)] * 2, func=func, count=(1 << 16) // 2, datatype=b"ncclBfloat16", peer=peer,
+                     proxy_chunk=128 << 10)
     drained = profiler.ProfilerDrain(library)
     groups = profiler.group_names(drained.communicators(), {"dp": 4})
     records = drained.drain().collectives()
     comparison = what_ran.compare(records, plan, groups)
     assert comparison.unplanned == 1 and not comparison.unplaced
     assert what_ran.mismatch_lines(comparison) == [
-        "dp/all_reduce/1048576: 2 of 4 calls not as planned: NCCL ran 2 channels of the planned 4 (too little data "
+        "dp/all_reduce/1048576: 3 of 6 calls not as planned: NCCL ran 2 channels of the planned 4 (too little data "
         "to fill them, or capped by the communicator's channels)",
         "dp/all_gather/4194304: 1 of 1 calls not as planned: planned on copy engines (CTA policy ZERO), ran as a "
         "kernel: NCCL uses copy engines only for buffers registered in a symmetric window on one NVLink domain"]
     assert what_ran.markdown(comparison).splitlines()[2:] == [
-        "| dp/all_reduce/1048576 | ring/simple x4 | ring/simple x4 | 4 | 2 |",
+        "| dp/all_reduce/1048576 | ring/simple x4, chunk 512 KiB | ring/simple x4 | 6 | 3 |",
         "| dp/all_gather/4194304 | copy engines | ring/simple x8 | 1 | 1 |",
-        "| dp/reduce_scatter/4194304 | NCCL decides | ring/simple x8 | 1 | 0 |"]
+        "| dp/reduce_scatter/4194304 | NCCL decides | ring/simple x8 | 1 | 0 |",
+        "| dp/send_recv/65536 | NCCL decides | send/recv x2, chunk 128 KiB | 2 | 0 |"]
     [all_reduce] = [r for r in comparison.keys if r.key == "dp/all_reduce/1048576"]
-    assert all_reduce.reasons.most_common()[1][0] == (
+    assert [reason for reason, _ in all_reduce.reasons.most_common()[1:]] == [
         "the tuner rule did not fire: NCCL ran tree/ll (plugin not loaded, no rule for this communicator's rank and "
-        "node counts, or an NCCL group asked once at its members' total size)")
+        "node counts, or an NCCL group asked once at its members' total size)",
+        "NCCL clamped the chunk to 256 KiB of the planned 512 KiB (it caps a tuner's chunk at what its buffer holds, "
+        "NCCL_BUFFSIZE / 8 steps times the algorithm's chunk steps, and rounds it down to the protocol's grain)"]
+    assert [c for c, n in all_reduce.ran.items() if n == 2] == [what_ran.Ran("ring", "simple", 4, False, False, 0)]
     never_loaded = what_ran.compare(records, plan, groups, tuner=PluginCounters(inits=0, coll_infos=0, applied=0))
     assert "(NCCL never initialised Lagom's tuner plugin in this process (NCCL_TUNER_PLUGIN unset or set too late))" \
         in never_loaded.keys[0].reasons.most_common()[1][0]

@@ -35,6 +35,10 @@ UNKNOWN = 255
 KIND_COPY_ENGINE = 1
 # Collectives whose descriptor count is one rank's share: Lagom's plan counts the whole buffer.
 PER_RANK_COUNT = ("all_gather", "reduce_scatter")
+P2P_FUNCTIONS = ("send", "recv")  # NCCL's P2p events: one send or receive each, with its peer, never joined with another
+# A network ProxyOp's chunkSize is NCCL's chunk times its slice steps (NCCL_STEPS is 8): a quarter of them for ring
+# all-reduce, all-gather and reduce-scatter on SIMPLE, one for every other algorithm, protocol and send/receive.
+RING_SIMPLE_SLICE_STEPS = {"all_reduce": 2, "all_gather": 2, "reduce_scatter": 2}
 
 
 class RecordC(ctypes.Structure):
@@ -43,18 +47,19 @@ class RecordC(ctypes.Structure):
     _fields_ = [("comm_hash", ctypes.c_uint64), ("seq_number", ctypes.c_uint64), ("count", ctypes.c_uint64),
                 ("host_start_ns", ctypes.c_uint64), ("host_stop_ns", ctypes.c_uint64),
                 ("gpu_start_ns", ctypes.c_uint64), ("gpu_stop_ns", ctypes.c_uint64),
-                ("n_ranks", ctypes.c_uint32), ("rank", ctypes.c_int32),
-                ("func", ctypes.c_uint8), ("algorithm", ctypes.c_uint8), ("protocol", ctypes.c_uint8),
+                ("n_ranks", ctypes.c_uint32), ("rank", ctypes.c_int32), ("peer", ctypes.c_int32),
+                ("proxy_chunk_bytes", ctypes.c_uint32), ("func", ctypes.c_uint8), ("algorithm", ctypes.c_uint8), ("protocol", ctypes.c_uint8),
                 ("type_size", ctypes.c_uint8), ("channels", ctypes.c_uint8), ("warps", ctypes.c_uint8),
                 ("kind", ctypes.c_uint8), ("channel_events", ctypes.c_uint8)]
 
 
 RECORD_DTYPE = np.dtype([(name, np.dtype(kind)) for name, kind in (
     ("comm_hash", "u8"), ("seq_number", "u8"), ("count", "u8"), ("host_start_ns", "u8"), ("host_stop_ns", "u8"),
-    ("gpu_start_ns", "u8"), ("gpu_stop_ns", "u8"), ("n_ranks", "u4"), ("rank", "i4"), ("func", "u1"),
+    ("gpu_start_ns", "u8"), ("gpu_stop_ns", "u8"), ("n_ranks", "u4"), ("rank", "i4"), ("peer", "i4"),
+    ("proxy_chunk_bytes", "u4"), ("func", "u1"),
     ("algorithm", "u1"), ("protocol", "u1"), ("type_size", "u1"), ("channels", "u1"), ("warps", "u1"),
     ("kind", "u1"), ("channel_events", "u1"))])
-assert RECORD_DTYPE.itemsize == ctypes.sizeof(RecordC) == 72
+assert RECORD_DTYPE.itemsize == ctypes.sizeof(RecordC) == 80
 
 
 class CommInfoC(ctypes.Structure):
@@ -70,9 +75,11 @@ def _name(names: tuple[str, ...], index: int) -> str | None:
 
 @dataclass(slots=True)
 class CollectiveRecord:
-    """One collective as NCCL ran it. Names are Lagom's (``FUNCTIONS``, ``ALGORITHMS``, ``PROTOCOLS``); None
-    where NCCL gave a name this plugin does not know, or, for a copy-engine collective, no algorithm at all.
-    Host times are time.monotonic_ns(); GPU times NCCL's globaltimer ns (0 when no channel reported)."""
+    """One collective, send or receive as NCCL ran it. Names are NCCL's, lowercase (``FUNCTIONS``, ``ALGORITHMS``,
+    ``PROTOCOLS``); None where NCCL gave a name this plugin does not know, or, for a copy-engine collective or a
+    send/receive, no algorithm at all. Host times are time.monotonic_ns(); GPU times NCCL's globaltimer ns (0 when
+    no channel reported). A send/receive's ``seq_number`` is the plugin's count of its communicator's (NCCL gives
+    none), its ``peer`` the other rank (-1 for a collective)."""
 
     comm_hash: int
     rank: int
@@ -91,7 +98,22 @@ class CollectiveRecord:
     gpu_start_ns: int
     gpu_stop_ns: int
     channel_events: int
+    peer: int = -1
+    proxy_chunk_bytes: int = 0  # a network ProxyOp's chunkSize (see ``chunk_bytes``); 0 when none came
     tensors: int = 1  # collectives NCCL ran as this one aggregate (``joined``); their counts are summed
+
+    @property
+    def p2p(self) -> bool:
+        return self.function in P2P_FUNCTIONS
+
+    @property
+    def chunk_bytes(self) -> int:
+        """The chunk NCCL ran, from its network proxy's operations; 0 where none reported (a transfer inside a node
+        has none, and GPU times off asks for none)."""
+        if not self.proxy_chunk_bytes:
+            return 0
+        ring_simple = (self.algorithm, self.protocol) == ("ring", "simple")
+        return self.proxy_chunk_bytes // (RING_SIMPLE_SLICE_STEPS.get(self.function or "", 1) if ring_simple else 1)
 
     @property
     def bytes(self) -> int:
@@ -126,8 +148,8 @@ def joined(records: list[CollectiveRecord]) -> list[CollectiveRecord]:
     (NCCL's function, op and type; the record has no op) joined as ``calls.nccl_aggregates`` joins them, smallest
     first, each run of under 4x the smallest's bytes one aggregate, which NCCL tuned at its total size and ran on one
     algorithm and protocol. An aggregate's count is its members' total, its channels the most any member ran, its
-    times from its first start to its last stop (GPU times only where every member has them); the rest pass as
-    they are. In (communicator, launch) order."""
+    times from its first start to its last stop (GPU times only where every member has them); the rest, sends and
+    receives among them (each its own transfer), pass as they are. In (communicator, launch) order."""
     ordered = sorted(records, key=lambda r: (r.comm_hash, r.host_start_ns))
     if len(ordered) < 2:
         return ordered
@@ -142,7 +164,10 @@ def joined(records: list[CollectiveRecord]) -> list[CollectiveRecord]:
             j += 1
         kinds: dict[tuple[str | None, int, bool], list[CollectiveRecord]] = {}
         for r in ordered[i:j]:
-            kinds.setdefault((r.function, r.type_size, r.copy_engine), []).append(r)
+            if r.p2p:
+                out.append(r)
+            else:
+                kinds.setdefault((r.function, r.type_size, r.copy_engine), []).append(r)
         for members in kinds.values():
             members.sort(key=lambda r: r.bytes)
             k = 0
@@ -163,7 +188,7 @@ def _join(members: list[CollectiveRecord]) -> CollectiveRecord:
                    gpu_start_ns=min(r.gpu_start_ns for r in members) if timed else 0,
                    gpu_stop_ns=max(r.gpu_stop_ns for r in members) if timed else 0,
                    channel_events=min(r.channel_events for r in members) if timed else 0,
-                   tensors=sum(r.tensors for r in members))
+                   proxy_chunk_bytes=max(r.proxy_chunk_bytes for r in members), tensors=sum(r.tensors for r in members))
 
 
 @dataclass(frozen=True)
@@ -179,12 +204,12 @@ class Drained:
     def collectives(self) -> list[CollectiveRecord]:
         """The records as objects (for reports; per-step sums are cheaper on ``records`` itself)."""
         out = []
-        for (comm_hash, seq, count, host_start, host_stop, gpu_start, gpu_stop, n_ranks, rank, func, algorithm,
-             protocol, type_size, channels, warps, kind, channel_events) in self.records.tolist():
+        for (comm_hash, seq, count, host_start, host_stop, gpu_start, gpu_stop, n_ranks, rank, peer, proxy_chunk, func,
+             algorithm, protocol, type_size, channels, warps, kind, channel_events) in self.records.tolist():
             out.append(CollectiveRecord(
                 comm_hash, rank, n_ranks, _name(FUNCTIONS, func), seq, count, type_size, _name(ALGORITHMS, algorithm),
                 _name(PROTOCOLS, protocol), channels, warps, kind == KIND_COPY_ENGINE, host_start, host_stop,
-                gpu_start, gpu_stop, channel_events))
+                gpu_start, gpu_stop, channel_events, peer, proxy_chunk))
         return out
 
 

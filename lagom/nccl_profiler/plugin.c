@@ -1,17 +1,19 @@
 /*
- * Lagom's NCCL profiler plugin: one record per collective, with what NCCL ran and when (see
- * lagom_nccl_profiler.h for the events and the record).
+ * Lagom's NCCL profiler plugin: one record per collective and per send or receive, with what NCCL ran and when
+ * (see lagom_nccl_profiler.h for the events and the record).
  *
- * NCCL stops a Coll event on the launching thread before its kernel runs, and reports the kernel's channels
- * later from its proxy thread, with the Coll event's handle as their parent. So a collective lives in an
- * in-flight slot from its start until its Coll stop and every channel it announced (the descriptor's
- * nChannels) have reported; whichever of those calls comes last writes the record into the ring (ring.c).
+ * NCCL stops a Coll or P2p event on the launching thread before its kernel runs, and reports the kernel's
+ * channels later from its proxy thread, with the event's handle as their parent. So an operation lives in an
+ * in-flight slot from its start until its stop and every channel it announced (the descriptor's nChannels)
+ * have reported; whichever of those calls comes last writes the record into the ring (ring.c). A network
+ * ProxyOp of the operation, reported by the proxy thread before that channel's kernel-channel events, gives its
+ * chunk while the slot waits.
  * Slots are a fixed pool taken with one CAS: nothing on NCCL's path allocates, locks, logs or does I/O, and
  * every entry point returns success. A full pool costs the collective its record (counted as no_slot); a
  * collective whose channels never all report keeps its slot until its communicator is finalized
  * (counted as abandoned).
  *
- * Handles. A Coll event's handle is its slot; a kernel channel's handle is the slot's ``channel`` member
+ * Handles. A Coll or P2p event's handle is its slot; a kernel channel's handle is the slot's ``channel`` member
  * (channels only move the slot's GPU times, so all of one collective's channels share it). stopEvent and
  * recordEventState accept only pointers into the pool, so a stray handle is ignored, not followed.
  *
@@ -26,6 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "lagom_nccl_profiler.h"
 #include "ring.h"
@@ -46,7 +49,8 @@ typedef struct {
   uint64_t comm_hash;
   uint32_t n_ranks, n_nodes;
   int32_t rank;
-  int gpu_times; /* whether kernel-channel events were asked for */
+  int gpu_times;            /* whether kernel-channel (and network proxy) events were asked for */
+  _Atomic uint64_t p2p_seq; /* sends and receives started: their records' sequence numbers */
 } comm_context;
 
 struct slot {
@@ -55,6 +59,7 @@ struct slot {
   _Atomic(const comm_context*) owner;
   lagom_prof_record record; /* written by startEvent before NCCL sees the handle */
   _Atomic uint64_t gpu_start, gpu_stop, host_stop;
+  _Atomic uint32_t proxy_chunk;
   _Atomic int channel_events;
   channel_handle channel;
 };
@@ -67,6 +72,7 @@ static pthread_mutex_t communicators_lock = PTHREAD_MUTEX_INITIALIZER;
 static _Atomic uint64_t stat_no_slot = 0, stat_lost = 0, stat_abandoned = 0, stat_inits = 0, stat_version = 0;
 static _Atomic uint64_t stat_overwritten = 0;
 static _Atomic int64_t stat_in_flight = 0;
+static _Atomic pid_t own_pid = 0; /* this process, as a ProxyOp names the process of its parent event (set at init) */
 
 static uint64_t host_now_ns(void) {
   struct timespec now;
@@ -134,6 +140,7 @@ static void report_done(slot* s) {
   record.host_stop_ns = atomic_load_explicit(&s->host_stop, memory_order_relaxed);
   int channels = atomic_load_explicit(&s->channel_events, memory_order_relaxed);
   record.channel_events = (uint8_t)(channels > 255 ? 255 : channels);
+  record.proxy_chunk_bytes = atomic_load_explicit(&s->proxy_chunk, memory_order_relaxed);
   if (channels > 0) {
     record.gpu_start_ns = atomic_load_explicit(&s->gpu_start, memory_order_relaxed);
     record.gpu_stop_ns = atomic_load_explicit(&s->gpu_stop, memory_order_relaxed);
@@ -170,7 +177,7 @@ static void atomic_max(_Atomic uint64_t* target, uint64_t value) {
   }
 }
 
-/* A slot for a new collective of this communicator, its record's common fields set and its times cleared; the
+/* A slot for a new operation of this communicator, its record's common fields set and its times cleared; the
    caller sets what its kind adds and publishes the slot by storing ``pending`` last. NULL when the pool is full. */
 static slot* begin_record(const comm_context* ctx, void** handle, int rank, uint64_t seq_number, uint64_t count,
                           const char* func, const char* datatype, uint8_t kind) {
@@ -187,12 +194,14 @@ static slot* begin_record(const comm_context* ctx, void** handle, int rank, uint
   r->func = lookup(func, FUNCTIONS);
   r->type_size = type_size(datatype);
   r->kind = kind;
+  r->peer = -1;
   r->host_start_ns = host_now_ns();
   atomic_store_explicit(&s->owner, ctx, memory_order_relaxed);
   s->channel.parent = s;
   atomic_store_explicit(&s->gpu_start, 0, memory_order_relaxed);
   atomic_store_explicit(&s->gpu_stop, 0, memory_order_relaxed);
   atomic_store_explicit(&s->host_stop, 0, memory_order_relaxed);
+  atomic_store_explicit(&s->proxy_chunk, 0, memory_order_relaxed);
   atomic_store_explicit(&s->channel_events, 0, memory_order_relaxed);
   return s;
 }
@@ -209,6 +218,19 @@ static void start_coll(const comm_context* ctx, void** handle, const lagom_prof_
   atomic_store_explicit(&s->pending, 1 + (ctx->gpu_times ? coll->nChannels : 0), memory_order_release);
 }
 
+/* A send or receive (v4 .. v6 share the P2p layout up to nChannels): no algorithm or protocol, no sequence number
+   from NCCL (the communicator's own count stands in). */
+static void start_p2p(comm_context* ctx, void** handle, const lagom_prof_p2p_v4* p2p, int rank) {
+  uint64_t seq = atomic_fetch_add_explicit(&ctx->p2p_seq, 1, memory_order_relaxed);
+  slot* s = begin_record(ctx, handle, rank, seq, p2p->count, p2p->func, p2p->datatype, LAGOM_PROF_KIND_KERNEL);
+  if (s == NULL) return;
+  s->record.algorithm = LAGOM_PROF_UNKNOWN;
+  s->record.protocol = LAGOM_PROF_UNKNOWN;
+  s->record.peer = p2p->peer;
+  s->record.channels = p2p->nChannels;
+  atomic_store_explicit(&s->pending, 1 + (ctx->gpu_times ? p2p->nChannels : 0), memory_order_release);
+}
+
 /* A copy-engine collective (v6): no algorithm, protocol or kernel channels; host times only. */
 static void start_ce_coll(const comm_context* ctx, void** handle, const lagom_prof_ce_coll* ce, int rank) {
   slot* s = begin_record(ctx, handle, rank, ce->seqNumber, ce->count, ce->func, ce->datatype,
@@ -217,6 +239,22 @@ static void start_ce_coll(const comm_context* ctx, void** handle, const lagom_pr
   s->record.algorithm = LAGOM_PROF_UNKNOWN;
   s->record.protocol = LAGOM_PROF_UNKNOWN;
   atomic_store_explicit(&s->pending, 1, memory_order_release);
+}
+
+/* A network proxy operation of one of this process's operations: its chunk, kept while the operation still waits
+   for its channels (the first one that reports; all of an operation's proxy operations share the chunk). No handle:
+   the plugin needs neither its stop nor its states. A proxy operation of another process's operation (PXN, where
+   this process's proxy moves a peer's data) names a parent in that process, and is ignored. */
+static void start_proxy_op(void* parent_handle, const lagom_prof_proxy_op* op) {
+  slot* parent = as_slot(parent_handle);
+  if (parent == NULL || op->pid != atomic_load_explicit(&own_pid, memory_order_relaxed) || op->chunkSize <= 0) return;
+  if (atomic_load_explicit(&parent->state, memory_order_acquire) != SLOT_TAKEN ||
+      atomic_load_explicit(&parent->pending, memory_order_acquire) <= 0) {
+    return;
+  }
+  uint32_t none = 0;
+  atomic_compare_exchange_strong_explicit(&parent->proxy_chunk, &none, (uint32_t)op->chunkSize, memory_order_relaxed,
+                                          memory_order_relaxed);
 }
 
 static void start_kernel_channel(void** handle, void* parent_handle, const lagom_prof_kernel_ch* ch) {
@@ -232,13 +270,15 @@ static lagom_prof_result start_event(void* context, void** handle, uint64_t type
                                      const void* payload) {
   if (handle == NULL) return LAGOM_PROF_SUCCESS;
   *handle = NULL;
-  const comm_context* ctx = context;
+  comm_context* ctx = context;
   if (ctx == NULL || payload == NULL) return LAGOM_PROF_SUCCESS;
   switch (type) {
     case LAGOM_PROF_EVENT_COLL: start_coll(ctx, handle, payload, rank); break;
+    case LAGOM_PROF_EVENT_P2P: start_p2p(ctx, handle, payload, rank); break;
     case LAGOM_PROF_EVENT_CE_COLL: start_ce_coll(ctx, handle, payload, rank); break;
     case LAGOM_PROF_EVENT_KERNEL_CH: start_kernel_channel(handle, parent, payload); break;
-    default: break; /* groups, API events, p2p, proxy events, and types this plugin does not know */
+    case LAGOM_PROF_EVENT_PROXY_OP: start_proxy_op(parent, payload); break;
+    default: break; /* groups, API events, proxy steps, and types this plugin does not know */
   }
   return LAGOM_PROF_SUCCESS;
 }
@@ -309,6 +349,7 @@ static lagom_prof_result init_common(void** context, int* mask, uint64_t comm_ha
                                      int n_ranks, int rank, lagom_prof_logger logger, int version) {
   atomic_fetch_add_explicit(&stat_inits, 1, memory_order_relaxed);
   atomic_store_explicit(&stat_version, (uint64_t)version, memory_order_relaxed);
+  atomic_store_explicit(&own_pid, getpid(), memory_order_relaxed); /* again after a fork: the child's communicators */
   if (context == NULL) return LAGOM_PROF_SUCCESS;
   comm_context* ctx = calloc(1, sizeof *ctx); /* once per communicator, not per collective */
   *context = ctx;
@@ -323,7 +364,10 @@ static lagom_prof_result init_common(void** context, int* mask, uint64_t comm_ha
   ctx->n_nodes = n_nodes > 0 ? (uint32_t)n_nodes : 0;
   ctx->rank = rank;
   ctx->gpu_times = gpu_times_wanted();
-  int wanted = LAGOM_PROF_EVENT_COLL | (ctx->gpu_times ? LAGOM_PROF_EVENT_KERNEL_CH : 0) |
+  /* Network proxy operations only with kernel channels: without them a record is written at its stop, before the
+     proxy thread sees the operation, and a later ProxyOp would find its slot freed or another operation's. */
+  int wanted = LAGOM_PROF_EVENT_COLL | LAGOM_PROF_EVENT_P2P |
+               (ctx->gpu_times ? LAGOM_PROF_EVENT_KERNEL_CH | LAGOM_PROF_EVENT_PROXY_OP : 0) |
                (version >= 6 ? LAGOM_PROF_EVENT_CE_COLL : 0);
   /* The mask is NCCL's, one for the process: keep what another communicator (or plugin user) asked for. */
   if (mask != NULL) *mask |= wanted;

@@ -8,12 +8,19 @@ record published after its step ended (its kernel channels report late) keeps it
 window (between steps: Lagom's own agreement, the framework's housekeeping) is left out, as the torch tap
 leaves it out.
 
-Which layer records a call (never two). The profiler takes over a group's collectives (``PROFILED``) from the
-step after its communicator is matched to the group; until then, and for everything else (send/recv and
-all-to-all, which NCCL does not report as collectives to this plugin, gloo, a group no communicator could be
-matched to), the torch tap and the adapters' layers record as before. A call Lagom runs itself (Flash-Overlap's
-p2p steps for a collective key) stays the adapters' to record: NCCL sees no collective for it. A step's records
-of a group not yet taken over are dropped here, since the tap has them.
+Which layer records a call (never two). The profiler takes over a group's collectives (``COLLECTIVES``) from the
+step after its communicator is matched to the group, and its sends and receives (``P2P``: NCCL's P2p events,
+one row per transfer, under the tap's names send_recv and recv) from the step after NCCL first reports one on a
+communicator matched to the group by hash, commName or call order (a rank count alone could be torch's two-rank
+communicator of another group's pair). Until then, and for everything else (all-to-all, gloo, a group no
+communicator could be matched to), the torch tap and the adapters' layers record as before. A call Lagom runs
+itself (Flash-Overlap's p2p steps for a collective key) stays the adapters' to record. A step's records of a
+group not yet taken over are dropped here, since the tap has them.
+
+Collectives torch runs as NCCL sends and receives (all-to-all: ``BUILT_ON_P2P``) give P2p events NCCL's records
+cannot tell from the job's own transfers. So the first one the tap sees on a group hands that group's sends and
+receives back to the tap at that moment: the group's P2p records launched from then on are dropped (said once).
+torch's gather and scatter, which the tap does not record, are built the same way and would show as transfers.
 
 Matching communicators to groups (``drain.group_names``): a commName that is one of the group's torch names,
 else the only group of that rank count, else call order: a communicator whose step's sequence of (collective,
@@ -37,6 +44,7 @@ import numpy as np
 
 from lagom.nccl_profiler.drain import (
     FUNCTIONS,
+    P2P_FUNCTIONS,
     PER_RANK_COUNT,
     CollectiveRecord,
     Drained,
@@ -50,13 +58,27 @@ from lagom.step.calls import CallRecord
 
 log = logging.getLogger("lagom.runtime")
 
-PROFILED = frozenset({"all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce"})
+COLLECTIVES = frozenset({"all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce"})
+P2P = frozenset({"send_recv", "recv"})  # the tap's names for a send and a receive (a send is a send_recv key's)
+BUILT_ON_P2P = frozenset({"all_to_all"})  # run by torch as NCCL sends and receives (see the module docstring)
+P2P_TRUSTED = frozenset({"hash", "comm_name", "call_order"})  # matches that a communicator's transfers may follow
 WINDOWS = 100  # steps whose windows are kept for late records (the recorder's STALE_STEPS)
 ORDER_LAG = 2  # steps between a step's end and its use for call-order matching
 KEPT_RECORDS = 1 << 16  # records kept for the report's what-ran table (the most recent)
-# by a record's function id (a byte): whether its count is one rank's share, whether the profiler takes it
+NEVER = np.iinfo(np.int64).max
+
+
+def row_name(function: str | None) -> str:
+    """A record's collective as the recorder, the tap and the plan name it: NCCL's send is a send_recv key's."""
+    return "send_recv" if function == "send" else function or "?"
+
+
+# by a record's function id (a byte): whether its count is one rank's share, whether it is a collective the
+# profiler takes, whether it is a send or receive, and its row's name
 PER_RANK = np.isin(np.arange(256), [FUNCTIONS.index(f) for f in PER_RANK_COUNT])
-TAKEN = np.isin(np.arange(256), [FUNCTIONS.index(f) for f in PROFILED])
+TAKEN = np.isin(np.arange(256), [FUNCTIONS.index(f) for f in COLLECTIVES])
+IS_P2P = np.isin(np.arange(256), [FUNCTIONS.index(f) for f in P2P_FUNCTIONS])
+ROW_NAMES = np.array([row_name(FUNCTIONS[i] if i < len(FUNCTIONS) else None) for i in range(256)], dtype=object)
 
 
 @dataclass(frozen=True)
@@ -98,6 +120,8 @@ class NcclCalls:
         self.reader, self._groups = reader, groups
         self.matches: dict[int, GroupMatch] = {}  # communicator hash -> group and method
         self.owned: dict[str, int] = {}  # group -> first window index whose collectives the profiler records
+        self.owned_p2p: dict[str, int] = {}  # group -> first window index whose sends and receives it records
+        self.p2p_to_tap: dict[str, int] = {}  # group -> monotonic ns from which the tap records its transfers again
         self.records: deque[np.ndarray] = deque()  # drained records of the job's steps, for what_ran (bounded)
         self._kept = 0
         self._windows: deque[_Window] = deque(maxlen=WINDOWS)
@@ -114,8 +138,23 @@ class NcclCalls:
         self._windows.append(_Window(self._index, step, time.monotonic_ns()))
 
     def takes(self, group: str, collective: str) -> bool:
-        """Whether the profiler records this call from now on (the tap and adapters then leave it)."""
-        return collective in PROFILED and group in self.owned
+        """Whether the profiler records this call from now on (the tap and adapters then leave it). An all-to-all
+        the tap is about to record hands the group's sends and receives back to the tap."""
+        if collective in COLLECTIVES:
+            return group in self.owned
+        if collective in P2P:
+            return group in self.owned_p2p and group not in self.p2p_to_tap
+        if collective in BUILT_ON_P2P and group not in self.p2p_to_tap:
+            self._p2p_back_to_tap(group, collective)
+        return False
+
+    def _p2p_back_to_tap(self, group: str, collective: str) -> None:
+        self.p2p_to_tap[group] = time.monotonic_ns()
+        if group in self.owned_p2p and "p2p_back" not in self._said:
+            self._said.add("p2p_back")
+            log.info("NCCL profiler: %s ran %s, which NCCL runs as sends and receives its records cannot tell from the "
+                     "job's own; the group's sends and receives are recorded through torch's hooks from now on (and "
+                     "any other group's after its first such call)", group, collective)
 
     def end(self, tracked_seq: int, tracked: list[CallRecord]) -> list[CallRecord]:
         """The step ends: one drain; returns the rows of the records it holds (this step's and late ones of
@@ -154,18 +193,30 @@ class NcclCalls:
         gpu = (records["channel_events"] > 0) & (records["gpu_stop_ns"] > records["gpu_start_ns"])
         host = np.maximum(records["host_stop_ns"].astype(np.int64) - launch, 0)
         took = np.where(gpu, (records["gpu_stop_ns"] - records["gpu_start_ns"]).astype(np.int64), host)
-        # per communicator: its group and the first window whose collectives the profiler records (else never)
+        # per communicator: its group, the first window whose collectives and whose transfers the profiler records
+        # (else never), and until when it records the transfers
         hashes, of_hash = np.unique(records["comm_hash"], return_inverse=True)
-        groups = [self._group_of(h) for h in hashes.tolist()]
-        never = np.iinfo(np.int64).max
-        since = np.array([self.owned.get(g, never) if g is not None else never for g in groups], dtype=np.int64)
+        matches = [self.matches.get(h) for h in hashes.tolist()]
+        groups = [m.group if m is not None else None for m in matches]
+        trusted = [m is not None and m.group is not None and m.method in P2P_TRUSTED for m in matches]
+        since = np.array([self.owned.get(g, NEVER) if g is not None else NEVER for g in groups], dtype=np.int64)
+        since_p2p = np.array([self.owned_p2p.get(g, NEVER) if t and g is not None else NEVER
+                              for g, t in zip(groups, trusted)], dtype=np.int64)
+        until_p2p = np.array([self.p2p_to_tap.get(g, NEVER) if g is not None else NEVER for g in groups], dtype=np.int64)
         index = np.array([w.index for w in windows], dtype=np.int64)[at]
         self._remember_unmatched(records, nbytes, launch, at, windows, [g is None for g in groups], of_hash)
-        taken = np.flatnonzero(TAKEN[records["func"]] & (index >= since[of_hash]))
+        func = records["func"]
+        p2p = IS_P2P[func]
+        if p2p.any():
+            self._take_p2p_over(groups, trusted, np.unique(of_hash[p2p]).tolist())
+        taken = np.flatnonzero((TAKEN[func] & (index >= since[of_hash])) |
+                               (p2p & (index >= since_p2p[of_hash]) & (launch < until_p2p[of_hash])))
         if not len(taken):
             return []
-        taken = taken[np.lexsort((launch[taken], records["comm_hash"][taken]))]
-        if np.bincount(launches(launch[taken], records["host_stop_ns"][taken], records["comm_hash"][taken])).max() > 1:
+        colls = taken[~p2p[taken]]  # sends and receives are never joined: each is its own transfer
+        colls = colls[np.lexsort((launch[colls], records["comm_hash"][colls]))]
+        if len(colls) > 1 and np.bincount(launches(launch[colls], records["host_stop_ns"][colls],
+                                                   records["comm_hash"][colls])).max() > 1:
             return self._joined_rows(Drained(records[taken], 0).collectives(), windows)  # a coalesced launch
         taken = taken[np.argsort(launch[taken], kind="stable")]  # launch order, across communicators
         at, start_s = at[taken], (launch[taken] - begins[at[taken]]) / 1e9
@@ -174,7 +225,7 @@ class NcclCalls:
             mine = at == i
             seq[mine] = windows[i].next_seq + np.arange(int(mine.sum()))
             windows[i].next_seq += int(mine.sum())
-        names = np.array([*FUNCTIONS, "?"], dtype=object)[np.minimum(records["func"][taken], len(FUNCTIONS))]
+        names = ROW_NAMES[func[taken]]
         steps = np.array([w.step for w in windows], dtype=np.int64)[at]
         return [CallRecord(*row) for row in zip(
             np.array(groups, dtype=object)[of_hash[taken]].tolist(), names.tolist(), nbytes[taken].tolist(),
@@ -189,11 +240,24 @@ class NcclCalls:
         for r in sorted(joined(records), key=lambda r: r.host_start_ns):
             window = windows[bisect.bisect_right(begins, r.host_start_ns) - 1]
             start = (r.host_start_ns - window.begin_ns) / 1e9
-            rows.append(CallRecord(self._group_of(r.comm_hash) or "?", r.function or "?", r.bytes, window.next_seq,
+            rows.append(CallRecord(self._group_of(r.comm_hash) or "?", row_name(r.function), r.bytes, window.next_seq,
                                    window.step, start, start + r.duration_ns / 1e9, r.time_source == "gpu",
                                    r.tensors))
             window.next_seq += 1
         return rows
+
+    def _take_p2p_over(self, groups: list[str | None], trusted: list[bool], reporting: list[int]) -> None:
+        """The groups whose sends and receives the profiler records from the next step: those NCCL reported a
+        transfer of, on a communicator matched to the group surely enough, whose transfers the tap has not taken back."""
+        for i in reporting:
+            group = groups[i]
+            if group is None or not trusted[i] or group in self.owned_p2p or group in self.p2p_to_tap:
+                continue
+            self.owned_p2p[group] = self._index + 1  # this step's the tap has
+            if "p2p" not in self._said:
+                self._said.add("p2p")
+                log.info("NCCL profiler: NCCL reports %s's sends and receives; they are recorded from its records "
+                         "from the next step (and any other group's once it reports them)", group)
 
     def _group_of(self, comm_hash: int) -> str | None:
         match = self.matches.get(comm_hash)
@@ -201,11 +265,12 @@ class NcclCalls:
 
     def _remember_unmatched(self, records: np.ndarray, nbytes: np.ndarray, launch: np.ndarray, at: np.ndarray,
                             windows: list[_Window], unmatched: list[bool], of_hash: np.ndarray) -> None:
-        """The calls of communicators no group is matched to yet, for call-order matching."""
+        """The collectives of communicators no group is matched to yet, for call-order matching (sends and receives
+        are left out: NCCL orders a launch's transfers by peer, not as they were called)."""
         if not any(unmatched):
             return
         table = self._signatures.profiled
-        for i in np.flatnonzero(np.array(unmatched)[of_hash]).tolist():
+        for i in np.flatnonzero(np.array(unmatched)[of_hash] & TAKEN[records["func"]]).tolist():
             func = int(records["func"][i])
             function = FUNCTIONS[func] if func < len(FUNCTIONS) else "?"
             table.setdefault((windows[at[i]].index, int(records["comm_hash"][i])), []).append(
@@ -230,7 +295,7 @@ class NcclCalls:
         by_step = {w.step: w.index for w in self._windows}
         for r in tracked:
             index = by_step.get(r.step)
-            if index is not None and r.group not in self.owned and r.collective in PROFILED:
+            if index is not None and r.group not in self.owned and r.collective in COLLECTIVES:
                 self._signatures.tracked.setdefault((index, r.group), []).append((r.collective, r.nbytes))
         self._signatures.trim(self._index - WINDOWS)
 
