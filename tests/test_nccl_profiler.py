@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -249,6 +250,33 @@ def test_older_interfaces_give_the_same_record(nccl, library, version) -> None:
             record.gpu_start_ns, record.gpu_stop_ns) == ("reduce_scatter", 3, 10 * 8 * 4, "pat", "ll", 2, 100, 300)
 
 
+def test_a_send_and_a_receive_are_records_with_their_peer_and_the_chunk_nccls_proxy_ran(nccl, library) -> None:
+    comm = nccl(6, comm_hash=0x51, n_ranks=8)
+    send = comm.p2p(func=b"Send", count=4096, datatype=b"ncclBfloat16", peer=3, channels=2)
+    comm.stop(send)
+    comm.proxy_op(send, 1 << 20, pid=os.getpid() + 1)  # PXN: another process's operation names its own parent
+    comm.proxy_op(send, 256 << 10)
+    comm.proxy_op(send, 64 << 10)  # every operation of one send shares its chunk: the first stays
+    comm.channel_end(comm.channel(send, 0, 1_000), 4_000)
+    comm.channel_end(comm.channel(send, 1, 1_500), 5_000)
+    comm.proxy_op(send, 32 << 10)  # after the record is written its slot is free: nothing changes
+    v4 = nccl(4, comm_hash=0x52, n_ranks=2)
+    v4.run_p2p([(10, 20)], func=b"Recv", count=100, datatype=b"ncclFloat32", peer=0)
+    v4.run_p2p([(30, 40)], func=b"Send", count=100, datatype=b"ncclFloat32", peer=1)
+    for seq, (func, algo, proto) in enumerate(((b"AllReduce", b"RING", b"SIMPLE"), (b"Broadcast", b"RING", b"SIMPLE"),
+                                               (b"AllReduce", b"TREE", b"SIMPLE"), (b"AllGather", b"RING", b"LL"))):
+        comm.run(seq, [(0, 1)], func=func, algo=algo, proto=proto, proxy_chunk=1 << 20)
+    sent, received, sent_again, *colls = profiler.ProfilerDrain(library).drain().collectives()
+    assert (sent.function, sent.p2p, sent.peer, sent.bytes, sent.channels, sent.algorithm, sent.protocol,
+            sent.seq_number, sent.proxy_chunk_bytes, sent.chunk_bytes, sent.time_source, sent.duration_ns) == \
+        ("send", True, 3, 8192, 2, None, None, 0, 256 << 10, 256 << 10, "gpu", 4_000)
+    assert [(r.function, r.peer, r.seq_number, r.bytes, r.chunk_bytes, r.comm_hash) for r in (received, sent_again)] == \
+        [("recv", 0, 0, 400, 0, 0x52), ("send", 1, 1, 400, 0, 0x52)]  # the communicator's own count of its transfers
+    # the proxy reports NCCL's chunk times its slice steps: 2 for ring all-reduce, all-gather, reduce-scatter on SIMPLE
+    assert [(r.peer, r.p2p, r.chunk_bytes) for r in colls] == \
+        [(-1, False, 512 << 10), (-1, False, 1 << 20), (-1, False, 1 << 20), (-1, False, 1 << 20)]
+
+
 def test_copy_engine_collectives_and_host_times(nccl, library, monkeypatch) -> None:
     comm = nccl(6)
     d = DescrV6(type=CE_COLL)
@@ -425,7 +453,7 @@ def test_the_recorder_takes_a_groups_collectives_from_nccl_from_the_step_after_i
     rec.begin_step(2)
     assert rec.track("dp", "all_reduce", 4096, work := object()) is work and rec.pending == 0  # NCCL's records have it
     rec.ended("dp", "all_reduce", 4096, now, now + 1.0)
-    rec.track("dp", "send_recv", 64)  # NCCL does not report p2p to the plugin: the tap's
+    rec.track("dp", "send_recv", 64)  # no send of dp's reported by NCCL yet: the tap's
     rec.track("dp", "all_gather", 1 << 20, by_lagom=True)  # Flash-Overlap's p2p steps: the adapter's
     dp.run(3, [(1_000, 251_000), (2_000, 250_000)], count=1024)
     late = dp.coll(4, func=b"Broadcast", count=8, channels=1)
@@ -439,6 +467,53 @@ def test_the_recorder_takes_a_groups_collectives_from_nccl_from_the_step_after_i
     third = rec.end_step()  # late, in the step that launched it
     assert _rows(third) == [("dp", "broadcast", 32, 2, True)] and third[0].duration_s == pytest.approx(1e-6)
     assert rec.summary()["dp/all_reduce/4096"]["count"] == 2  # once per step: never the tap's and NCCL's both
+
+
+def test_the_recorder_takes_a_groups_transfers_once_nccl_reports_them_and_an_all_to_all_gives_them_back(
+        nccl, library, caplog) -> None:
+    """NCCL's sends and receives are recorded from its records from the step after a communicator matched by name
+    reported one; one matched by rank count alone (torch's two-rank pair communicators look like any group of two)
+    leaves them to the tap; an all-to-all, which NCCL runs as transfers, hands the group's back to the tap."""
+    rec = Recorder(cuda=False)
+    calls = nccl_calls.NcclCalls(profiler.ProfilerDrain(library),
+                                 lambda: [NcclGroup("pp", 2, ("5",)), NcclGroup("tp", 4)])
+    rec.nccl = calls
+    pp, tp = nccl(6, comm_hash=40, n_ranks=2, name=b"5"), nccl(6, comm_hash=41, n_ranks=4)
+
+    def transfers(group: str, comm: Nccl) -> None:
+        for func, collective in ((b"Send", "send_recv"), (b"Recv", "recv")):
+            now = time.perf_counter()
+            rec.ended(group, collective, 4096, now, now + 1e-3)  # the tap: left at once where NCCL's records have it
+            comm.run_p2p([(0, 2_000)], func=func, count=2048, datatype=b"ncclBfloat16", peer=1)
+
+    def all_to_all() -> None:
+        assert not rec.from_nccl("pp", "all_to_all")  # the tap's pre-hook asks, then records it
+        now = time.perf_counter()
+        rec.ended("pp", "all_to_all", 8192, now, now + 1e-3)
+        for func in (b"Send", b"Recv"):  # what NCCL reports of it
+            pp.run_p2p([(0, 9_000)], func=func, count=2048, datatype=b"ncclBfloat16", peer=1)
+
+    def step(n: int, *calls: Callable[[], None]) -> list[tuple[str, float]]:
+        rec.begin_step(n)
+        for call in calls:
+            call()
+        return [(r.key, round(r.duration_s, 6)) for r in sorted(rec.end_step(), key=lambda r: r.seq)]
+
+    tapped = [("pp/send_recv/4096", 1e-3), ("pp/recv/4096", 1e-3)]
+    ours = [("pp/send_recv/4096", 2e-6), ("pp/recv/4096", 2e-6)]
+    tp_tapped = [("tp/send_recv/4096", 1e-3), ("tp/recv/4096", 1e-3)]
+    with caplog.at_level(logging.INFO, logger="lagom.runtime"):
+        both = (lambda: transfers("pp", pp), lambda: transfers("tp", tp))
+        assert step(1, *both) == tapped + tp_tapped  # the communicators appear and are matched at this step's end
+        assert step(2, *both) == tapped + tp_tapped  # pp's reported its transfers: NCCL's records from the next
+        assert step(3, *both) == tp_tapped + ours  # the tap's rows come first, then the profiler's
+        assert step(4, both[0], all_to_all, *both) == [("pp/all_to_all/8192", 1e-3), *tapped, *tp_tapped, *ours[:1],
+                                                      ("pp/recv/4096", 2e-6)]
+        assert step(5, *both) == tapped + tp_tapped
+    assert calls.owned_p2p == {"pp": 3} and set(calls.p2p_to_tap) == {"pp"}
+    assert calls.matches[41] == profiler.GroupMatch("tp", "rank_count")
+    said = [r.getMessage() for r in caplog.records if "sends and receives" in r.getMessage()]
+    assert len(said) == 2 and "NCCL reports pp's sends" in said[0] and "pp ran all_to_all" in said[1]
 
 
 def test_communicators_of_one_size_are_told_apart_by_call_order(nccl, library, caplog) -> None:
@@ -614,14 +689,17 @@ def _tap_beside_nccl_records(rank: int, world_size: int, library: str) -> list[l
         comm = Nccl(lib, 6, comm_hash=0xD0, n_ranks=world_size, name=dist.group.WORLD.group_name.encode())
         t = torch.ones(1024)
         steps = []
-        for step in (1, 2, 3):
+        for step in (1, 2, 3, 4):
             rec.begin_step(step)
             dist.all_reduce(t)
             comm.run(step, [(0, 3_000)], count=1024)  # what NCCL would record of that all-reduce
+            if step == 4:  # the group's first all-to-all: its transfers are the tap's from now on
+                dist.all_to_all_single(torch.empty(2), torch.ones(2))
             if rank == 0:
                 dist.send(t[:16], 1)
             else:
                 dist.recv(t[:16], 0)
+            comm.run_p2p([(0, 3_000)], func=(b"Send", b"Recv")[rank], count=16, datatype=b"ncclFloat32", peer=1 - rank)
             steps.append(sorted((r.key, r.step, r.duration_s == pytest.approx(3e-6)) for r in rec.end_step()))
         return steps
     finally:
@@ -635,8 +713,11 @@ def test_the_torch_tap_leaves_the_collectives_nccls_records_carry_and_records_th
         p2p = ("world/send_recv/64", "world/recv/64")[rank]
         tapped = [("world/all_reduce/4096", 1, False), (p2p, 1, False)]
         assert steps[0] == sorted(tapped), steps[0]  # the communicator appears: the tap has this step's calls
-        for step, got in ((2, steps[1]), (3, steps[2])):  # NCCL's records: the tap's pre-hook leaves the all-reduce
-            assert got == sorted([("world/all_reduce/4096", step, True), (p2p, step, False)]), got
+        # NCCL's records: the tap's pre-hook leaves the all-reduce from step 2, the transfer once NCCL reported one
+        assert steps[1] == sorted([("world/all_reduce/4096", 2, True), (p2p, 2, False)]), steps[1]
+        assert steps[2] == sorted([("world/all_reduce/4096", 3, True), (p2p, 3, True)]), steps[2]
+        assert steps[3] == sorted([("world/all_reduce/4096", 4, True), ("world/all_to_all/8", 4, False),
+                                   (p2p, 4, False)]), steps[3]
 
 
 def test_a_coalesced_launch_is_recorded_as_the_aggregates_nccl_tuned(nccl, library) -> None:
