@@ -23,9 +23,11 @@
    benchmarks/profiler_overhead.py's), then one ``drain()`` per step, alone and with the records turned
    into ``CollectiveRecord`` objects; per collective of the step. Then the recorder's own path
    (lagom.runtime.apply.nccl_calls), on a communicator initialised through the plugin's NCCL entry point
-   and matched to its group: what the calling thread pays per collective (``Recorder.track`` leaving a call
+   and matched to its group by name: what the calling thread pays per call (``Recorder.track`` leaving a call
    NCCL's records carry, as the adapters call it), and ``end_step``'s one drain turned into the recorder's
-   rows, per collective; their sum is the added CPU per collective, amortised over the step.
+   rows, per call; their sum is the added CPU per call, amortised over the step. Once for all-reduces, once
+   for sends (NCCL's P2p records, which the recorder takes once the communicator has reported one). Medians
+   over the steps after the first 100, when the recorder keeps its full 100 step windows, as in a long job.
 
 Runs on torch 2.4 and later; the ``torch hook`` rows need torch's ``FlightRecorderHook`` (2.14+: its
 ``attach`` takes the group alone there, and the group and its ranks in builds that ask for them).
@@ -257,40 +259,47 @@ def _init_communicator(library: Path, comm_hash: int, n_ranks: int, name: bytes)
                                                                       ctypes.byref(mask), name, 1, n_ranks, 0, None)
 
 
-def recorder_on_nccl_records(calls: int, per_step: int = 200) -> dict[str, float]:
-    """The recorder reading NCCL's records: per collective, ``track`` on the calling thread and ``end_step``."""
+WARM_STEPS = 100  # steps before timing: the recorder then keeps its full nccl_calls.WINDOWS step windows
+
+
+def recorder_on_nccl_records(calls: int, per_step: int = 200, collective: str = "all_reduce") -> dict[str, float]:
+    """The recorder reading NCCL's records: per call, ``track`` on the calling thread and ``end_step``.
+    ``collective``: "all_reduce", or "send_recv" for NCCL's P2p records of sends."""
     library = nccl_profiler.path()
     if library is None:
         return {}
-    _init_communicator(library, comm_hash=9, n_ranks=8, name=b"dp")
+    comm_hash = 9 if collective == "all_reduce" else 10  # one communicator each: the library is loaded once
+    _init_communicator(library, comm_hash=comm_hash, n_ranks=8, name=collective.encode())
     reader = profiler_drain.ProfilerDrain(library)
     rec = Recorder(cuda=False)
-    rec.nccl = nccl_calls.NcclCalls(reader, lambda: [nccl_calls.NcclGroup("dp", 8)])
-    record = profiler_drain.RecordC(comm_hash=9, count=1 << 20, n_ranks=8, func=4, algorithm=1, protocol=2,
-                                    type_size=2, channels=8, warps=16, channel_events=8, gpu_start_ns=1,
-                                    gpu_stop_ns=1_000_001)
-    for step in (1, 2):  # the group is matched at the first step's end and recorded from NCCL's from the next
-        rec.begin_step(step)
-        rec.end_step()
+    rec.nccl = nccl_calls.NcclCalls(reader, lambda: [nccl_calls.NcclGroup(collective, 8)])
+    func = profiler_drain.FUNCTIONS.index("all_reduce" if collective == "all_reduce" else "send")
+    record = profiler_drain.RecordC(comm_hash=comm_hash, count=1 << 20, n_ranks=8, func=func, algorithm=1,
+                                    protocol=2, type_size=2, channels=8, warps=16, channel_events=8, gpu_start_ns=1,
+                                    gpu_stop_ns=1_000_001, peer=1)
     tracked, ended = [], []
-    for i in range(max(1, calls // per_step)):
-        rec.begin_step(3 + i)
+    for i in range(WARM_STEPS + max(1, calls // per_step)):
+        # matched at step 0's end; its all-reduces recorded from NCCL's from step 1, its sends from step 2
+        timed = i >= WARM_STEPS
+        rec.begin_step(i)
         cpu = time.thread_time()
-        for _ in range(per_step):
-            rec.track("dp", "all_reduce", 1 << 21)
+        for _ in range(per_step if timed else 1):
+            rec.track(collective, collective, 1 << 21)
         tracked.append((time.thread_time() - cpu) / per_step)
         launched = time.monotonic_ns()
-        for k in range(per_step):  # one launch each, as ungrouped collectives are: started after the last stopped
+        for k in range(per_step if timed else 1):  # one launch each, as ungrouped calls are: after the last stopped
             record.host_start_ns, record.host_stop_ns = launched + k * 100, launched + k * 100 + 50
             reader.push(record)
         cpu = time.thread_time()
         rows = rec.end_step()
         ended.append((time.thread_time() - cpu) / max(1, len(rows)))
-        assert len(rows) == per_step, f"{len(rows)} rows for {per_step} collectives"
-    track_us, end_us = _us(tracked), _us(ended)
-    return {"recorder on NCCL's records: track, left at once (cpu)": track_us,
-            f"recorder on NCCL's records: end_step per collective, step of {per_step} (cpu)": end_us,
-            "recorder on NCCL's records: added per collective (cpu)": track_us + end_us}
+        if timed:
+            assert len(rows) == per_step and all(r.exact for r in rows), f"{len(rows)} rows for {per_step} calls"
+    track_us, end_us = _us(tracked[WARM_STEPS:]), _us(ended[WARM_STEPS:])
+    what = "collective" if collective == "all_reduce" else "send"
+    return {f"recorder on NCCL's records, {collective}: track, left at once (cpu)": track_us,
+            f"recorder on NCCL's records, {collective}: end_step per {what}, step of {per_step} (cpu)": end_us,
+            f"recorder on NCCL's records, {collective}: added per {what} (cpu)": track_us + end_us}
 
 
 def main() -> None:
@@ -298,7 +307,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=5000)
     args = parser.parse_args()
     rows = {**track_alone(args.calls), **profiler_drain_per_call(args.calls), **recorder_on_nccl_records(args.calls),
-            **all_reduce_pair(args.calls)}
+            **recorder_on_nccl_records(args.calls, collective="send_recv"), **all_reduce_pair(args.calls)}
     width = max(map(len, rows))
     for name, us in rows.items():
         print(f"{name:{width}s} {us:8.2f} us")

@@ -464,9 +464,12 @@ def test_the_recorder_takes_a_groups_collectives_from_nccl_from_the_step_after_i
     assert [r.seq for r in second] == [0, 1, 2] and second[2].duration_s == pytest.approx(250e-6)
     rec.begin_step(3)
     dp.channel_end(dp.channel(late, 0, 10), 1_010)
-    third = rec.end_step()  # late, in the step that launched it
-    assert _rows(third) == [("dp", "broadcast", 32, 2, True)] and third[0].duration_s == pytest.approx(1e-6)
-    assert rec.summary()["dp/all_reduce/4096"]["count"] == 2  # once per step: never the tap's and NCCL's both
+    dp.run(5, [(0, 4_000)], count=1024)
+    third = rec.end_step()  # the late one in the step that launched it, numbered after that step's rows
+    assert _rows(third) == [("dp", "broadcast", 32, 2, True), ("dp", "all_reduce", 4096, 3, True)]
+    assert [r.seq for r in third] == [3, 0] and [r.duration_s for r in third] == [pytest.approx(1e-6),
+                                                                                  pytest.approx(4e-6)]
+    assert rec.summary()["dp/all_reduce/4096"]["count"] == 3  # once per call: never the tap's and NCCL's both
 
 
 def test_the_recorder_takes_a_groups_transfers_once_nccl_reports_them_and_an_all_to_all_gives_them_back(

@@ -31,6 +31,7 @@ bytes) equals that of exactly one group of its size, as the tap recorded it in t
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 import time
 import weakref
@@ -52,7 +53,6 @@ from lagom.nccl_profiler.drain import (
     ProfilerDrain,
     group_names,
     joined,
-    launches,
 )
 from lagom.step.calls import CallRecord
 
@@ -71,6 +71,14 @@ NEVER = np.iinfo(np.int64).max
 def row_name(function: str | None) -> str:
     """A record's collective as the recorder, the tap and the plan name it: NCCL's send is a send_recv key's."""
     return "send_recv" if function == "send" else function or "?"
+
+
+def _shares_a_launch(start: np.ndarray, stop: np.ndarray, comm: np.ndarray) -> bool:
+    """Whether two of these collectives are of one launch (a coalesced operation), as ``drain.launches`` numbers
+    them: on the same communicator, one starts before the one before it stopped."""
+    order = np.lexsort((start, comm))
+    start, stop, comm = start[order], stop[order], comm[order]
+    return bool(((comm[1:] == comm[:-1]) & (start[1:] <= stop[:-1])).any())
 
 
 # by a record's function id (a byte): whether its count is one rank's share, whether it is a collective the
@@ -176,36 +184,44 @@ class NcclCalls:
     # -- records to rows ---------------------------------------------------------------------------
     def _rows(self, drained: Drained) -> list[CallRecord]:
         """Rows of the records of taken-over groups; the rest feed call-order matching. Computed on arrays, one
-        Python object per row: this runs for every collective of the job."""
+        Python object per row: this runs for every collective of the job, so each column is read once and the usual
+        step (one window, one communicator, no coalesced launch) skips the general case's sorting and grouping."""
         records = drained.records
         if not len(records) or not self._windows:
             return []
-        windows = list(self._windows)
-        begins = np.array([w.begin_ns for w in windows], dtype=np.int64)
-        ends = np.array([w.end_ns if w.end_ns is not None else np.iinfo(np.int64).max for w in windows], dtype=np.int64)
-        launch = records["host_start_ns"].astype(np.int64)
+        launch = records["host_start_ns"].view(np.int64)  # CLOCK_MONOTONIC ns: well inside int64
+        windows = self._windows_from(int(launch.min()))
+        begins = np.fromiter((w.begin_ns for w in windows), np.int64, len(windows))
+        ends = np.fromiter((NEVER if w.end_ns is None else w.end_ns for w in windows), np.int64, len(windows))
         at = np.searchsorted(begins, launch, side="right") - 1
         inside = (at >= 0) & (launch <= ends[np.maximum(at, 0)])
-        records, launch, at = records[inside], launch[inside], at[inside]
+        if not inside.all():
+            records, launch, at = records[inside], launch[inside], at[inside]
+            if not len(records):
+                return []
         self._keep(records)
-        share = records["count"].astype(np.int64) * records["type_size"]
-        nbytes = np.where(PER_RANK[records["func"]], share * records["n_ranks"], share)
-        gpu = (records["channel_events"] > 0) & (records["gpu_stop_ns"] > records["gpu_start_ns"])
-        host = np.maximum(records["host_stop_ns"].astype(np.int64) - launch, 0)
-        took = np.where(gpu, (records["gpu_stop_ns"] - records["gpu_start_ns"]).astype(np.int64), host)
+        func, comm = records["func"], records["comm_hash"]
+        stop = records["host_stop_ns"].view(np.int64)
+        gpu_start, gpu_stop = records["gpu_start_ns"].view(np.int64), records["gpu_stop_ns"].view(np.int64)
+        share = records["count"].view(np.int64) * records["type_size"]
+        nbytes = np.where(PER_RANK[func], share * records["n_ranks"], share)
+        gpu = (records["channel_events"] > 0) & (gpu_stop > gpu_start)
+        took = np.where(gpu, gpu_stop - gpu_start, np.maximum(stop - launch, 0))
         # per communicator: its group, the first window whose collectives and whose transfers the profiler records
         # (else never), and until when it records the transfers
-        hashes, of_hash = np.unique(records["comm_hash"], return_inverse=True)
+        if (comm == comm[0]).all():
+            hashes, of_hash = comm[:1], np.zeros(len(comm), dtype=np.intp)
+        else:
+            hashes, of_hash = np.unique(comm, return_inverse=True)
         matches = [self.matches.get(h) for h in hashes.tolist()]
         groups = [m.group if m is not None else None for m in matches]
         trusted = [m is not None and m.group is not None and m.method in P2P_TRUSTED for m in matches]
-        since = np.array([self.owned.get(g, NEVER) if g is not None else NEVER for g in groups], dtype=np.int64)
-        since_p2p = np.array([self.owned_p2p.get(g, NEVER) if t and g is not None else NEVER
-                              for g, t in zip(groups, trusted)], dtype=np.int64)
-        until_p2p = np.array([self.p2p_to_tap.get(g, NEVER) if g is not None else NEVER for g in groups], dtype=np.int64)
-        index = np.array([w.index for w in windows], dtype=np.int64)[at]
+        since, since_p2p, until_p2p = np.array(
+            [[self.owned.get(g, NEVER) if g is not None else NEVER for g in groups],
+             [self.owned_p2p.get(g, NEVER) if t and g is not None else NEVER for g, t in zip(groups, trusted)],
+             [self.p2p_to_tap.get(g, NEVER) if g is not None else NEVER for g in groups]], dtype=np.int64)
+        index = np.fromiter((w.index for w in windows), np.int64, len(windows))[at]
         self._remember_unmatched(records, nbytes, launch, at, windows, [g is None for g in groups], of_hash)
-        func = records["func"]
         p2p = IS_P2P[func]
         if p2p.any():
             self._take_p2p_over(groups, trusted, np.unique(of_hash[p2p]).tolist())
@@ -214,23 +230,41 @@ class NcclCalls:
         if not len(taken):
             return []
         colls = taken[~p2p[taken]]  # sends and receives are never joined: each is its own transfer
-        colls = colls[np.lexsort((launch[colls], records["comm_hash"][colls]))]
-        if len(colls) > 1 and np.bincount(launches(launch[colls], records["host_stop_ns"][colls],
-                                                   records["comm_hash"][colls])).max() > 1:
+        if len(colls) > 1 and _shares_a_launch(launch[colls], stop[colls], comm[colls]):
             return self._joined_rows(Drained(records[taken], 0).collectives(), windows)  # a coalesced launch
-        taken = taken[np.argsort(launch[taken], kind="stable")]  # launch order, across communicators
-        at, start_s = at[taken], (launch[taken] - begins[at[taken]]) / 1e9
-        seq = np.empty(len(at), dtype=np.int64)
-        for i in np.unique(at).tolist():  # each window numbers its rows after its tracked calls, in launch order
-            mine = at == i
-            seq[mine] = windows[i].next_seq + np.arange(int(mine.sum()))
-            windows[i].next_seq += int(mine.sum())
-        names = ROW_NAMES[func[taken]]
-        steps = np.array([w.step for w in windows], dtype=np.int64)[at]
+        launched = launch[taken]
+        if not (launched[1:] >= launched[:-1]).all():
+            taken = taken[np.argsort(launched, kind="stable")]  # launch order, across communicators
+            launched = launch[taken]
+        at = at[taken]
+        n = len(taken)
+        if at[0] == at[-1] and (at == at[0]).all():  # one window: this step's, the usual case
+            window = windows[int(at[0])]
+            start_s = (launched - window.begin_ns) / 1e9
+            seq: range | list[int] = range(window.next_seq, window.next_seq + n)
+            window.next_seq += n
+            steps: list[int] = [window.step] * n
+        else:
+            start_s = (launched - begins[at]) / 1e9
+            numbered = np.empty(n, dtype=np.int64)
+            for i in np.unique(at).tolist():  # each window numbers its rows after its tracked calls, in launch order
+                mine = at == i
+                numbered[mine] = windows[i].next_seq + np.arange(int(mine.sum()))
+                windows[i].next_seq += int(mine.sum())
+            seq, steps = numbered.tolist(), np.fromiter((w.step for w in windows), np.int64, len(windows))[at].tolist()
+        names = [groups[0]] * n if len(groups) == 1 else np.array(groups, dtype=object)[of_hash[taken]].tolist()
         return [CallRecord(*row) for row in zip(
-            np.array(groups, dtype=object)[of_hash[taken]].tolist(), names.tolist(), nbytes[taken].tolist(),
-            seq.tolist(), steps.tolist(), start_s.tolist(), (start_s + took[taken] / 1e9).tolist(),
-            gpu[taken].tolist())]
+            names, ROW_NAMES[func[taken]].tolist(), nbytes[taken].tolist(), seq, steps, start_s.tolist(),
+            (start_s + took[taken] / 1e9).tolist(), gpu[taken].tolist())]
+
+    def _windows_from(self, earliest_ns: int) -> list[_Window]:
+        """The windows a record launched at ``earliest_ns`` or later can be in: the last begun by then, and every
+        later one (usually this step's alone, not all ``WINDOWS`` kept)."""
+        windows = self._windows
+        first = len(windows) - 1
+        while first > 0 and windows[first].begin_ns > earliest_ns:
+            first -= 1
+        return list(itertools.islice(windows, first, None))
 
     def _joined_rows(self, records: list[CollectiveRecord], windows: list[_Window]) -> list[CallRecord]:
         """Rows where a launch ran several collectives (a coalesced operation): one per aggregate NCCL planned
