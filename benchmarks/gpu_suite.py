@@ -22,9 +22,10 @@ that fails writes its exact error (``<part>.error``) and the driver goes on with
    3% of the measured best; the figures are written whether or not they are met.
 4. ``profiler``: both of Lagom's plugins loaded into the real NCCL by two ranks on one GPU (as ``two_ranks``),
    all-reduces at two sizes under two tuner rules (ring Simple on 2 channels, ring LL on 1), each call timed by
-   CUDA events around it; the profiler's records, drained as the recorder drains them, must show each rule's
-   algorithm, protocol and channels, and GPU times within the events' (``profiler_vs_events.csv``,
-   ``profiler_nccl.log``).
+   CUDA events around it, then sends from rank 0 to rank 1; the profiler's records, drained as the recorder
+   drains them, must show each rule's algorithm, protocol, channels and chunk (the two ranks' host ids differ,
+   so NCCL moves the data through its network proxy, whose operations report the chunk), each send and receive
+   with its peer and bytes, and GPU times within the events' (``profiler_vs_events.csv``, ``profiler_nccl.log``).
 
 Every part needs a CUDA device: without one the driver says so and runs nothing.
 """
@@ -433,7 +434,8 @@ PROFILED_RULES = ((1 << 20, "ring", "simple", 2, 131072), (8 << 20, "ring", "ll"
 PROFILED_CALLS = 5  # timed calls per size, after one untimed
 # Each rank: NCCL loads both plugins (the environment names them); one untimed call per size, then the timed ones
 # with CUDA events on the current stream around each (the wait torch adds makes the end event follow the
-# collective); the records are drained once, after a pause for the proxy thread's last kernel-channel events.
+# collective), then as many timed sends of the first size from rank 0 to rank 1 (a receive on rank 1); the records
+# are drained once, after a pause for the proxy thread's last kernel-channel events.
 PROFILER_CHECK = """
 import dataclasses, datetime, json, os, sys, time, torch, torch.distributed as dist
 from lagom.nccl_profiler.drain import ProfilerDrain
@@ -452,20 +454,24 @@ torch.cuda.synchronize()
 time.sleep(0.5)
 reader.drain()
 events = []
+def timed(call):
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    call()
+    end.record()
+    return begin, end
 for t in tensors:
-    for _ in range(calls):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        dist.all_reduce(t)
-        end.record()
-        events.append((begin, end))
+    events += [timed(lambda: dist.all_reduce(t)) for _ in range(calls)]
+transfer = (lambda: dist.send(tensors[0], 1)) if rank == 0 else (lambda: dist.recv(tensors[0], 0))
+p2p_events = [timed(transfer) for _ in range(calls)]
 torch.cuda.synchronize()
 time.sleep(0.5)
 records = reader.drain().collectives()
 print("profiled " + json.dumps({"rank": rank, "stats": dataclasses.asdict(reader.stats()), "events_us": [
-    b.elapsed_time(e) * 1e3 for b, e in events], "records": [
-    {"function": r.function, "bytes": r.bytes, "algorithm": r.algorithm, "protocol": r.protocol,
-     "channels": r.channels, "source": r.time_source, "us": r.duration_ns / 1e3} for r in records]}), flush=True)
+    b.elapsed_time(e) * 1e3 for b, e in events], "p2p_events_us": [b.elapsed_time(e) * 1e3 for b, e in p2p_events],
+    "records": [{"function": r.function, "bytes": r.bytes, "algorithm": r.algorithm, "protocol": r.protocol,
+                 "channels": r.channels, "chunk": r.chunk_bytes, "peer": r.peer, "source": r.time_source,
+                 "us": r.duration_ns / 1e3} for r in records]}), flush=True)
 dist.destroy_process_group()
 """
 
@@ -491,24 +497,39 @@ def _profiled(out: Path) -> list[dict[str, Any]]:
         raise AssertionError(f"exit codes {codes}, {len(reports)} ranks reported; see {log.name}")
     rows = []
     for report in reports:
+        rank = report["rank"]
         records = [r for r in report["records"] if r["function"] == "all_reduce"]
-        if len(records) != len(report["events_us"]):
-            raise AssertionError(f"rank {report['rank']}: {len(records)} all-reduce records for "
-                                 f"{len(report['events_us'])} calls; stats {report['stats']}")
+        transfers = [r for r in report["records"] if r["function"] in ("send", "recv")]
+        if len(records) != len(report["events_us"]) or len(transfers) != len(report["p2p_events_us"]):
+            raise AssertionError(f"rank {rank}: {len(records)} all-reduce records for {len(report['events_us'])} "
+                                 f"calls, {len(transfers)} send/recv records for {len(report['p2p_events_us'])}; "
+                                 f"stats {report['stats']}")
         for i, (record, events_us) in enumerate(zip(records, report["events_us"])):
-            nbytes, algorithm, protocol, channels, _ = PROFILED_RULES[i // PROFILED_CALLS]
-            rows.append({"rank": report["rank"], "bytes": nbytes, "rule": f"{algorithm}/{protocol} x{channels}",
-                         "ran": f"{record['algorithm']}/{record['protocol']} x{record['channels']}",
-                         "record_bytes": record["bytes"], "time_source": record["source"],
-                         "profiler_us": round(record["us"], 2), "events_us": round(events_us, 2),
-                         "ratio": round(record["us"] / events_us, 3) if events_us > 0 else None})
+            nbytes, algorithm, protocol, channels, chunk = PROFILED_RULES[i // PROFILED_CALLS]
+            rows.append(_profiled_row(rank, nbytes, f"{algorithm}/{protocol} x{channels} c={chunk}",
+                                      f"{record['algorithm']}/{record['protocol']} x{record['channels']} "
+                                      f"c={record['chunk']}", record, events_us))
+        function, peer = ("send", 1) if rank == 0 else ("recv", 0)
+        for record, events_us in zip(transfers, report["p2p_events_us"]):
+            # NCCL decides a transfer's channels and chunk: the row says what it chose, the check its peer and kind
+            rows.append(_profiled_row(rank, PROFILED_RULES[0][0], f"{function} to/from {peer}",
+                                      f"{record['function']} to/from {record['peer']}", record, events_us,
+                                      f"x{record['channels']} c={record['chunk']}"))
     return rows
+
+
+def _profiled_row(rank: int, nbytes: int, rule: str, ran: str, record: dict[str, Any], events_us: float,
+                  chose: str = "") -> dict[str, Any]:
+    return {"rank": rank, "bytes": nbytes, "rule": rule, "ran": ran, "nccl_chose": chose,
+            "record_bytes": record["bytes"], "time_source": record["source"], "profiler_us": round(record["us"], 2),
+            "events_us": round(events_us, 2), "ratio": round(record["us"] / events_us, 3) if events_us > 0 else None}
 
 
 def part_profiler(out: Path, budget_s: float) -> None:
     """The profiler's account against the rules NCCL was given and against CUDA events (``profiler_vs_events.csv``).
-    A call must run its size's rule and report GPU times no longer than the events around it, nor under a tenth of
-    them (the events also cover the launch and torch's stream wait)."""
+    An all-reduce must run its size's rule, its chunk included (NCCL's network proxy reports it); a send or receive
+    must name its peer and bytes; each must report GPU times no longer than the events around it, nor under a tenth
+    of them (the events also cover the launch and torch's stream wait)."""
     rows = _profiled(out)
     write_csv(out / "profiler_vs_events.csv", rows)
     wrong = [r for r in rows if r["ran"] != r["rule"] or r["record_bytes"] != r["bytes"]]
