@@ -39,7 +39,8 @@ to them. It records the rest, and only while a receiving recorder is inside a st
 agreement all-reduce and plan broadcasts, made between steps, are not the job's traffic. Where NCCL
 loaded Lagom's profiler plugin, the collectives of a group matched to its communicator come from NCCL's
 own records (``lagom.runtime.apply.nccl_calls``): the pre-hook leaves them at once, and the tap goes on
-recording what NCCL does not report there (send/recv, all-to-all) and every group on another backend.
+recording what those records do not carry there (all-to-all; sends and receives until NCCL has reported one of
+the group's, and again after its first all-to-all) and every group on another backend.
 
 Bytes follow Lagom's point convention: the gathered output of an all-gather, the unreduced input of
 a reduce-scatter, the buffer of an all-reduce, broadcast and reduce, what this rank sends for
