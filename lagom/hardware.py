@@ -128,6 +128,10 @@ class Nccl:
     tree_efficiency: float = 0.92  # NCCL's tree all-reduce bus-bandwidth factor
     tree_channel_max_gbps: list[float] = field(default_factory=list)  # per channel by nodes (perChMaxTreeBws)
     nvls_efficiency: float = 0.0  # NVLS bandwidth factor per GPU generation (nvlsEfficiency; 0: no NVLS)
+    # NVLS's time beyond its latency and its bytes at its rate: nvls_fill_us at large messages, half of it at
+    # nvls_fill_half_mib (published-fit; NCCL's tuning has no such term); 0: none
+    nvls_fill_us: float = 0.0
+    nvls_fill_half_mib: float = 1.0
     ce_gbps: float = 0.0  # copy-engine bandwidth per GPU (CTA policy ZERO); 0: no copy-engine collectives
     ce_launch_us: float = 0.0  # one copy-engine transfer's launch cost, paid per peer
     cta_registers: int = 96  # per thread: NCCL builds its kernels with -maxrregcount=96
@@ -237,6 +241,12 @@ def _layers(ref: str, key: str = "hardware", folder: Path | None = None,
     return _layers(base, f"{path.name}: base", path.parent, chain + ((path, label),)) + [layer]
 
 
+def preset_base(name: str) -> str | None:
+    """The preset a preset is built on (its ``base:``), where that is a preset name; None for a file or none."""
+    base = read_mapping(_preset_file(name, "hardware", ())).get("base")
+    return base if isinstance(base, str) and _is_preset_name(base) else None
+
+
 def load_hardware(source: str) -> Hardware:
     """Load a preset by name (``a40-2x8-nvlink``) or a YAML file, strictly: unknown keys are errors."""
     schema = OmegaConf.structured(Hardware)
@@ -263,12 +273,16 @@ def _validate(hw: Hardware) -> None:
         "nccl.max_channels": hw.nccl.max_channels,
         "nccl.nvls_channels": hw.nccl.nvls_channels,
         "nccl.default_chunk_bytes": hw.nccl.default_chunk_bytes,
+        "nccl.nvls_fill_half_mib": hw.nccl.nvls_fill_half_mib,
     }
     if hw.cluster.nodes > 1:
         positive["cluster.inter.gbps"] = hw.cluster.inter.gbps
     for key, value in positive.items():
         if not value or value <= 0:
             raise ConfigError(f"hardware {hw.name}: {key}", f"must be positive, got {value}")
+    if hw.nccl.nvls_fill_us < 0:
+        raise ConfigError(f"hardware {hw.name}: nccl.nvls_fill_us", f"must be 0 or more, got {hw.nccl.nvls_fill_us}",
+                          "set it to 0 where no fit gives it")
     if hw.nccl.max_channels > 64:
         raise ConfigError(f"hardware {hw.name}: nccl.max_channels", f"{hw.nccl.max_channels} exceeds NCCL's 64 channels "
                           "per communicator", "set it to the channels NCCL builds for this topology, at most 64")

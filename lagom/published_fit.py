@@ -6,6 +6,8 @@ preset's ``fit`` points name (``constants: [nccl.nvls_efficiency]``) to those po
 ``lagom validate`` computes them with (``validate.comm_figure``), and checks nothing: the check points are
 ``lagom validate``'s. The preset keeps the values with a ``calibration.published_fit`` record (source
 ``published-fit``, the point ids); ``lagom calibrate`` on a user's machine then overrides them for that machine.
+A preset built on another (``base:``, the same GPU generation: the H200 on the H100) inherits the fitted constants
+its own points do not name, and its record lists them with the base's points that set them.
 
 Collective points (``busbw``, ``latency``) set NCCL constants here. Pair points (a kernel's slowdown beside a
 collective) set the contention constants, by the same fit ``lagom calibrate --contention`` runs on a user's
@@ -25,7 +27,7 @@ from typing import Any
 from lagom.config_file import read_mapping
 from lagom.errors import ConfigError
 from lagom.fidelity import COMM_KINDS, PAIR_KINDS, FidelityPoint, load_suite, needed
-from lagom.hardware import BASE_FILE, Hardware, load_hardware
+from lagom.hardware import BASE_FILE, Hardware, load_hardware, preset_base
 from lagom.model.contention import (
     CONSTANTS,
     PERSISTENT,
@@ -51,6 +53,8 @@ RANGES: dict[str, tuple[float, float]] = {
     "nccl.channel_gbps.nvlink": (5.0, 60.0),
     "nccl.channel_gbps.ib": (2.0, 50.0),
     "nccl.step_overhead_us": (0.0, 20.0),
+    "nccl.nvls_fill_us": (0.0, 300.0),
+    "nccl.nvls_fill_half_mib": (0.25, 256.0),
 }
 # What a pair fit point may name: the constants the contention fit sets (its own ranges).
 CONTENTION = {f"{c.section}.{c.key}": c for c in (*CONSTANTS, PERSISTENT)}
@@ -95,15 +99,18 @@ class PublishedFit:
     median_before: float | None
     median_after: float | None
     contention: ContentionFit | None = None
+    inherited: dict[str, float] = field(default_factory=dict)  # the base preset's fitted constants it keeps
+    inherited_points: list[str] = field(default_factory=list)  # the base's fit points that set them
 
     def record(self) -> dict[str, Any]:
         """What the preset keeps under ``calibration.published_fit``: NCCL's and the contention constants by
-        their place in the profile."""
+        their place in the profile, its own and those inherited from its base preset's fit."""
         fitted = dict(self.constants)
         if self.contention is not None:
             by_key = {c.key: name for name, c in CONTENTION.items()}
             fitted.update({by_key[k]: v for k, v in self.contention.constants.items()})
-        points = self.points + (self.contention.fit_ids if self.contention else [])
+        fitted.update(self.inherited)
+        points = self.points + (self.contention.fit_ids if self.contention else []) + self.inherited_points
         return {"source": "published-fit", "constants": {k: float(f"{v:.4g}") for k, v in fitted.items()},
                 "points": points}
 
@@ -223,9 +230,29 @@ class _Machines:
         return statistics.median(abs(math.expm1(e)) for e in self.log_errors(values, self.points))
 
 
+def inherit(points: list[FidelityPoint], fit: PublishedFit) -> PublishedFit:
+    """``fit`` with the constants of its base preset's fit that its own points do not name (a preset built on
+    another keeps them: same GPU generation), and the base's fit points that name them. The base's values are
+    its record's, which ``tests/test_published_fit.py`` holds to the base's own fit."""
+    base = preset_base(fit.preset)
+    if base is None:
+        return fit
+    record = load_hardware(base).calibration.get("published_fit", {})
+    own = set(fit.constants) | set(fit.uninformed) | {n for n, c in CONTENTION.items()
+                                                      if fit.contention and c.key in fit.contention.constants}
+    kept = {c: float(v) for c, v in record.get("constants", {}).items() if c not in own}
+    setting = [p.spec.id for p in fit_points(points, base) if set(p.spec.constants) & set(kept)]
+    return replace(fit, inherited=kept, inherited_points=setting)
+
+
 def fit_preset(points: list[FidelityPoint], preset: str) -> PublishedFit:
     """Fit the constants the preset's fit points name, by coordinate passes from the preset's own values; each
-    constant on the points that name it."""
+    constant on the points that name it. Then the base preset's fitted constants it does not name (``inherit``)."""
+    return inherit(points, _fit_own(points, preset))
+
+
+def _fit_own(points: list[FidelityPoint], preset: str) -> PublishedFit:
+    """The fit of the constants the preset's own fit points name."""
     mine = fit_points(points, preset)
     contention = fit_contention(points, preset)
     if not mine and contention is None:
@@ -282,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {c}: {result.start[c]:.4g} -> {v:.4g}")
         for c in result.uninformed:
             print(f"  {c}: {result.start[c]:.4g} (the points do not move it)")
+        for c, v in result.inherited.items():
+            print(f"  {c}: {v:.4g} (its base preset's fit)")
         if result.contention is not None:
             fit = result.contention
             print(f"{preset}: {len(fit.fit_ids)} pair fit points, median error {fit.fitted['estimate']['median']:.1%} -> "

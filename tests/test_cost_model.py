@@ -111,11 +111,17 @@ def test_tree_all_reduce_halves_what_the_nic_carries_on_two_nodes():
     assert model.comm_peak_time(AR, group, nbytes) == pytest.approx(nbytes / 12.5e9, rel=1e-12)  # the tree's
 
 
+def _nvls_fill(nbytes: int) -> float:
+    """The H100's published-fit NVLS fill: its full value at large messages, half of it at the half size."""
+    nccl = H100.nccl
+    return nccl.nvls_fill_us * 1e-6 * nbytes / (nbytes + nccl.nvls_fill_half_mib * 2**20)
+
+
 def test_nvls_each_gpu_carries_the_buffer_once():
     model, nbytes = CostModel(H100), GIB
     cfg = CommConfig(algorithm=Algorithm.NVLS, channels=16)
     # 16 CTAs x 36 GB/s exceed NCCL's 370.8 GB/s NVLink4 figure: the link, at the NVLS efficiency of it
-    expected = 25e-6 + nbytes * 7 / 8 / (370.8e9 * H100.nccl.nvls_efficiency)
+    expected = 25e-6 + _nvls_fill(nbytes) + nbytes * 7 / 8 / (370.8e9 * H100.nccl.nvls_efficiency)
     assert model.comm_time(AR, Group("tp", 8, 8, 1), nbytes, cfg) == pytest.approx(expected, rel=1e-12)
 
 
@@ -125,8 +131,21 @@ def test_nvls_under_a_cta_limit_runs_on_that_many_ctas_with_no_floor_of_two(ctas
     # 370.8 GB/s link, bind: 36 GB/s each at the NVLS efficiency, so halving the CTAs doubles the transfer
     model, nbytes = CostModel(H100), GIB
     got = model.comm_time(AR, Group("tp", 8, 8, 1), nbytes, CommConfig(algorithm=Algorithm.NVLS, channels=ctas))
-    expected = 25e-6 + nbytes * 7 / 8 / (ctas * 36e9 * H100.nccl.nvls_efficiency)
+    expected = 25e-6 + _nvls_fill(nbytes) + nbytes * 7 / 8 / (ctas * 36e9 * H100.nccl.nvls_efficiency)
     assert got == pytest.approx(expected, rel=1e-12)
+
+
+def test_the_nvls_fill_grows_with_the_message_and_levels_off():
+    """Published 8-GPU sweeps run slower than latency plus bytes at the NVLS rate from 2 MiB up, by a fill that
+    levels off at large messages: half of it at the half size, nearly all of it at 8 GiB, none without a fit."""
+    group, cfg = Group("tp", 8, 8, 1), CommConfig(algorithm=Algorithm.NVLS, channels=16)
+    fitted, bare = CostModel(H100), CostModel(replace(H100, nccl=replace(H100.nccl, nvls_fill_us=0.0)))
+    half = int(H100.nccl.nvls_fill_half_mib * 2**20)
+    fill = {n: fitted.comm_time(AR, group, n, cfg) - bare.comm_time(AR, group, n, cfg) for n in (1 << 20, half, 1 << 33)}
+    assert H100.nccl.nvls_fill_us > 0
+    assert fill[half] == pytest.approx(H100.nccl.nvls_fill_us * 1e-6 / 2, rel=1e-6)
+    assert fill[1 << 20] < fill[half] < fill[1 << 33] < H100.nccl.nvls_fill_us * 1e-6
+    assert fill[1 << 33] == pytest.approx(H100.nccl.nvls_fill_us * 1e-6, rel=0.01)
 
 
 def test_copy_engines_take_no_sms_but_still_move_hbm():

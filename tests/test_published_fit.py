@@ -67,6 +67,20 @@ def test_shipped_presets_keep_what_the_published_fit_gives_with_its_points(prese
         assert get_constant(hw, constant) == value
 
 
+def test_a_preset_built_on_another_keeps_the_fitted_constants_its_own_points_do_not_name():
+    """The H200 (base: the H100 node) fits its NVLS efficiency to its own peak and keeps the H100's NVLS fill, with
+    the H100 points that set the fill and none that set only what the H200 fits itself; a preset on no other
+    preset inherits nothing."""
+    suite = load_suite()
+    h100 = load_hardware("h100-sxm-8x-400g").calibration["published_fit"]["constants"]
+    result = fit_preset(suite, "h200-sxm-8x-400g")
+    assert list(result.constants) == ["nccl.nvls_efficiency"]
+    assert result.constants["nccl.nvls_efficiency"] != pytest.approx(h100["nccl.nvls_efficiency"], abs=1e-3)
+    assert result.inherited == {c: h100[c] for c in ("nccl.nvls_fill_half_mib", "nccl.nvls_fill_us")}
+    assert result.inherited_points and all(p.startswith("azure-h100-") for p in result.inherited_points)
+    assert fit_preset(suite, "a100-8x-100g").inherited == {}
+
+
 PAIR_COMM = {"collective": "all_gather", "ranks": 8, "bytes": 1 << 28}
 PAIR_KERNELS = [{"gemm": [8192, 4096, 4096]}, {"gemm": [4096, 2048, 2048]}, {"elements": 1 << 23},
                 {"elements": 1 << 25}]

@@ -29,6 +29,7 @@ from lagom.step.graph import Collective, ComputeSegment, Group
 GB = 1e9
 US = 1e-6
 KB = 1024
+MIB = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -244,14 +245,19 @@ class CostModel:
         NCCL runs as many NVLS CTAs as the communicator's NVLS channels, clamped to its CTA limits, one at the
         least (``ncclNvlsTuning``): no floor of two. Its tuning's (nChannels - 1) / nChannels is over the
         topology graph's NVLS channels (the node's NVLS heads), not the CTAs, so it is part of the fitted
-        efficiency and the time scales with the CTAs until the link binds."""
+        efficiency and the time scales with the CTAs until the link binds.
+
+        Published sweeps (8 H100 or H200 on one node) take longer than latency plus bytes at that rate from 2 MiB
+        up, by a fill that grows with the message and levels off: ``nvls_fill_us`` at large messages, half of it at
+        ``nvls_fill_half_mib``. The form is the sweeps', not a mechanism's; it depends on the bytes, not the CTAs."""
         nccl, c = self.hw.nccl, self.hw.cluster
         if not c.nvls or nccl.nvls_efficiency <= 0:
             raise ConfigError(f"hardware {self.hw.name}: cluster.nvls", "NVLS is planned but this machine has no NVLink SHARP",
                               "leave nvls out of the search space or set cluster.nvls and nccl.nvls_efficiency")
         _, factor = ring_shape(coll, group.size, Algorithm.NVLS)
         ctas = max(1, cfg.channels)
-        return nbytes * factor / (min(link_bw, ctas * nccl.channel_gbps["nvlink"] * GB / slow) * nccl.nvls_efficiency)
+        fill = nccl.nvls_fill_us * US * nbytes / (nbytes + nccl.nvls_fill_half_mib * MIB)
+        return fill + nbytes * factor / (min(link_bw, ctas * nccl.channel_gbps["nvlink"] * GB / slow) * nccl.nvls_efficiency)
 
     def _copy_engine_time(self, coll: Collective, group: Group, nbytes: int, link_bw: float) -> float:
         """Copy-engine all-gather / all-to-all: one copy per peer, at the copy engines' rate."""
