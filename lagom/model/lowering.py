@@ -105,7 +105,10 @@ class Lowering:
 
     def pieces(self, d: int, i: int) -> tuple[int, int, int]:
         """(tasks on the compute stream, P2P steps, chunks per peer) of segment (d, i)."""
-        j = self.fused(d, i)
+        return self._pieces(self.fused(d, i))
+
+    def _pieces(self, j: int) -> tuple[int, int, int]:
+        """``pieces`` of the segment that point ``j``'s decomposition splits (NONE: a segment left whole)."""
         if j == NONE:
             return 1, 0, 0
         p = self.ix.points[j]
@@ -166,9 +169,13 @@ class Lowering:
         if queue.kind == STREAM:
             return self._next_slot(queue, pos + 1)
         i, piece = divmod(pos, SLOT)
-        count = self.pieces(queue.device, i)[0 if queue.kind == COMPUTE else 1]
+        return self._after(queue, i, piece, self.pieces(queue.device, i)[0 if queue.kind == COMPUTE else 1])
+
+    def _after(self, queue: Queue, i: int, piece: int, count: int) -> int:
+        """The position after piece ``piece`` of segment ``i`` on a compute or P2P queue that has ``count``
+        pieces (or steps) there."""
         if piece + 1 < count:
-            return pos + 1
+            return i * SLOT + piece + 1
         if queue.kind == COMPUTE:
             return (i + 1) * SLOT if i + 1 < len(self.ix.segments[queue.device]) else END
         return self._next_split_segment(queue.device, queue.group, i)
@@ -249,19 +256,20 @@ class Lowering:
 
     def _shape(self, q: int, pos: int) -> Shape:
         queue, ix = self.queues[q], self.ix
-        d, nxt = queue.device, self._next(q, pos)
+        d = queue.device
         if queue.kind == STREAM:
             j = ix.streams[queue.stream].points[pos]
             p = ix.points[j]
             before = ix.before[j]
             return Shape(True, d, ix.streams[queue.stream].devices, self.released(j), (ix.key(j), False), j, p.collective,
-                         float(p.bytes), True, True, nxt, (self.compute_queue[before[0]],) if before else ())
+                         float(p.bytes), True, True, self._next(q, pos), (self.compute_queue[before[0]],) if before else ())
         i, piece = divmod(pos, SLOT)
         seg = ix.segments[d][i]
         j = self.fused(d, i)
+        count, steps, k = self._pieces(j)
+        nxt = self._after(queue, i, piece, count if queue.kind == COMPUTE else steps)
         if queue.kind == P2P:
             p = ix.points[j]
-            _, steps, k = self.pieces(d, i)
             step_deps = self.released(j) if p.collective == Collective.ALL_GATHER else ((self.compute_queue[d], i * SLOT + piece),)
             return Shape(True, d, (d,), step_deps, (ix.key(j), True), j, Collective.SEND_RECV, p.bytes / (p.group.size * k),
                          piece == 0, piece == steps - 1, nxt, (self.compute_queue[d],))
@@ -269,7 +277,6 @@ class Lowering:
             return Shape(False, d, (d,), self.waits(d, i), (seg.flops, seg.bytes, seg.ctas), NONE, None, 0.0, True, True, nxt,
                          self._ending(d, i))
         p = ix.points[j]
-        count, steps, k = self.pieces(d, i)
         n = p.group.size
         deps: tuple[tuple[int, int], ...] = ()
         if p.collective == Collective.ALL_GATHER:

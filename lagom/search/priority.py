@@ -40,7 +40,7 @@ from lagom.model.windows import (
 )
 from lagom.plan.comm_config import CommConfig, channel_choices, with_communicator_value
 from lagom.search.base import Evaluator, Problem, SearchResult, nccl_configs
-from lagom.step.graph import ComputeSegment
+from lagom.step.graph import ComputeSegment, OverlapPoint
 
 CHECKED_PER_KEY = 4  # candidates per collective confirmed with the evaluator
 WINDOW_CHECKS = 2  # extra checks for a comm-bound collective, from the window ranking
@@ -323,28 +323,34 @@ def shared_segments(problem: Problem, key_of: KeyOf | None = None) -> dict[froze
     covered: dict[frozenset[str], float] = defaultdict(float)
     beside_segments: dict[frozenset[str], dict[tuple, list]] = defaultdict(dict)  # signature -> [segment, count]
     for phase in problem.graph.phases:
+        on_device: dict[int, list[OverlapPoint]] = defaultdict(list)
+        for p in phase.points:
+            if p.peer_device is None:
+                on_device[p.device].append(p)
         for device, segs in phase.segments.items():
             pos = {seg.name: n for n, seg in enumerate(segs)}
-            opened: dict[int, list[str]] = defaultdict(list)
-            closed: dict[int, list[str]] = defaultdict(list)
-            for p in phase.points:
-                if p.device != device or p.peer_device is not None:
-                    continue
+            changes: dict[int, list[tuple[str, int]]] = defaultdict(list)  # position -> (key, +1 opens / -1 closes)
+            for p in on_device.get(device, ()):
                 key = key_of(p)
                 lo, hi = point_span(p, pos, len(segs))
-                opened[lo].append(key)
-                closed[hi].append(key)
+                changes[lo].append((key, 1))
+                changes[hi].append((key, -1))
             running: dict[str, int] = defaultdict(int)
-            for n, seg in enumerate(segs):
-                for key in closed[n]:
-                    running[key] -= 1
-                for key in opened[n]:
-                    running[key] += 1
-                beside = frozenset(key for key, count in running.items() if count > 0)
+            beside: frozenset[str] = frozenset()
+            bounds = sorted(changes)
+            for lo, hi in zip(bounds, [*bounds[1:], len(segs)]):  # the set changes only where a span opens or closes
+                moved = False
+                for key, step in changes[lo]:
+                    running[key] += step
+                    moved |= running[key] == (1 if step > 0 else 0)  # a key starts or stops running
+                if moved:
+                    beside = frozenset(key for key, count in running.items() if count > 0)
                 if len(beside) > 1:
-                    covered[beside] += problem.model.compute_solo(seg) * phase.repeat
-                    counted = beside_segments[beside].setdefault(SEGMENT_SIGNATURE(seg), [seg, 0])
-                    counted[1] += phase.repeat
+                    found = beside_segments[beside]
+                    for seg in segs[lo:hi]:
+                        found.setdefault(SEGMENT_SIGNATURE(seg), [seg, 0])[1] += phase.repeat
+    for beside, found in beside_segments.items():  # costed once per distinct segment, not per occurrence
+        covered[beside] = sum(problem.model.compute_solo(seg) * n for seg, n in found.values())
     return {keys: (seconds, [(seg, within, n) for within, found in beside_segments.items() if within <= keys
                              for seg, n in found.values()])
             for keys, seconds in covered.items() if not any(keys < other for other in covered)}
