@@ -7,9 +7,10 @@ from dataclasses import replace
 import pytest
 
 from lagom.hardware import load_hardware
+from lagom.model.choices import nccl_choice
 from lagom.model.cost_model import CostModel, RunningComm
 from lagom.plan.comm_config import Algorithm, CommConfig, CTAPolicy, Protocol
-from lagom.step.graph import Collective, ComputeSegment, Group
+from lagom.step.graph import Collective, ComputeSegment, Group, OverlapPoint
 
 A100 = load_hardware("a100-8x-100g")
 A100X2 = load_hardware("a100-2x8-100g")
@@ -146,6 +147,20 @@ def test_the_nvls_fill_grows_with_the_message_and_levels_off():
     assert fill[half] == pytest.approx(H100.nccl.nvls_fill_us * 1e-6 / 2, rel=1e-6)
     assert fill[1 << 20] < fill[half] < fill[1 << 33] < H100.nccl.nvls_fill_us * 1e-6
     assert fill[1 << 33] == pytest.approx(H100.nccl.nvls_fill_us * 1e-6, rel=0.01)
+
+
+def test_nccls_pick_does_not_see_the_nvls_fill():
+    """NCCL picks by its own tables, which have no fill: 8 H100s run NVLS from 2 MiB (NVIDIA/nccl-tests #309, its
+    TUNING log) although, with the fill, ring LL is priced faster there; the pick is then priced with the fill."""
+    point = OverlapPoint("ar", AR, Group("tp", 8, 8, 1), 2 << 20, None, None)
+    model = CostModel(H100)
+    ring = CommConfig(algorithm=Algorithm.RING, protocol=Protocol.LL, channels=32)
+    nvls = CommConfig(algorithm=Algorithm.NVLS, protocol=Protocol.SIMPLE, channels=16)
+    priced = {c.algorithm: model.comm_time(AR, point.group, point.bytes, c) for c in (ring, nvls)}
+    assert priced[Algorithm.RING] < priced[Algorithm.NVLS]
+    picked = nccl_choice(point, H100, CommConfig(channels=32), model)
+    assert (picked.algorithm, picked.protocol) == (Algorithm.NVLS, Protocol.SIMPLE)
+    assert model.as_nccl_tunes.hw.nccl.nvls_fill_us == 0 < model.hw.nccl.nvls_fill_us
 
 
 def test_copy_engines_take_no_sms_but_still_move_hbm():

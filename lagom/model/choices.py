@@ -36,11 +36,11 @@ from lagom.step.graph import OverlapPoint
 
 
 def nccl_choice(point: OverlapPoint, hw: Hardware, base: CommConfig, model: Any = None) -> CommConfig:
-    """``base`` with the algorithm and protocol NCCL's own tuning picks for this point (by the cost model);
-    NVLS on NCCL's own NVLS CTAs."""
+    """``base`` with the algorithm and protocol NCCL's own tuning picks for this point (by the cost model, less
+    what NCCL's tuning does not know: ``CostModel.as_nccl_tunes``); NVLS on NCCL's own NVLS CTAs."""
     from lagom.model.cost_model import CostModel  # the model imports this module
 
-    model = model if model is not None else CostModel(hw)
+    model = (model if model is not None else CostModel(hw)).as_nccl_tunes
     options = {(a, pr): replace(base, algorithm=a, protocol=pr,
                                 channels=hw.nccl.nvls_channels if a == Algorithm.NVLS else base.channels)
                for a, pr, _ in subspaces(point, hw, replace(SearchSpace(), transports=(str(base.transport),)))}

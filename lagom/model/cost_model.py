@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 from lagom.errors import ConfigError
 from lagom.hardware import Hardware, Protocol
@@ -70,6 +70,15 @@ class CostModel:
         self.capability = capability or Capability()
         self._comm = lru_cache(maxsize=200_000)(self._comm_time)
         self._lost = lru_cache(maxsize=1024)(self._slots_lost)
+
+    @cached_property
+    def as_nccl_tunes(self) -> CostModel:
+        """This model without what NCCL's own tuning leaves out and a fit added (the NVLS fill): NCCL picks its
+        algorithm and protocol by its latency and bandwidth tables, so a fitted fill must not move its pick
+        (8 H100s run NVLS from 2 MiB, NVIDIA/nccl-tests #309, where NVLS with the fill is priced slower than ring)."""
+        if self.hw.nccl.nvls_fill_us == 0:
+            return self
+        return CostModel(replace(self.hw, nccl=replace(self.hw.nccl, nvls_fill_us=0.0)), self.capability)
 
     # -- communication: links
     def _within_bw(self, group: Group, transport: str) -> float:
