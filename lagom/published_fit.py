@@ -44,7 +44,9 @@ from lagom.resources import HARDWARE_DIR
 from lagom.step.graph import ComputeSegment, OverlapPoint
 from lagom.validate import Machines, aggregate, comm_figure, pair_beside, pair_setup
 
-SWEEPS = 3  # coordinate passes over the constants
+SWEEPS = 60  # coordinate passes over the constants at most: two constants that trade off (the NVLS fill's size and
+# its half size) creep along their valley, so passes go on until none moves a constant by SETTLED of its range
+SETTLED = 1e-4
 NUDGE = 0.05  # share of a constant's range it must be pinned within to count as set by the points
 TIE = 1e-9  # loss per range of distance from the start value: on a flat stretch the start value stays
 # The range searched for each constant a fit point may name.
@@ -286,8 +288,11 @@ def _fit_own(points: list[FidelityPoint], preset: str) -> PublishedFit:
                    for x in (max(low, values[c] - step), min(high, values[c] + step)) if x != values[c])
 
     for _ in range(SWEEPS):
+        before = dict(values)
         for c in names:
             values[c] = best_on(partial(loss, c), *RANGES[c], values[c])
+        if all(abs(values[c] - before[c]) <= SETTLED * (RANGES[c][1] - RANGES[c][0]) for c in names):
+            break
     informed = {c: values[c] for c in names if pinned(c)}
     return PublishedFit(preset, informed, start, [c for c in names if c not in informed], [p.spec.id for p in mine],
                         machines.median_error(start), machines.median_error({**start, **informed}), contention)
