@@ -49,14 +49,17 @@ segment = st.tuples(st.floats(0.05, 3.0), st.floats(1.0, 400.0), st.sampled_from
 def small_problems(draw):
     segs = draw(st.lists(segment, min_size=2, max_size=5))
     points = []
+    nodes_of: dict[str, int] = {}  # one communicator per group name, as in a job: its size is drawn once
     for j in range(2):
         after = draw(st.sampled_from([None, *range(len(segs) - 1)]))
         lo = 0 if after is None else after + 1
         before = draw(st.sampled_from([None, *range(lo, len(segs))]))
         nodes = draw(st.sampled_from([1, 2]))
+        group = draw(st.sampled_from(["dp", "tp", f"g{j}"]))
+        nodes = nodes_of.setdefault(group, nodes)
         points.append({"collective": draw(st.sampled_from(["all_gather", "reduce_scatter", "all_reduce"])),
                        "mb": draw(st.floats(1.0, 300.0)), "after": after, "before": before, "nodes": nodes,
-                       "size": 8 * nodes, "group": draw(st.sampled_from(["dp", "tp", f"g{j}"]))})
+                       "size": 8 * nodes, "group": group})
     return synthetic_problem(segs, points, space=SMALL_SPACE)
 
 
