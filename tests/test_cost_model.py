@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from lagom.hardware import load_hardware
+from lagom.hardware import load_hardware, preset_names
 from lagom.model.choices import nccl_choice
 from lagom.model.cost_model import CostModel, RunningComm
 from lagom.plan.comm_config import Algorithm, CommConfig, CTAPolicy, Protocol
@@ -258,6 +258,16 @@ def test_a_comm_cta_costs_the_gemm_ctas_it_leaves_no_room_for_whatever_its_threa
     # leave 50176 registers, room for it; 544 threads leave 13312: none
     assert model.sm_taken(CommConfig(channels=8, threads=128), 8) == 0.0
     assert model.sm_taken(CommConfig(channels=8, threads=512), 8) == 8.0
+
+
+@pytest.mark.parametrize("preset", preset_names())
+def test_on_every_preset_a_comm_cta_and_a_gemm_cta_never_share_an_sm(preset):
+    # One GEMM CTA per SM on every shipped GPU, and NCCL's CTA (any thread count it launches) leaves no room
+    # for it, as NCCL's maintainers say of its kernels (NVIDIA/nccl #689): so no comm CTA shares an SM's issue
+    # slots with a GEMM CTA, and the model has no such term. A preset where they fit beside each other fails here.
+    model = CostModel(load_hardware(preset))
+    assert model.gemm_ctas_per_sm() == 1
+    assert {model.footprint_slots_lost(t) for t in (64, 128, 288, 544, 640)} == {1}
 
 
 def test_a_persistent_gemm_beside_24_ctas_takes_two_rounds():

@@ -323,7 +323,7 @@ def test_local_measure_keeps_only_the_compute_beside_the_collective(evaluator):
 # - nccl-tests 30%: published figures for one node type differ by up to ~10% between reporters and NCCL
 #   versions (476 vs ~480 GB/s for H100 all-reduce; "~200", "~370" are rounded), and NCCL's own tuning model,
 #   which ours follows, only aims to rank algorithms; 30% is that spread plus a datasheet link rate.
-# - gemm-contention 40%: a model with no contention at all (every ratio 1.0) has a median error of 41% on
+# - gemm-contention 42%: a model with no contention at all (every ratio 1.0) has a median error of 42.3% on
 #   this group; a contention model must at least beat that.
 # - phi2-window 25%: a model in which no setting matters (every speed-up 1.0) has a median error of 25.9%
 #   on this group; the window model exists to tell settings apart, so it must beat that.
@@ -334,7 +334,7 @@ def test_local_measure_keeps_only_the_compute_beside_the_collective(evaluator):
 # - gemm-sequential 15%: a GEMM then its reduce-scatter, each alone: the sum of the GEMM's time at the preset's
 #   efficiency (an estimate, 65% of the bf16 peak on H100) and a ring reduce-scatter the nccl-tests points check
 #   to within ~10%; 15% lets either be ~10% off, not both.
-CHECK_MEDIAN_BOUNDS = {"nccl-tests": 0.20, "gemm-contention": 0.40, "phi2-window": 0.25, "overlap-pairs": 0.45,
+CHECK_MEDIAN_BOUNDS = {"nccl-tests": 0.20, "gemm-contention": 0.42, "phi2-window": 0.25, "overlap-pairs": 0.45,
                        "gemm-sequential": 0.15}
 
 

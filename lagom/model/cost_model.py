@@ -355,7 +355,11 @@ class CostModel:
         return self.footprint_slots_lost(threads) if measured is None else measured
 
     def footprint_slots_lost(self, threads: int) -> int:
-        """GEMM CTAs one comm CTA leaves no room for, from both kernels' registers, shared memory and threads."""
+        """GEMM CTAs one comm CTA leaves no room for, from both kernels' registers, shared memory and threads.
+
+        On every shipped preset this is the SM's one GEMM CTA, whatever the comm CTA's threads: the two never
+        share an SM, as NCCL's maintainers say of its kernels (NVIDIA/nccl #689), so a comm CTA's share of an
+        SM's issue slots beside a GEMM CTA is not priced; a profile where they fit together would need it."""
         g, nccl = self.hw.gpu, self.hw.nccl
         beside = self._resident(g.sm_registers - threads * nccl.cta_registers, g.sm_smem_kb - nccl.cta_smem_kb,
                                 g.sm_threads - threads)
