@@ -11,8 +11,10 @@ tier runs them.
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
+import weakref
 from dataclasses import replace
 
 import pytest
@@ -22,6 +24,7 @@ from hypothesis import strategies as st
 from lagom.errors import LagomError
 from lagom.hardware import load_hardware
 from lagom.model import compiled
+from lagom.model.calibrated import CalibratedModel
 from lagom.model.cost_model import CostModel
 from lagom.model.simulator import Simulator, StepResult
 from lagom.plan.comm_config import CommConfig, Decomposition, default_config
@@ -58,7 +61,7 @@ def _agree(fast: StepResult, ref: StepResult) -> None:
 def _both_ways(graph: StepGraph, configs: dict[str, CommConfig], model: CostModel) -> None:
     """Every task (extrapolate=False), then with the steady-state jumps: the loops agree, and jump alike."""
     for extrapolate in (False, True):
-        fast = Simulator(graph, compiled_loop=True).run(configs, model, extrapolate=extrapolate)
+        fast = Simulator(graph, compiled_loop=True).run(configs, model, extrapolate=extrapolate, timings=True)
         ref = Simulator(graph, compiled_loop=False).run(configs, model, extrapolate=extrapolate)
         assert fast.tasks_simulated == ref.tasks_simulated
         assert [ph.periods_skipped for ph in fast.phases] == [ph.periods_skipped for ph in ref.phases]
@@ -99,7 +102,54 @@ def test_a_search_on_the_compiled_loop_reuses_its_arrays_and_agrees_run_after_ru
             configs = {**base, key: replace(base[key], channels=channels)}
             _agree(sim.run(configs, problem.model),
                    Simulator(problem.graph, compiled_loop=False).run(configs, problem.model))
-    assert len(sim._arrays) == 1  # one decomposition choice: lowered once
+    assert len(sim.lowered()) == 1  # one decomposition choice: lowered once
+
+
+def test_a_search_run_pins_neither_arrays_nor_records_and_its_timings_come_back_the_same():
+    """A search's results outlive the arrays its Simulator keeps (its trails, a strategy's best): they hold on to
+    neither those arrays nor per-collective records; asked for its timings, a result simulates the phase again
+    and gets what a run that kept them has, unless the model has changed since."""
+    wl = load_workload("bert-pp4")
+    problem = problem_for(wl, load_hardware(wl.hardware))
+    configs = nccl_configs(problem)
+    model = CalibratedModel(problem.hw)
+    sim = Simulator(problem.graph, compiled_loop=True)
+    result = sim.run(configs, model)
+    arrays = weakref.ref(next(iter(sim.lowered().values())))
+    del sim  # its kept arrays go with it
+    gc.collect()
+    assert arrays() is None
+    kept = Simulator(problem.graph, compiled_loop=True).run(configs, model, timings=True)
+    assert [ph.points for ph in result.phases] == [ph.points for ph in kept.phases]
+    key = next(iter(configs))
+    other = Simulator(problem.graph, compiled_loop=True).run({**configs, key: replace(configs[key], channels=2)}, model)
+    model.compute_scale = 1.5
+    with pytest.raises(LagomError, match="model has changed"):
+        _ = other.phases[0].points
+
+
+def test_simulators_share_one_budget_of_kept_arrays_and_make_room_before_lowering(monkeypatch):
+    """Two Simulators alive (a tune's bucket scales) keep their arrays within one budget, least recently used
+    dropped first; a lowering first makes room for the largest arrays lowered so far."""
+    import lagom.model.simulator as simulator
+
+    wl = load_workload("bert-pp4")
+    problem = problem_for(wl, load_hardware(wl.hardware))
+    configs = nccl_configs(problem)
+    key = next(iter(configs))
+    split = {**configs, key: replace(configs[key], decomposition=Decomposition.P2P, num_chunks=1)}
+    first, second = Simulator(problem.graph, compiled_loop=True), Simulator(problem.graph, compiled_loop=True)
+    first.run(configs, problem.model)
+    budget = next(iter(first.lowered().values())).nbytes
+    monkeypatch.setattr(simulator, "ARRAYS_KEPT", budget + 1)
+    expected = second.run(configs, problem.model)
+    assert not first.lowered() and len(second.lowered()) == 1  # the least recently used went
+    held: list[int] = []
+    lower = compiled.lower
+    monkeypatch.setattr(compiled, "lower", lambda lw: held.append(sum(a.nbytes for a in second.lowered().values())) or lower(lw))
+    second.run(split, problem.model)  # another split: room made first
+    assert held == [0]
+    _agree(second.run(configs, problem.model, timings=True), expected)
 
 
 HW = load_hardware("h100-sxm-4x8-400g")

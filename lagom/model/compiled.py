@@ -121,7 +121,8 @@ class PhaseArrays:
     """One phase under one choice of decompositions, as the C loop reads it: tasks numbered queue by queue."""
 
     lowering: Lowering
-    positions: list[np.ndarray]  # per queue: its tasks' positions in the lowering
+    position: np.ndarray  # per task: its position in the lowering
+    positions: list[np.ndarray]  # per queue: its tasks' positions (views into ``position``)
     queue_first: np.ndarray
     task_queue: np.ndarray  # per task: its queue
     comm: np.ndarray
@@ -153,10 +154,11 @@ class PhaseArrays:
     def tasks(self) -> int:
         return int(self.queue_first[-1])
 
-    @cached_property
-    def flat_positions(self) -> np.ndarray:
-        """Every task's position, by task number."""
-        return np.concatenate(self.positions).astype(np.int64) if self.positions else np.zeros(0, dtype=np.int64)
+    @property
+    def nbytes(self) -> int:
+        """Bytes its arrays take (what a Simulator's budget counts)."""
+        return sum(v.nbytes for v in vars(self).values() if isinstance(v, np.ndarray)) + \
+            sum(check.nbytes for check in self._boundaries.values())
 
     @cached_property
     def band(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -220,6 +222,12 @@ class _Rows:
         return _Rows((self.pos + on * shift).ravel(), tile(self.comm), tile(self.first), tile(self.last),
                      tile(self.device), tile(self.cost), tile(self.n_dev), tile(self.dev), tile(self.n_dep),
                      tile(self.dep_queue), (self.dep_pos + on * dep_shift).ravel(), tile(self.n_wake), tile(self.wake))
+
+    def take(self, name: str) -> np.ndarray:
+        """Field ``name``, no longer held here (an empty array in its place)."""
+        out = getattr(self, name)
+        setattr(self, name, out[:0].copy())
+        return out
 
     @staticmethod
     def join(parts: list[_Rows]) -> _Rows:
@@ -388,14 +396,22 @@ def lower(lowering: Lowering) -> PhaseArrays:
 
 def _arrays(lowering: Lowering, per_queue: list[_Rows], devices: list[int], dense: dict[int, int],
             cost_ids: dict[tuple, int], cost_task: list[tuple[int, int]]) -> PhaseArrays:
+    """The queues' rows as the phase's arrays, joined one field at a time and each queue's copy of a field
+    dropped once joined: a phase's rows run to hundreds of MB at cluster scale, and joining them whole held
+    them twice (and their counts and the dependencies' (queue, position) pairs beside the arrays built from them)."""
     ix = lowering.ix
-    rows = _Rows.join(per_queue)
-    positions = [r.pos for r in per_queue]
-    queue_first = np.zeros(len(per_queue) + 1, dtype=np.int32)
-    np.cumsum([len(p) for p in positions], out=queue_first[1:])
-    dep_list = _task_numbers(positions, queue_first, rows.dep_queue, rows.dep_pos, ix.phase.name)
-    record = np.full(len(rows.comm), -1, dtype=np.int32)
-    record_task = np.flatnonzero(rows.comm).astype(np.int32)
+    queue_first = _offsets([len(r.pos) for r in per_queue])
+    position = _join(per_queue, "pos")
+    positions = [position[a:b] for a, b in zip(queue_first[:-1].tolist(), queue_first[1:].tolist())]
+    dep_list = np.empty(sum(len(r.dep_queue) for r in per_queue), dtype=np.int32)
+    at = 0
+    for r in per_queue:  # the dependencies' (queue, position) pairs as task numbers, a queue's at a time
+        dep_queue, dep_pos = r.take("dep_queue"), r.take("dep_pos")
+        dep_list[at:at + len(dep_queue)] = _task_numbers(positions, queue_first, dep_queue, dep_pos, ix.phase.name)
+        at += len(dep_queue)
+    comm = _join(per_queue, "comm")
+    record = np.full(len(comm), -1, dtype=np.int32)
+    record_task = np.flatnonzero(comm).astype(np.int32)
     record[record_task] = np.arange(len(record_task), dtype=np.int32)
     costs = list(cost_ids)
     keys = list(dict.fromkeys(c[0] for c in costs if isinstance(c[0], str)))
@@ -409,18 +425,34 @@ def _arrays(lowering: Lowering, per_queue: list[_Rows], devices: list[int], dens
     compute_queue = np.full(len(devices), -1, dtype=np.int32)
     for d, q in lowering.compute_queue.items():
         compute_queue[dense[d]] = q
-    def offsets(counts: np.ndarray) -> np.ndarray:
-        out = np.zeros(len(counts) + 1, dtype=np.int32)
-        np.cumsum(counts, out=out[1:])
-        return out
 
     return PhaseArrays(
-        lowering, positions, queue_first, np.repeat(np.arange(len(positions), dtype=np.int32), np.diff(queue_first)),
-        rows.comm, rows.first, rows.last, rows.device, rows.cost, record,
-        offsets(rows.n_dev), rows.dev, offsets(rows.n_dep), dep_list, offsets(rows.n_wake), rows.wake, costs, cost_task,
-        keys, np.asarray(cost_key, dtype=np.int32), np.frombuffer(bytes(cross), dtype=np.uint8).copy(),
-        np.frombuffer(bytes(one_way), dtype=np.uint8).copy(), compute_queue,
-        np.asarray([dense[d] for d in ix.devices], dtype=np.int32), record_task)
+        lowering, position, positions, queue_first,
+        np.repeat(np.arange(len(positions), dtype=np.int32), np.diff(queue_first)),
+        comm, _join(per_queue, "first"), _join(per_queue, "last"), _join(per_queue, "device"),
+        _join(per_queue, "cost"), record, _join(per_queue, "n_dev", counts=True), _join(per_queue, "dev"),
+        _join(per_queue, "n_dep", counts=True), dep_list, _join(per_queue, "n_wake", counts=True),
+        _join(per_queue, "wake"), costs, cost_task, keys, np.asarray(cost_key, dtype=np.int32),
+        np.frombuffer(bytes(cross), dtype=np.uint8).copy(), np.frombuffer(bytes(one_way), dtype=np.uint8).copy(),
+        compute_queue, np.asarray([dense[d] for d in ix.devices], dtype=np.int32), record_task)
+
+
+def _offsets(counts: list[int]) -> np.ndarray:
+    out = np.zeros(len(counts) + 1, dtype=np.int32)
+    np.cumsum(counts, out=out[1:])
+    return out
+
+
+def _join(per_queue: list[_Rows], name: str, counts: bool = False) -> np.ndarray:
+    """Field ``name`` of every queue's rows as one array, each queue's copy dropped; ``counts``: a count per row,
+    joined as the offsets of each row's items (one more than the rows)."""
+    parts = [r.take(name) for r in per_queue]
+    if not counts:
+        return np.concatenate(parts)
+    out = np.zeros(sum(len(p) for p in parts) + 1, dtype=np.int32)
+    np.concatenate(parts, out=out[1:])
+    np.cumsum(out[1:], out=out[1:])
+    return out
 
 
 def _task_numbers(positions: list[np.ndarray], queue_first: np.ndarray, queue: np.ndarray, pos: np.ndarray,
@@ -439,7 +471,7 @@ def _task_numbers(positions: list[np.ndarray], queue_first: np.ndarray, queue: n
 @dataclass
 class Outcome:
     """One compiled run of a phase: what the reference's ``_PhaseRun.simulate`` sums, and per comm task
-    (record) its start, end, solo and exposed time."""
+    (record) its start, end, solo and exposed time (empty arrays where the run kept no records)."""
 
     now: float
     exposed: float
@@ -454,6 +486,8 @@ class Outcome:
     def records(self, arrays: PhaseArrays) -> list[tuple]:
         """The reference's records: (queue, position, start, end, solo, exposed) per comm task simulated (those of
         periods a jump skipped take their images' timings, as the reference's do)."""
+        if len(self.start) != len(arrays.record_task):
+            raise LagomError(f"a compiled run of phase {arrays.lowering.ix.phase.name} kept no records")
         out = []
         for r, task in enumerate(arrays.record_task.tolist()):
             if math.isnan(self.start[r]):
@@ -472,22 +506,24 @@ class LoopRun:
     ``run`` is the reference's ``_PhaseRun`` for this run's configs: its memoised cost methods answer the C
     loop's callback, so both loops ask the model the same questions. A probe (``parent`` given, with its running
     heads' ``remaining``) keeps no per-collective records and shares its parent's boundaries, callback and memo
-    of durations; close it before its parent. ``check`` is the arrays' (``PhaseArrays.boundaries``), which keep
+    of durations; close it before its parent. ``records=False``: no run keeps them either (a search reads sums,
+    and a step's records at cluster scale are tens of MB a run). ``check`` is the arrays' (``PhaseArrays.boundaries``), which keep
     it alive as long as the C run reads it."""
 
     def __init__(self, arrays: PhaseArrays, run: Any, model: CostModel | None, check: np.ndarray | None,
-                 parent: LoopRun | None = None, remaining: np.ndarray | None = None) -> None:
+                 parent: LoopRun | None = None, remaining: np.ndarray | None = None, records: bool = True) -> None:
         lib = _library()
         if lib is None:
             raise LagomError("the compiled simulator is not built")
         self.lib, self.arrays = lib, arrays
         self.failed: list[BaseException] = []
-        keys, records = len(arrays.keys), len(arrays.record_task)
+        recorded = parent is None and records
+        keys, kept = len(arrays.keys), len(arrays.record_task) if recorded else 0
         if parent is None:
             self.totals, self.touched = np.zeros(4 * keys), np.zeros(keys, dtype=np.int32)
             self.first_start = np.full(keys, np.inf)
-            self.start = np.full(records, np.nan)  # NaN: a record the run skipped (a jump) or never reached
-            self.end, self.solo, self.exposed = np.zeros(records), np.zeros(records), np.zeros(records)
+            self.start = np.full(kept, np.nan)  # NaN: a record the run skipped (a jump) or never reached
+            self.end, self.solo, self.exposed = np.zeros(kept), np.zeros(kept), np.zeros(kept)
         else:
             self.totals, self.touched = parent.totals.copy(), parent.touched.copy()
             self.first_start = parent.first_start.copy()
@@ -495,7 +531,6 @@ class LoopRun:
         self.remaining = np.zeros(len(arrays.positions))
         self.seq = np.zeros(len(arrays.positions), dtype=np.int64)
         self._state_out = (_ptr(self.remaining, _f64), _ptr(self.seq, _i64))  # read at every pause
-        recorded = parent is None
         self._result = _Result(0.0, 0.0, 0, _ptr(self.totals, _f64), _ptr(self.touched, _i32),
                                _ptr(self.first_start, _f64), *(
                                    (_ptr(a, _f64) for a in (self.start, self.end, self.solo, self.exposed))
@@ -559,7 +594,7 @@ class LoopRun:
     def positions(self) -> list[int]:
         """Each queue's head as the lowering's position (END past its last task)."""
         a = self.arrays
-        at = a.flat_positions[np.minimum(self.heads, a.tasks - 1)]
+        at = a.position[np.minimum(self.heads, a.tasks - 1)]
         at[self.heads >= a.queue_first[1:]] = END
         return at.tolist()
 
@@ -648,7 +683,7 @@ def _struct(arrays: PhaseArrays, run: Any, model: CostModel) -> _Phase:
             _ptr(a.record, _i32), _ptr(a.dev_off, _i32), _ptr(a.dev_list, _i32), _ptr(a.dep_off, _i32),
             _ptr(a.dep_list, _i32), _ptr(a.wake_off, _i32), _ptr(a.wake_list, _i32), _ptr(a.cost_key, _i32),
             _ptr(a.cost_cross, _u8), _ptr(a.cost_one_way, _u8), None, None, None, _ptr(a.compute_queue, _i32),
-            _ptr(a.blame_device, _i32), _ptr(a.flat_positions, _i64), *(_ptr(x, kind) for x, kind in zip(a.band, (_i64, _i32, _i64, _i64))))
+            _ptr(a.blame_device, _i32), _ptr(a.position, _i64), *(_ptr(x, kind) for x, kind in zip(a.band, (_i64, _i32, _i64, _i64))))
     arrays._costs = (solo, launch, util)  # the struct points into them: they live as long as the arrays' struct
     struct.cost_solo, struct.cost_launch, struct.cost_util = _ptr(solo, _f64), _ptr(launch, _f64), _ptr(util, _f64)
     return struct

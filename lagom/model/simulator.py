@@ -44,8 +44,11 @@ they are what keeps the Python loop's searches within minutes without a compiler
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
-from collections import Counter, defaultdict
+import threading
+import weakref
+from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -77,7 +80,7 @@ CHECKPOINT_EVERY = 400  # tasks started between checkpoints
 TRAILS_KEPT = 3  # earlier runs whose checkpoints a Simulator keeps
 LOWERINGS_KEPT = 8  # decomposition choices whose task shapes a Simulator keeps
 SHAPES_KEPT = 200_000  # task shapes a Simulator keeps over all its lowerings (about 400 bytes each)
-ARRAYS_KEPT = 4_000_000  # tasks a Simulator keeps lowered to arrays for the compiled loop (about 60 bytes each)
+ARRAYS_KEPT = 256 << 20  # bytes of arrays lowered for the compiled loop kept, all Simulators together (~51 a task)
 INF = float("inf")
 
 Configs = dict[str, CommConfig]
@@ -219,7 +222,8 @@ class Simulator:
         self.compiled_loop = compiled.enabled() if compiled_loop is None else compiled_loop
         self._indexes: list[PhaseIndex | None] = [None] * len(graph.phases)
         self._lowerings: dict[tuple[int, frozenset, bool], Lowering] = {}
-        self._arrays: dict[tuple[int, frozenset], compiled.PhaseArrays] = {}
+        self._owner = next(_OWNERS)  # its arrays' key in _KEPT, dropped with it
+        weakref.finalize(self, _KEPT.drop, self._owner)
         self._statics: dict[int, tuple[dict, dict]] = {}
         self._trails: list[_Trail] = []
 
@@ -229,11 +233,14 @@ class Simulator:
             idx = self._indexes[i] = PhaseIndex(self.graph.phases[i])
         return idx
 
-    def run(self, configs: Configs, model: CostModel, *, keep_spans: bool = False, extrapolate: bool = True) -> StepResult:
+    def run(self, configs: Configs, model: CostModel, *, keep_spans: bool = False, extrapolate: bool = True,
+            timings: bool = False) -> StepResult:
         """Simulate one step with the given per-key configs (missing keys get NCCL's defaults).
 
         ``keep_spans`` records every task's span for plots (and simulates every period);
-        ``extrapolate=False`` simulates every period too (the steady-state check's reference).
+        ``extrapolate=False`` simulates every period too (the steady-state check's reference);
+        ``timings``: the compiled loop keeps every collective's timing for ``PhaseResult.points``; without, a
+        search's runs keep none (tens of MB a run at cluster scale) and ``points`` simulates the phase again.
         """
         default = default_config(model.hw)
         extrapolate = extrapolate and not keep_spans
@@ -260,7 +267,7 @@ class Simulator:
                 left.append(reuse)
                 continue
             if self.compiled_loop and not keep_spans:
-                result, first_start = self._compiled(i, split, configs, model, default, extrapolate)
+                result, first_start = self._compiled(i, split, configs, model, default, extrapolate, timings)
                 phases.append(result)
                 left.append((result, first_start, [], []))  # no checkpoints: a later run reuses it whole or not at all
                 continue
@@ -295,25 +302,42 @@ class Simulator:
         return out
 
     def _compiled(self, i: int, split: frozenset, configs: Configs, model: CostModel, default: CommConfig,
-                  extrapolate: bool) -> tuple[PhaseResult, dict[str, float]]:
+                  extrapolate: bool, timings: bool) -> tuple[PhaseResult, dict[str, float]]:
         """One phase on the compiled loop, from arrays lowered once per choice of decompositions, with the
         steady-state jumps where ``extrapolate``; with when each key's first collective started (what tells a
-        later run whether it may reuse this phase)."""
-        arrays = self._arrays.pop((i, split), None) or compiled.lower(self._lowering(i, split, True))
-        self._arrays[(i, split)] = arrays  # most recently used last
-        while sum(a.tasks for a in self._arrays.values()) > ARRAYS_KEPT and len(self._arrays) > 1:
-            del self._arrays[next(iter(self._arrays))]
-        run = _CompiledPhaseRun(arrays, configs, model, default, extrapolate)
+        later run whether it may reuse this phase). The result's ``points`` hold on to neither the arrays nor,
+        without ``timings``, the records: a search's results outlive both (its trails and bests), and pinning
+        them for timings that are rarely asked for held gigabytes."""
+        run = _CompiledPhaseRun(self._lowered(i, split), configs, model, default, extrapolate, timings)
         outcome = run.simulate_loop()
+        simulator, graph = weakref.ref(self), self.graph
 
-        def timings() -> list[PointTiming]:
-            run.records = outcome.records(arrays)
+        def recorded() -> list[PointTiming]:
+            sim = simulator()
+            run.records = outcome.records(sim._lowered(i, split) if sim is not None else compiled.lower(run.lw))
             return run._point_timings()
 
-        phase = self.graph.phases[i]
+        state, configs = _model_state(model), dict(configs)
+
+        def again() -> list[PointTiming]:
+            if _model_state(model) != state:
+                raise LagomError(f"the collectives' timings of phase {graph.phases[i].name} were not kept, and the "
+                                 "model has changed since the run: simulate the step again with timings=True")
+            sim = simulator() or Simulator(graph)
+            return sim._compiled(i, split, configs, model, default, extrapolate, True)[0].points
+
+        phase = graph.phases[i]
         return PhaseResult(phase.name, phase.repeat, outcome.now, outcome.exposed, *self._static(i, model),
                            outcome.key_totals, [], outcome.tasks, sum(j.periods for j in run.jumps), None,
-                           timings), outcome.first_start
+                           recorded if timings else again), outcome.first_start
+
+    def _lowered(self, i: int, split: frozenset) -> compiled.PhaseArrays:
+        """Phase ``i`` lowered to arrays under ``split``: kept from an earlier run, or lowered now."""
+        return _KEPT.arrays(self._owner, i, split, lambda: self._lowering(i, split, True))
+
+    def lowered(self) -> dict[tuple[int, frozenset], compiled.PhaseArrays]:
+        """The arrays kept for this Simulator's runs, by phase and choice of decompositions."""
+        return _KEPT.of(self._owner)
 
     def _lowering(self, i: int, split: frozenset, band: bool) -> Lowering:
         key = (i, split, band)
@@ -346,10 +370,57 @@ class Simulator:
         return compute, peak
 
 
+class _KeptArrays:
+    """The arrays lowered for the compiled loop, kept for the runs to come of every Simulator in the process within
+    one budget (ARRAYS_KEPT bytes), least recently used dropped first: a tune keeps several Simulators alive (one
+    per bucket scale), and each keeping its own hundreds of MB was most of its peak. Before a lowering, room is
+    made for the largest arrays lowered so far, so the new arrays and the lowering's transient do not come on
+    top of a full budget. Simulators may run in threads of
+    their own (a search beside the job): the bookkeeping holds a lock, the lowering does not."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._kept: OrderedDict[tuple[int, int, frozenset], compiled.PhaseArrays] = OrderedDict()  # (owner, phase, split)
+        self._largest = 0  # bytes of the largest arrays lowered so far
+
+    def arrays(self, owner: int, i: int, split: frozenset, lowering: Callable[[], Lowering]) -> compiled.PhaseArrays:
+        key = (owner, i, split)
+        with self._lock:
+            arrays = self._kept.pop(key, None)
+            if arrays is None:
+                self._fit(self._largest, 0)
+        if arrays is None:
+            arrays = compiled.lower(lowering())
+        with self._lock:
+            self._kept[key] = arrays  # most recently used last
+            self._largest = max(self._largest, arrays.nbytes)
+            self._fit(0, 1)
+        return arrays
+
+    def _fit(self, room: int, keep: int) -> None:
+        """Drop the least recently used until ``room`` more bytes fit, keeping the ``keep`` most recent."""
+        while len(self._kept) > keep and sum(a.nbytes for a in self._kept.values()) + room > ARRAYS_KEPT:
+            self._kept.popitem(last=False)
+
+    def of(self, owner: int) -> dict[tuple[int, frozenset], compiled.PhaseArrays]:
+        with self._lock:
+            return {(i, split): a for (o, i, split), a in self._kept.items() if o == owner}
+
+    def drop(self, owner: int) -> None:
+        """Everything of a Simulator that is gone."""
+        with self._lock:
+            for key in [k for k in self._kept if k[0] == owner]:
+                del self._kept[key]
+
+
+_KEPT = _KeptArrays()
+_OWNERS = itertools.count()
+
+
 def simulate(graph: StepGraph, configs: Configs, model: CostModel, *, keep_spans: bool = False) -> StepResult:
     """Simulate one step with the given per-key configs (missing keys get NCCL's defaults). Callers that
     simulate one graph many times (a search, a calibration) keep a Simulator instead."""
-    return Simulator(graph).run(configs, model, keep_spans=keep_spans)
+    return Simulator(graph).run(configs, model, keep_spans=keep_spans, timings=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1066,13 +1137,14 @@ class _CompiledPhaseRun(_PhaseRun):
     the state, probing and moving it run in C). No checkpoints: a run resumes none."""
 
     def __init__(self, arrays: compiled.PhaseArrays, configs: Configs, model: CostModel, default: CommConfig,
-                 extrapolate: bool) -> None:
+                 extrapolate: bool, records: bool) -> None:
         super().__init__(arrays.lowering, configs, model, default, False)
         self.arrays = arrays
         queues = arrays.lowering.queues
         self.band_ref = next((q for q, queue in enumerate(queues) if queue.kind == COMPUTE and queue.shift), None) \
             if extrapolate else None
-        self.loop = compiled.LoopRun(arrays, self, model, None if self.band_ref is None else arrays.boundaries(self.band_ref))
+        self.loop = compiled.LoopRun(arrays, self, model, None if self.band_ref is None else arrays.boundaries(self.band_ref),
+                                     records=records)
 
     def simulate_loop(self) -> compiled.Outcome:
         loop, ref = self.loop, self.band_ref
@@ -1091,7 +1163,8 @@ class _CompiledPhaseRun(_PhaseRun):
             return loop.outcome()
         finally:
             loop.close()
-            self.history = []  # the run is kept for its timings: not the states it compared
+            self.history = []  # the run is kept for its timings: not the states it compared, nor the arrays
+            del self.loop, self.arrays
 
     def _seen_of(self, loop: compiled.LoopRun, heads: list[int]) -> _Seen | None:
         running = {q: float(r) for q, r in enumerate(loop.remaining.tolist()) if not math.isnan(r)}
