@@ -213,6 +213,7 @@ def drive(name: str, space: Space, budget: Budget | None = None) -> Found:
         return Found(1.0, problem, evaluator.found(name))
     if name not in BUCKET_SCALED or not _has_buckets(problem):
         return found
+    del evaluator  # its simulator: what ``space.rest`` lets go of while the other bucket sizes are searched
     return _bucket_sizes(space, found, budget)
 
 
@@ -293,23 +294,33 @@ def _bucket_sizes(space: Space, central: Found, budget: Budget) -> Found:
         if scale == 1.0 or budget.cut is not None:
             continue
         space.rest(best.scale)  # searched: at most its baseline is asked for again, from its results
-        problem = space.problem(scale).with_process(central.result.process or central.problem.settings)
-        changed = {k for k, pts in problem.keys.items() if len(central.problem.keys.get(k, ())) != len(pts)}
-        evaluator = _BestSoFar(space.evaluator(scale), problem, step_time, budget)
-        try:
-            found = settle_communicators(problem, evaluator, refine(problem, evaluator, central.result, changed))
-        except BudgetSpent:
-            if evaluator.best is None:  # nothing at this scale NCCL could run: the scales before stand
-                space.forget(scale)
-                continue
-            found = evaluator.found(central.result.strategy)
-        found.process = problem.settings
-        evaluations += found.evaluations
-        if found.result.step_s < best.result.result.step_s:
+        trial = _one_scale(space, scale, central, budget)
+        if trial is None:  # nothing at this scale NCCL could run: the scales before stand
+            space.forget(scale)
+            continue
+        evaluations += trial.result.evaluations
+        if trial.result.result.step_s < best.result.result.step_s:
             if best is not central:
                 space.forget(best.scale)
-            best = Found(scale, problem, found)
+            best = trial
         else:
             space.forget(scale)
+        del trial  # a forgotten scale's graph goes before the next one is built
     best.result.evaluations = evaluations
     return best
+
+
+def _one_scale(space: Space, scale: float, central: Found, budget: Budget) -> Found | None:
+    """One bucket scale searched on the keys its size changes; None where the budget ran out before NCCL's own
+    settings were evaluated there. Its evaluator (and simulator) go when it returns."""
+    problem = space.problem(scale).with_process(central.result.process or central.problem.settings)
+    changed = {k for k, pts in problem.keys.items() if len(central.problem.keys.get(k, ())) != len(pts)}
+    evaluator = _BestSoFar(space.evaluator(scale), problem, step_time, budget)
+    try:
+        found = settle_communicators(problem, evaluator, refine(problem, evaluator, central.result, changed))
+    except BudgetSpent:
+        if evaluator.best is None:
+            return None
+        found = evaluator.found(central.result.strategy)
+    found.process = problem.settings
+    return Found(scale, problem, found)
