@@ -443,3 +443,16 @@ def test_init_says_how_much_of_what_ran_the_plan_describes():
         assert out["said"] == ["the plan's keys were 50% of calls, 25% of bytes recorded in this process; run online "
                                "(or tune on a workload that matches the job) so that the plan's settings reach the "
                                "calls that happen"]
+
+
+def test_the_recorder_keeps_the_last_records_within_a_quarter_more_and_summarises_every_step() -> None:
+    rec = Recorder(cuda=False, max_records=8)
+    for step in range(30):
+        rec.begin_step(step)
+        now = time.perf_counter()
+        rec.ended("dp", "all_reduce", 1000 + step, now, now + 1e-4)
+        rec.end_step()
+        assert len(rec.records) <= 8 + 8 // 4
+    assert len(rec.records) >= 8
+    assert [r.nbytes for r in rec.records][-8:] == [1000 + s for s in range(22, 30)]  # the latest, in order
+    assert sum(row["count"] for row in rec.summary().values()) == 30  # the summary covers every step

@@ -77,7 +77,8 @@ class Recorder:
     ``track`` is called by the adapters right after issuing a call. Records come out of
     ``end_step``; a call whose completion is not visible yet (CUDA events not reached, future not
     done) stays open and comes out of a later ``end_step`` with its own step number.
-    ``records`` keeps the last ``max_records`` records; ``summary`` covers every step.
+    ``records`` keeps at least the last ``max_records`` records (at most a quarter more: trimming the list's
+    front moves every record left, so it is done once per quarter, not every step); ``summary`` covers every step.
     ``in_step`` is True between ``begin_step`` and ``end_step``: the torch.distributed tap records
     only then, so Lagom's own calls between steps are not taken for the job's.
     """
@@ -180,7 +181,7 @@ class Recorder:
         done += self._from_nccl(done)
         done.sort(key=_ORDER)
         self.records.extend(done)
-        if len(self.records) > self.max_records:
+        if len(self.records) > self.max_records + self.max_records // 4:
             del self.records[: len(self.records) - self.max_records]
         totals = self._totals
         for r in done:  # keyed by tuple: a key's text is made once, in ``summary``, not per call
