@@ -12,6 +12,7 @@ per node, world size) into the machine to plan for; ``lagom.runtime.measure.prob
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import re
@@ -222,8 +223,28 @@ def _resolve(ref: str, key: str, folder: Path | None, taken: tuple[Path, ...] = 
     return path.resolve()
 
 
+Layer = tuple[Path, bytes, DictConfig]  # a YAML file, the digest of its text when read, its keys less ``base``
+_PARSED: dict[tuple[Path, bytes], tuple[Any, DictConfig]] = {}  # never mutated once stored
+_LOADED: dict[tuple[tuple[Path, bytes], ...], Hardware] = {}
+
+
+def _parsed(path: Path) -> tuple[bytes, Any, DictConfig]:
+    """A hardware file's digest, its ``base`` and its other keys, parsed once per text of the file: detection
+    loads every preset, and OmegaConf takes tens of milliseconds a file. Keyed by the text, not the file's
+    mtime, which the kernel advances only once per tick: a file rewritten at once would look unchanged."""
+    try:
+        digest = hashlib.blake2b(path.read_bytes(), digest_size=16).digest()
+    except OSError:
+        digest = b""  # read_mapping says why the file cannot be read
+    found = _PARSED.get((path, digest))
+    if found is None:
+        layer = read_mapping(path)
+        found = _PARSED[(path, digest)] = (layer.pop("base", None), layer)
+    return (digest, *found)
+
+
 def _layers(ref: str, key: str = "hardware", folder: Path | None = None,
-            chain: tuple[tuple[Path, str], ...] = ()) -> list[DictConfig]:
+            chain: tuple[tuple[Path, str], ...] = ()) -> list[Layer]:
     """The YAML layers of a preset or file, base first: ``base:`` chains are followed, each relative
     file from the folder of the file that names it, and a chain that comes back is refused as a cycle."""
     path = _resolve(ref, key, folder, tuple(seen for seen, _ in chain))
@@ -231,28 +252,38 @@ def _layers(ref: str, key: str = "hardware", folder: Path | None = None,
     if any(seen == path for seen, _ in chain):
         cycle = " -> ".join([name for _, name in chain] + [label])
         raise ConfigError("hardware.base", f"the base files form a cycle: {cycle}", "remove one of the 'base' keys")
-    layer = read_mapping(path)
-    base = layer.pop("base", None)
+    digest, base, layer = _parsed(path)
     if base is None:
-        return [read_mapping(HARDWARE_DIR / BASE_FILE), layer]
+        root = HARDWARE_DIR / BASE_FILE
+        root_digest, _, root_layer = _parsed(root)
+        return [(root, root_digest, root_layer), (path, digest, layer)]
     if not isinstance(base, str) or not base:
         raise ConfigError(f"{path.name}: base", f"must be a preset name or a YAML file, got {base!r}",
                           f"use one of {', '.join(preset_names())} or a file path")
-    return _layers(base, f"{path.name}: base", path.parent, chain + ((path, label),)) + [layer]
+    return _layers(base, f"{path.name}: base", path.parent, chain + ((path, label),)) + [(path, digest, layer)]
 
 
 def preset_base(name: str) -> str | None:
     """The preset a preset is built on (its ``base:``), where that is a preset name; None for a file or none."""
-    base = read_mapping(_preset_file(name, "hardware", ())).get("base")
+    _, base, _ = _parsed(_preset_file(name, "hardware", ()))
     return base if isinstance(base, str) and _is_preset_name(base) else None
 
 
 def load_hardware(source: str) -> Hardware:
-    """Load a preset by name (``a40-2x8-nvlink``) or a YAML file, strictly: unknown keys are errors."""
+    """Load a preset by name (``a40-2x8-nvlink``) or a YAML file, strictly: unknown keys are errors. A chain of
+    files loaded before with the same texts gives a copy of what it gave then."""
+    layers = _layers(source)
+    chain = tuple((path, digest) for path, digest, _ in layers)
+    hw = _LOADED.get(chain)
+    if hw is None:
+        hw = _LOADED[chain] = _merged([layer for _, _, layer in layers])
+    return copy.deepcopy(hw)
+
+
+def _merged(layers: list[DictConfig]) -> Hardware:
     schema = OmegaConf.structured(Hardware)
     try:
-        merged = OmegaConf.merge(schema, *_layers(source))
-        hw: Hardware = OmegaConf.to_object(merged)  # type: ignore[assignment]
+        hw: Hardware = OmegaConf.to_object(OmegaConf.merge(schema, *layers))  # type: ignore[assignment]
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", None) or "hardware"
         raise ConfigError(f"hardware.{key}", str(err).splitlines()[0], f"check the key against {HARDWARE_DIR / BASE_FILE}") from None

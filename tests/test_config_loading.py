@@ -77,3 +77,14 @@ def test_every_bucket_size_deepspeed_accepts_is_accepted(tmp_path):
     data["framework"]["prefetch_bucket_size"] = -1
     with pytest.raises(ConfigError, match=r"^framework\.prefetch_bucket_size: must be 0 \(no prefetch\) to "):
         load_workload(write_yaml(tmp_path / "w.yaml", data))
+
+
+def test_a_hardware_file_rewritten_at_once_is_read_again_and_each_load_is_the_callers_own(tmp_path) -> None:
+    f = tmp_path / "hw.yaml"
+    f.write_text("base: a100-8x-100g\ncluster: {nodes: 2}\n")
+    first = load_hardware(str(f))
+    f.write_text("base: a100-8x-100g\ncluster: {nodes: 3}\n")  # the same size, within the clock's tick
+    assert first.cluster.nodes == 2 and load_hardware(str(f)).cluster.nodes == 3
+    first.cluster.nodes = 99  # a caller's change stays in its copy
+    f.write_text("base: a100-8x-100g\ncluster: {nodes: 2}\n")
+    assert load_hardware(str(f)).cluster.nodes == 2
