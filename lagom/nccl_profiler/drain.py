@@ -272,6 +272,7 @@ class ProfilerDrain:
         self._drain = lib.lagom_profiler_drain
         self._stats = (ctypes.c_uint64 * 8)()
         self.dropped_total = 0
+        self.drained_stats = ProfilerStats(0, 0, 0, 0, 0, 0, 0, 0)  # the counters as the last drain read them
         self._dropped_said = self._no_slot_said = False
 
     def drain(self) -> Drained:
@@ -285,19 +286,18 @@ class ProfilerDrain:
                 log.warning("NCCL profiler: the ring dropped %d collective records before they were read (it holds "
                             "%d; drain more often); later drops are counted in dropped_total, not logged",
                             overwritten, self.capacity)
-        self._say_unrecorded()
+        self.drained_stats = self.stats()
+        self._say_unrecorded(self.drained_stats)
         return Drained(self._buffer[:n].copy(), overwritten)
 
-    def _say_unrecorded(self) -> None:
+    def _say_unrecorded(self, stats: ProfilerStats) -> None:
         """Says once when collectives went unrecorded for want of an in-flight slot: NCCL announced kernel
         channels it never reported (1024 such collectives fill the pool), so GPU times are better left off."""
-        self._lib.lagom_profiler_stats(self._stats, len(self._stats))
-        no_slot = int(self._stats[2])
-        if no_slot and not self._no_slot_said:
+        if stats.no_slot and not self._no_slot_said:
             self._no_slot_said = True
             log.warning("NCCL profiler: %d collectives were not recorded, %d are still waiting for kernel-channel "
                         "events NCCL announced and has not sent; set LAGOM_NCCL_PROFILER_GPU_TIMES=0 before the "
-                        "first communicator to record host times only", no_slot, int(self._stats[5]))
+                        "first communicator to record host times only", stats.no_slot, stats.in_flight)
 
     def stats(self) -> ProfilerStats:
         self._lib.lagom_profiler_stats(self._stats, len(self._stats))

@@ -320,7 +320,6 @@ def shared_segments(problem: Problem, key_of: KeyOf | None = None) -> dict[froze
     that two or more of its keys run beside (distinct segments, with those keys and the occurrences per
     step): a move of the set frees SMs on all of them."""
     key_of = KeyOf() if key_of is None else key_of
-    covered: dict[frozenset[str], float] = defaultdict(float)
     beside_segments: dict[frozenset[str], dict[tuple, list]] = defaultdict(dict)  # signature -> [segment, count]
     for phase in problem.graph.phases:
         on_device: dict[int, list[OverlapPoint]] = defaultdict(list)
@@ -349,8 +348,8 @@ def shared_segments(problem: Problem, key_of: KeyOf | None = None) -> dict[froze
                     found = beside_segments[beside]
                     for seg in segs[lo:hi]:
                         found.setdefault(SEGMENT_SIGNATURE(seg), [seg, 0])[1] += phase.repeat
-    for beside, found in beside_segments.items():  # costed once per distinct segment, not per occurrence
-        covered[beside] = sum(problem.model.compute_solo(seg) * n for seg, n in found.values())
+    covered = {beside: sum(problem.model.compute_solo(seg) * n for seg, n in found.values())  # once per distinct segment
+               for beside, found in beside_segments.items()}
     return {keys: (seconds, [(seg, within, n) for within, found in beside_segments.items() if within <= keys
                              for seg, n in found.values()])
             for keys, seconds in covered.items() if not any(keys < other for other in covered)}

@@ -335,7 +335,7 @@ class NcclCalls:
 
     def _match(self) -> None:
         """Match the communicators NCCL initialised since the last time, then any still unmatched by call order."""
-        stats = self.reader.stats()
+        stats = self.reader.drained_stats  # read by this step's drain
         if stats.communicators != self._communicators:
             self._communicators = stats.communicators
             groups = self._groups()
