@@ -33,6 +33,7 @@ from lagom.model.lowering import COMPUTE, END, Lowering
 from lagom.model.phase_index import SLOT
 from lagom.nccl_tuner.build import EVENT_LOOP, LIBRARY_DIR
 from lagom.step.graph import Collective
+from lagom.step.points import collector_paused
 
 if TYPE_CHECKING:
     from lagom.model.cost_model import CostModel
@@ -347,6 +348,11 @@ def lower(lowering: Lowering) -> PhaseArrays:
     whose every task is the image of one a period back is copied as arrays, a period at once; other tasks are
     worked out through the lowering's shapes, which are dropped once the walk is a period past them, so memory
     holds the arrays, not the shapes."""
+    with collector_paused():
+        return _lower(lowering)
+
+
+def _lower(lowering: Lowering) -> PhaseArrays:
     ix = lowering.ix
     queues = lowering.queues
     band = _Band(lowering)

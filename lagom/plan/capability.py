@@ -45,6 +45,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import cached_property
 from typing import Any
 
 from lagom.errors import ConfigError
@@ -231,9 +232,14 @@ class Capability:
     def scope(self, knob: str) -> Scope:
         if knob not in KNOBS:
             raise ConfigError("knob", f"unknown '{knob}'", f"known knobs: {', '.join(KNOBS)}")
-        return self.scopes()[knob]
+        return self._scopes[knob]
 
     def scopes(self) -> dict[str, Scope]:
+        return dict(self._scopes)
+
+    @cached_property
+    def _scopes(self) -> dict[str, Scope]:
+        """Worked out once per capability (frozen): a search asks a knob's scope for every candidate it weighs."""
         per_size = self.per_size
         chunk_per_size = (self.tuner_interface or 0) >= 6  # getChunkSize
         since_227 = self.version >= CTA_POLICY_SINCE

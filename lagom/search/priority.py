@@ -41,6 +41,7 @@ from lagom.model.windows import (
 from lagom.plan.comm_config import CommConfig, channel_choices, with_communicator_value
 from lagom.search.base import Evaluator, Problem, SearchResult, nccl_configs
 from lagom.step.graph import ComputeSegment, OverlapPoint
+from lagom.step.points import collector_paused
 
 CHECKED_PER_KEY = 4  # candidates per collective confirmed with the evaluator
 WINDOW_CHECKS = 2  # extra checks for a comm-bound collective, from the window ranking
@@ -158,8 +159,9 @@ def prepared(problem: Problem) -> _Graph:
     graph = problem.derived.get("priority")
     if graph is None:
         key_of = KeyOf()
-        graph = problem.derived["priority"] = _Graph(key_of, windows(problem.graph, key_of),
-                                                     blocked_together(problem, key_of), shared_segments(problem, key_of))
+        with collector_paused():
+            graph = problem.derived["priority"] = _Graph(key_of, windows(problem.graph, key_of), blocked_together(problem, key_of),
+                                                         shared_segments(problem, key_of))
     return graph
 
 

@@ -540,10 +540,11 @@ def points_for(wl: Workload, hw: Hardware, *, stamped: bool = True) -> StepGraph
 
 @contextmanager
 def collector_paused() -> Iterator[None]:
-    """Building a step graph or its index allocates hundreds of thousands of small objects that all stay
-    alive; the cyclic garbage collector would rescan the growing heap again and again (a third of the
-    time of a 128-micro-batch graph, nearly half of a 1,024-GPU job's index) for nothing to free.
-    Paused only while building, and only if it was on."""
+    """Building a step graph, its index, a phase's lowering or the search's sets of keys sharing compute
+    allocates hundreds of thousands of small objects that stay alive until the build ends; the cyclic
+    garbage collector would rescan the growing heap again and again (a third of the time of a
+    128-micro-batch graph, nearly half of a 1,024-GPU job's index, 5 s of a 1,024-GPU tune's lowerings
+    and search sets) for nothing to free. Paused only while building, and only if it was on."""
     if not gc.isenabled():
         yield
         return
