@@ -9,20 +9,24 @@ It also finds the phase's periodic band: the stretch where shifting every device
 period (one micro-batch per stage in a 1F1B pipeline, one layer on a single device) maps segments,
 collectives and every dependency between them onto identical ones. Inside the band the simulator may
 skip whole periods once it sees its state repeat (see ``lagom.model.simulator``).
+
+A phase holds up to hundreds of thousands of segments and points, so both are worked out on numpy
+arrays: each point's segments as global segment ids (a device's segments are numbered one after the
+other, devices in the phase's order), each grouping by a stable sort. Python objects are read once
+(an attribute per pass over the points) and the tables the lowering reads are made from the arrays.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left
-from collections import defaultdict
 from dataclasses import dataclass
 from functools import cached_property
-from itertools import repeat
+from itertools import count, repeat
 from operator import attrgetter
 
+import numpy as np
+
 from lagom.errors import LagomError
-from lagom.plan.comm_config import can_decompose
-from lagom.step.graph import Phase
+from lagom.step.graph import Collective, Phase
 from lagom.step.points import collector_paused
 
 SLOT = 1 << 32  # compute and P2P positions: segment index * SLOT + piece (pieces of one segment < SLOT)
@@ -33,6 +37,11 @@ MAX_CANDIDATES = 256  # candidate periods tried per probe
 END = 1 << 62  # a position past every task
 _SIGNATURE = attrgetter("flops", "bytes", "ctas")
 _NAME, _AFTER, _BEFORE, _FUSE = attrgetter("name"), attrgetter("after"), attrgetter("before"), attrgetter("fuse_with")
+_DEVICE, _PEER, _GROUP, _COLLECTIVE, _BYTES = (attrgetter("device"), attrgetter("peer_device"), attrgetter("group"),
+                                               attrgetter("collective"), attrgetter("bytes"))
+_COLLECTIVES = list(Collective)
+_DECOMPOSABLE = np.asarray([c in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER) for c in _COLLECTIVES])  # can_decompose
+_I64 = np.int64
 
 
 @dataclass
@@ -56,6 +65,37 @@ class Band:
     slots: list[tuple[int, list[tuple[int, int]]]]  # per stream: (points per period, [lo, hi) slot spans)
 
 
+@dataclass
+class _Groups:
+    """Points grouped by a segment (global id), each group in a given order of the points: one of the
+    index's tables (segment -> points) as arrays."""
+
+    flat: np.ndarray  # point indices, by segment, each segment's in the given order
+    start: np.ndarray  # per global segment id, where its points start in ``flat`` (one more entry: the end)
+    keys: np.ndarray  # the segments with points, by where their first point comes in the given order
+
+    @classmethod
+    def of(cls, seq: np.ndarray, segment: np.ndarray, n_segments: int) -> _Groups:
+        seq = seq[segment[seq] >= 0]
+        of = segment[seq]
+        by = np.argsort(of, kind="stable")
+        sizes = np.bincount(of, minlength=n_segments)
+        start = np.zeros(n_segments + 1, dtype=_I64)
+        np.cumsum(sizes, out=start[1:])
+        present = np.flatnonzero(sizes)
+        return cls(seq[by], start, present[np.argsort(by[start[present]])])
+
+    @property
+    def sizes(self) -> np.ndarray:
+        return np.diff(self.start)
+
+    def table(self, where: list) -> dict[tuple[int, int], list[int]]:
+        """As the dict the lowering reads: (device, segment index) -> points, keys by first point."""
+        flat, start = self.flat.tolist(), self.start
+        return dict(zip(map(where.__getitem__, self.keys.tolist()),
+                        map(flat.__getitem__, map(slice, start[self.keys].tolist(), start[self.keys + 1].tolist()))))
+
+
 class PhaseIndex:
     """Positions, dependencies and the periodic band of one phase (independent of configs and model)."""
 
@@ -68,68 +108,133 @@ class PhaseIndex:
         self.devices = list(phase.segments)
         self.rank = {d: r for r, d in enumerate(self.devices)}
         self.segments = phase.segments
-        where: dict[str | None, tuple[int, int] | None] = {None: None}
-        for d, segs in phase.segments.items():
-            where.update(zip(map(_NAME, segs), zip(repeat(d), range(len(segs)))))
         pts = self.points = phase.points
         n = len(pts)
-        self.after: list[tuple[int, int] | None] = list(map(where.__getitem__, map(_AFTER, pts)))
-        self.before: list[tuple[int, int] | None] = list(map(where.__getitem__, map(_BEFORE, pts)))
-        self.fuse: list[int] = [NONE] * n  # segment index on the point's device a decomposition splits
-        self.candidates: dict[tuple[int, int], list[int]] = {}  # segment -> points that may split it, phase order
-        first: dict[tuple, int] = {}  # (device, group, collective, bytes) -> first segment it may split
-        for j, name in enumerate(map(_FUSE, pts)):
-            if name is None or not can_decompose(pts[j]):
-                continue
-            p = pts[j]
-            seg = where[name]
-            if seg[0] != p.device:  # type: ignore[index]
-                raise LagomError(f"point {p.name} fuses with {name}, a segment of another device")
-            self.fuse[j] = seg[1]  # type: ignore[index]
-            self.candidates.setdefault(seg, []).append(j)  # type: ignore[arg-type]
-            what = (p.device, p.group.name, p.collective, p.bytes)
-            if seg[1] < first.get(what, END):  # type: ignore[index]
-                first[what] = seg[1]  # type: ignore[index]
+        # Global segment ids: ``where`` names them, ``_where`` gives each as (device, index), None at -1.
+        names: dict[str | None, int] = {}
+        sizes = [len(segs) for segs in phase.segments.values()]
+        for segs, first in zip(phase.segments.values(), np.cumsum([0, *sizes]).tolist()):
+            names.update(zip(map(_NAME, segs), count(first)))
+        names[None] = NONE
+        self._where: list[tuple[int, int] | None] = [
+            pair for d, size in zip(self.devices, sizes) for pair in zip(repeat(d), range(size))]
+        self._where.append(None)
+        self._seg_device = np.repeat(np.asarray(self.devices, dtype=_I64), sizes)
+        self._seg_index = np.concatenate([np.arange(size, dtype=_I64) for size in sizes] + [np.asarray([NONE])])
+        self._offset = dict(zip(self.devices, np.cumsum([0, *sizes]).tolist()))
+        n_segments = len(self._where) - 1
+        after = list(map(names.__getitem__, map(_AFTER, pts)))
+        before = list(map(names.__getitem__, map(_BEFORE, pts)))
+        self.after: list[tuple[int, int] | None] = list(map(self._where.__getitem__, after))
+        self.before: list[tuple[int, int] | None] = list(map(self._where.__getitem__, before))
+        self._after, self._before = np.asarray(after, dtype=_I64), np.asarray(before, dtype=_I64)
+        self._device = np.fromiter(map(_DEVICE, pts), dtype=_I64, count=n)
+        self._collective = _collective_ids(list(map(_COLLECTIVE, pts)))
+        self._bytes = np.fromiter(map(_BYTES, pts), dtype=_I64, count=n)
+        peers = np.asarray(list(map(_PEER, pts)), dtype=object)
+        has_peer = peers != None  # noqa: E711 (elementwise)
+        self._peer = np.where(has_peer, peers, NONE).astype(_I64)
+        self._group, group_names = _group_ids(list(map(_GROUP, pts)))
+        self._group_name = _ids(group_names)[self._group]
+        self._fused_segment(pts, names, n)
+        self._issue_order(pts, has_peer, group_names, n_segments)
+        self._keys: list[str | None] = [None] * n
+        self._band: Band | None | bool = False  # False: not searched yet
+
+    def _fused_segment(self, pts: list, names: dict, n: int) -> None:
+        """``fuse`` (the segment on the point's own device a decomposition splits) and ``first_candidate``."""
+        fuse_names = list(map(_FUSE, pts))
+        fused = np.fromiter(map(names.get, fuse_names, repeat(-2)), dtype=_I64, count=n)
+        fused[~_DECOMPOSABLE[self._collective]] = NONE
+        wrong = (fused == -2) | (fused >= 0) & (self._seg_device[fused] != self._device)
+        if wrong.any():
+            j = int(np.argmax(wrong))
+            if fused[j] == -2:
+                raise KeyError(fuse_names[j])
+            raise LagomError(f"point {pts[j].name} fuses with {fuse_names[j]}, a segment of another device")
+        self._fused = fused  # global segment id, -1 where nothing is split
+        self.fuse: list[int] = self._seg_index[fused].tolist()  # segment index on the point's device, or NONE
+        js = np.flatnonzero(fused >= 0)
         self.first_candidate: dict[int, dict[str, tuple[int, str]]] = {}  # device -> key -> (first segment, group)
-        for (d, group, coll, nbytes), i in first.items():
-            self.first_candidate.setdefault(d, {})[f"{group}/{coll.value}/{nbytes}"] = (i, group)
-        self.candidate_segments = {d: sorted(i for dd, i in self.candidates if dd == d) for d in self.devices}
-        # Host issue order: by the position of the segment that releases a point (phase start first).
-        released_at = [a[1] if a else -1 for a in self.after]
-        order = self.order = sorted(range(n), key=released_at.__getitem__)
-        stream_keys = [(p.device, p.group.name) if p.peer_device is None else (p.device, f"pp{p.device}->{p.peer_device}")
-                       for p in pts]
-        found: dict[tuple[int, str], int] = {}  # stream key -> its index, by the issue rank of its first point
-        ids = [found.setdefault(k, len(found)) for k in map(stream_keys.__getitem__, order)]
-        members: list[list[int]] = [[] for _ in found]
-        self.issue_rank = [0] * n
-        self.stream_of = [0] * n
-        self.slot = [0] * n
-        issue_rank, stream_of, slot = self.issue_rank, self.stream_of, self.slot
-        for r, (j, k) in enumerate(zip(order, ids)):
-            issue_rank[j], stream_of[j] = r, k
-            held = members[k]
-            slot[j] = len(held)
-            held.append(j)
+        if not len(js):
+            return
+        what, firsts = _first_seen(self._device[js], self._group_name[js], self._collective[js], self._bytes[js])
+        lowest = np.full(len(firsts), np.iinfo(_I64).max)
+        np.minimum.at(lowest, what, self._seg_index[fused[js]])
+        for j, i in zip(js[firsts].tolist(), lowest.tolist()):
+            p = pts[j]
+            self.first_candidate.setdefault(p.device, {})[f"{p.group.name}/{p.collective.value}/{p.bytes}"] = (i, p.group.name)
+
+    def _issue_order(self, pts: list, has_peer: np.ndarray, group_names: list[str], n_segments: int) -> None:
+        """Host issue order (by the position of the segment that releases a point, phase start first), the
+        streams in it and each point's slot in its stream; and the segment -> points tables."""
+        n = len(pts)
+        order = np.argsort(self._seg_index[self._after], kind="stable")
+        self.order: list[int] = order.tolist()
+        issue_rank = np.empty(n, dtype=_I64)
+        issue_rank[order] = np.arange(n, dtype=_I64)
+        self.issue_rank: list[int] = issue_rank.tolist()
+        # Streams: a device's communicator, or its P2P stream to one peer; numbered by their first point.
+        kind, firsts = _first_seen(has_peer[order], self._device[order],
+                                   np.where(has_peer, self._peer, self._group_name)[order])
+        found: dict[tuple[int, str], int] = {}
+        stream_of_kind = []
+        for j in order[firsts].tolist():
+            p = pts[j]
+            key = (p.device, p.group.name) if p.peer_device is None else (p.device, f"pp{p.device}->{p.peer_device}")
+            stream_of_kind.append(found.setdefault(key, len(found)))
+        in_order = np.asarray(stream_of_kind, dtype=_I64)[kind] if n else kind
+        by = np.argsort(in_order, kind="stable")
+        bounds = np.zeros(len(found) + 1, dtype=_I64)
+        np.cumsum(np.bincount(in_order, minlength=len(found)), out=bounds[1:])
+        slot = np.empty(n, dtype=_I64)
+        slot[order[by]] = np.arange(n, dtype=_I64) - bounds[in_order[by]]
+        stream_of = np.empty(n, dtype=_I64)
+        stream_of[order] = in_order
+        self._stream_of, self._slot = stream_of, slot
+        self.stream_of: list[int] = stream_of.tolist()
+        self.slot: list[int] = slot.tolist()
+        by_stream = order[by]
+        members = by_stream.tolist()
+        self._stream_points = [by_stream[a:b] for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist())]
         self.streams: list[Stream] = []
-        for (d, name), held in zip(found, members):
-            p = pts[held[0]]
-            self.streams.append(Stream(d, name, (d,) if p.peer_device is None else (d, p.peer_device), held))
+        for (d, name), a, b in zip(found, bounds[:-1].tolist(), bounds[1:].tolist()):
+            p = pts[members[a]]
+            self.streams.append(Stream(d, name, (d,) if p.peer_device is None else (d, p.peer_device), members[a:b]))
+        self._stream_name = _ids([s.name for s in self.streams])
         # segment -> points it waits for: device by device (a pipeline stage's recv apart from its own
         # collectives), each device's in issue order. Issue order across devices compares segment indices of
         # stages whose periods differ, so it would flip once inside a pipeline's repeating stretch.
-        self.waits = _grouped(sorted(order, key=lambda j: pts[j].device), self.before)
-        self.releases = _grouped(order, self.after)  # segment -> points its end releases, issue order
-        self._keys: list[str | None] = [None] * n
-        self._band: Band | None | bool = False  # False: not searched yet
+        self._waits = _Groups.of(order[np.argsort(self._device[order], kind="stable")], self._before, n_segments)
+        self._releases = _Groups.of(order, self._after, n_segments)  # segment -> points its end releases, issue order
+        self._candidates = _Groups.of(np.arange(n, dtype=_I64), self._fused, n_segments)  # may split it, phase order
+        self.waits = self._waits.table(self._where)
+        self.releases = self._releases.table(self._where)
+
+    @cached_property
+    def candidates(self) -> dict[tuple[int, int], list[int]]:
+        """segment -> points that may split it, phase order (read only where some decomposition is on)."""
+        return self._candidates.table(self._where)
+
+    @cached_property
+    def candidate_segments(self) -> dict[int, list[int]]:
+        """device -> the segments some point may split, in order."""
+        keys = np.sort(self._candidates.keys)
+        return {d: (self._seg_index[keys[self._seg_device[keys] == d]]).tolist() for d in self.devices}
+
+    @cached_property
+    def _kind_arrays(self) -> tuple[dict[int, np.ndarray], list[tuple]]:
+        sigs = [list(map(_SIGNATURE, segs)) for segs in self.segments.values()]
+        ids = dict(zip(dict.fromkeys(s for of in sigs for s in of), count()))
+        out = {d: np.fromiter(map(ids.__getitem__, of), dtype=_I64, count=len(of)) for d, of in zip(self.devices, sigs)}
+        return out, list(ids)
 
     @cached_property
     def kinds(self) -> tuple[dict[int, list[int]], list[tuple]]:
         """(per device each segment's kind, each kind's (flops, bytes, ctas)): segments with the same
         signature share a small int, so finding periods and counting segments compare ints, not tuples."""
-        ids: dict[tuple, int] = {}
-        out = {d: [ids.setdefault(sig, len(ids)) for sig in map(_SIGNATURE, segs)] for d, segs in self.segments.items()}
-        return out, list(ids)
+        arrays, signatures = self._kind_arrays
+        return {d: kinds.tolist() for d, kinds in arrays.items()}, signatures
 
     def key(self, j: int) -> str:
         """The tuning key of point j (cached: OverlapPoint.key builds a string each time)."""
@@ -146,31 +251,81 @@ class PhaseIndex:
         return self._band  # type: ignore[return-value]
 
 
-def _grouped(order: list[int], segment: list[tuple[int, int] | None]) -> dict[tuple[int, int], list[int]]:
-    """Per segment, the points (in ``order``) whose ``segment`` entry it is."""
-    out: defaultdict[tuple[int, int], list[int]] = defaultdict(list)
-    for j, seg in zip(order, map(segment.__getitem__, order)):
-        if seg is not None:
-            out[seg].append(j)
-    return dict(out)
+def _ids(values: list) -> np.ndarray:
+    """Each value's number among the distinct values (numbered by first appearance)."""
+    numbers: dict = {}
+    return np.fromiter(map(numbers.setdefault, values, map(len, repeat(numbers))), dtype=_I64, count=len(values))
+
+
+def _collective_ids(collectives: list) -> np.ndarray:
+    """Each collective's place in ``Collective`` (members looked up by identity, anything else by value)."""
+    by_id = {id(c): k for k, c in enumerate(_COLLECTIVES)}
+    out = np.fromiter(map(by_id.get, map(id, collectives), repeat(-1)), dtype=_I64, count=len(collectives))
+    for j in np.flatnonzero(out < 0).tolist():
+        out[j] = _COLLECTIVES.index(Collective(collectives[j]))
+    return out
+
+
+def _group_ids(groups: list) -> tuple[np.ndarray, list[str]]:
+    """Each group's number among the distinct groups (equal by value, as descriptions compare them), and
+    each number's group name. Groups are shared objects, so values are compared once per object."""
+    objects = dict(zip(map(id, groups), groups))
+    numbers: dict = {}
+    of_object = {key: numbers.setdefault(g, len(numbers)) for key, g in objects.items()}
+    return (np.fromiter(map(of_object.__getitem__, map(id, groups)), dtype=_I64, count=len(groups)),
+            [g.name for g in numbers])
+
+
+def _first_seen(*columns: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, the number of its distinct combination of the columns (numbered by first appearance), and
+    each number's first row."""
+    n = len(columns[0])
+    if not n:
+        return np.zeros(0, dtype=_I64), np.zeros(0, dtype=_I64)
+    by = np.lexsort(columns[::-1])
+    new = np.zeros(n, dtype=bool)
+    new[0] = True
+    for col in columns:
+        c = col[by]
+        new[1:] |= c[1:] != c[:-1]
+    firsts = by[new]  # lexsort is stable: the first row of each combination
+    number = np.empty(len(firsts), dtype=_I64)
+    number[np.argsort(firsts)] = np.arange(len(firsts), dtype=_I64)
+    out = np.empty(n, dtype=_I64)
+    out[by] = number[np.cumsum(new) - 1]
+    return out, np.sort(firsts)
 
 
 # ---------------------------------------------------------------------------------------------
 # The periodic band
 
 
-def _same(sig: list, a: int, b: int, length: int) -> bool:
-    """sig[a:a+length] == sig[b:b+length], compared in growing chunks so that a mismatch costs little."""
-    done, chunk = 0, 16
-    while done < length:
-        step = min(chunk, length - done)
-        if sig[a + done:a + done + step] != sig[b + done:b + done + step]:
-            return False
-        done, chunk = done + step, chunk * 4
-    return True
+def _mismatch_after(sig: np.ndarray, period: int, at: int) -> int:
+    """The first i >= at with sig[i] != sig[i + period] (len(sig) - period if none), in growing chunks so that
+    a near mismatch costs little."""
+    end, chunk = len(sig) - period, 64
+    while at < end:
+        stop = min(end, at + chunk)
+        differ = np.flatnonzero(sig[at:stop] != sig[at + period:stop + period])
+        if len(differ):
+            return at + int(differ[0])
+        at, chunk = stop, chunk * 4
+    return end
 
 
-def _periodic_run(sig: list) -> tuple[int, int, int] | None:
+def _mismatch_before(sig: np.ndarray, period: int, at: int) -> int:
+    """One past the last i < at with sig[i] != sig[i + period] (0 if none)."""
+    chunk = 64
+    while at > 0:
+        start = max(0, at - chunk)
+        differ = np.flatnonzero(sig[start:at] != sig[start + period:at + period])
+        if len(differ):
+            return start + int(differ[-1]) + 1
+        at, chunk = start, chunk * 4
+    return 0
+
+
+def _periodic_run(sig: np.ndarray) -> tuple[int, int, int] | None:
     """(period, lo, hi) of the longest run [lo, hi) with sig[i] == sig[i + period] for lo <= i < hi - period,
     searched around a few probe positions; None when no run repeats MIN_PERIODS times.
 
@@ -179,38 +334,32 @@ def _periodic_run(sig: list) -> tuple[int, int, int] | None:
     n = len(sig)
     if n < 2 * MIN_PERIODS:
         return None
-    where: dict = {}
-    for i, s in enumerate(sig):
-        if s in where:
-            where[s].append(i)
-        else:
-            where[s] = [i]
+    occurrences = np.bincount(sig)
     best: tuple[int, int, int] | None = None
     for probe in PROBES:
-        near = range(int(n / probe), min(n, int(n / probe) + 64))
-        if not near:
+        near = int(n / probe)
+        if near >= n:
             continue
-        m = min(near, key=lambda i: len(where[sig[i]]))
-        positions = where[sig[m]]
+        m = near + int(np.argmin(occurrences[sig[near:near + 64]]))
+        periods = np.flatnonzero(sig[m + 1:m + 1 + n // MIN_PERIODS] == sig[m]) + 1
+        if not len(periods):
+            continue
+        # Candidates whose first 16 signatures already differ are dropped at once.
+        lengths = np.minimum(periods, n - m - periods)
+        head = np.arange(16)
+        differ = (sig[m + head][None, :] != sig[np.minimum(m + periods[:, None] + head, n - 1)]) & (head < lengths[:, None])
         tried = 0
-        for j in positions[bisect_left(positions, m + 1):]:
-            period = j - m
-            if period > n // MIN_PERIODS or tried >= MAX_CANDIDATES:
+        for period, length in zip(periods[~differ.any(axis=1)].tolist(), lengths[~differ.any(axis=1)].tolist()):
+            if tried >= MAX_CANDIDATES:
                 break
-            if best is not None and best[0] == period or not _same(sig, m, j, min(period, n - j)):
+            if best is not None and best[0] == period:
                 continue
+            hi = _mismatch_after(sig, period, m)
+            if hi < m + length:
+                continue  # its first period does not repeat
             tried += 1
-            hi = m
-            while hi + 2 * period <= n and _same(sig, hi, hi + period, period):
-                hi += period
-            while hi + period < n and sig[hi] == sig[hi + period]:
-                hi += 1
-            lo = m
-            while lo - period >= 0 and _same(sig, lo - period, lo, period):
-                lo -= period
-            while lo > 0 and sig[lo - 1] == sig[lo - 1 + period]:
-                lo -= 1
             hi += period
+            lo = _mismatch_before(sig, period, m)
             if hi - lo >= MIN_PERIODS * period and (best is None or hi - lo > best[2] - best[1]):
                 best = (period, lo, hi)
             if best is not None and best[2] - best[1] >= n // 2:
@@ -218,148 +367,133 @@ def _periodic_run(sig: list) -> tuple[int, int, int] | None:
     return best
 
 
-def _descriptions(index: PhaseIndex, js: list[int]) -> list[tuple]:
-    """What must match between each point and its image one period on: stream, collective, size, and the
-    segments it waits for and may fuse with, relative to the one that releases it (another device's
-    segment only by device: ``_mark_irregular`` checks those one by one)."""
-    pts, after, before, fuse = index.points, index.after, index.before, index.fuse
-    rel = []
-    for j in js:
-        b, a = before[j], after[j][1]  # type: ignore[index]
-        rel.append(None if b is None else (b[1] - a if b[0] == pts[j].device else ("device", b[0])))
-    return list(zip([index.streams[index.stream_of[j]].name for j in js], [pts[j].collective for j in js],
-                    [pts[j].group for j in js], [pts[j].bytes for j in js], rel,
-                    [fuse[j] - after[j][1] if fuse[j] != NONE else None for j in js]))  # type: ignore[index]
-
-
-def _find_band(index: PhaseIndex) -> Band | None:
-    if [a[0] for a in index.after if a is not None] != [p.device for p, a in zip(index.points, index.after) if a is not None]:
+def _find_band(ix: PhaseIndex) -> Band | None:
+    released = ix._after >= 0
+    if (ix._seg_device[ix._after[released]] != ix._device[released]).any():
         return None  # a point released by another device's segment: positions would not shift together
-    runs = {d: run for d, kinds in index.kinds[0].items() if (run := _periodic_run(kinds))}
+    kinds = ix._kind_arrays[0]
+    runs = {d: run for d, of in kinds.items() if (run := _periodic_run(of))}
     if not runs:
         return None
-    period = {d: run[0] for d, run in runs.items()}
-    domain = {d: (lo, hi - p) for d, (p, lo, hi) in runs.items()}  # i and i + period both in the run
-    # Points released by each band device, in issue order (their order within a stream).
-    by_device: dict[int, list[int]] = {d: [] for d in runs}
-    for j in index.order:
-        a = index.after[j]
-        if a is not None and a[0] in by_device:
-            by_device[a[0]].append(j)
-    released_at = {d: [index.after[j][1] for j in js] for d, js in by_device.items()}  # type: ignore[index]
-    described = {d: _descriptions(index, js) for d, js in by_device.items()}
-    counts = _relation_counts(index, runs)
-    bad: dict[int, set[int]] = {d: set() for d in runs}
-    image = _point_images(by_device, released_at, described, period, domain)
-    _mark_irregular(index, by_device, released_at, counts, image, period, domain, bad)
-    while True:  # a bad segment's collectives lose their images, so what waits for them turns bad too
-        lost = [j for d, js in by_device.items() for j, a in zip(js, released_at[d]) if a in bad[d] and j in image]
-        if not lost:
-            break
-        for j in lost:
-            del image[j]
-        _mark_unmapped(index, lost, image, domain, bad)
-    spans = {d: _good_spans(*domain[d], bad[d], 3 * period[d]) for d in runs}
-    spans = {d: s for d, s in spans.items() if s}
+    # Per global segment: whether it is in its device's domain (i and i + period both in the run), the period.
+    n_segments = len(ix._where) - 1
+    domain = np.zeros(n_segments, dtype=bool)
+    period = np.zeros(n_segments, dtype=_I64)
+    for d, (p, lo, hi) in runs.items():
+        first = ix._offset[d]
+        domain[first + lo:first + hi - p] = True
+        period[first:first + len(kinds[d])] = p
+    image = _point_images(ix, runs)
+    bad = _irregular(ix, runs, image, domain, period)
+    spans = {}
+    for d, (p, lo, hi) in runs.items():
+        first = ix._offset[d]
+        if found := _good_spans(lo, bad[first + lo:first + hi - p], 3 * p):
+            spans[d] = found
     if not spans:
         return None
-    slots: list[tuple[int, list[tuple[int, int]]]] = [(0, [])] * len(index.streams)
-    after = index.after
-    for k, stream in enumerate(index.streams):
-        d = stream.device
-        if d not in spans:
+    good_segment = np.zeros(n_segments + 1, dtype=bool)  # (the extra one: a point released at the phase start)
+    for d, found in spans.items():
+        for lo, hi in found:
+            good_segment[ix._offset[d] + lo:ix._offset[d] + hi] = True
+    slots: list[tuple[int, list[tuple[int, int]]]] = [(0, [])] * len(ix.streams)
+    for k, (stream, members) in enumerate(zip(ix.streams, ix._stream_points)):
+        if stream.device not in spans:
             continue
-        good_segment = [False] * len(index.segments[d])
-        for lo, hi in spans[d]:
-            good_segment[lo:hi] = [True] * (hi - lo)
-        good = [j in image and good_segment[after[j][1]] for j in stream.points]  # type: ignore[index]
-        mine = [j for j, ok in zip(stream.points, good) if ok]
-        if not mine:
+        good = (image[members] >= 0) & good_segment[ix._after[members]]
+        mine = members[good]
+        if not len(mine):
             continue
-        shift = index.slot[image[mine[0]]] - index.slot[mine[0]]
-        if any(index.slot[image[j]] - index.slot[j] != shift for j in mine):
+        shifts = ix._slot[image[mine]] - ix._slot[mine]
+        if (shifts != shifts[0]).any():
             return None
-        bad_slots = {s for s, ok in enumerate(good) if not ok}
-        slots[k] = (shift, _good_spans(0, len(stream.points), bad_slots, 3 * shift))
-    return Band({d: period[d] for d in spans}, spans, slots)
+        shift = int(shifts[0])
+        slots[k] = (shift, _good_spans(0, ~good, 3 * shift))
+    return Band({d: runs[d][0] for d in spans}, spans, slots)
 
 
-def _relation_counts(index: PhaseIndex, devices) -> dict[int, list[tuple[int, int]]]:
-    """Per segment of each device: how many points it waits for and how many may fuse with it."""
-    waits = {d: [0] * len(index.segments[d]) for d in devices}
-    cands = {d: [0] * len(index.segments[d]) for d in devices}
-    for table, counts in ((index.waits, waits), (index.candidates, cands)):
-        for (d, i), js in table.items():
-            if d in counts:
-                counts[d][i] = len(js)
-    return {d: list(zip(waits[d], cands[d])) for d in devices}
-
-
-def _point_images(by_device, released_at, described, period, domain) -> dict[int, int]:
-    """The image one period on of every point released inside a domain, where the description matches."""
-    image: dict[int, int] = {}
-    for d, (lo, hi) in domain.items():
-        js, at, desc, p = by_device[d], released_at[d], described[d], period[d]
-        first, last = bisect_left(at, lo), bisect_left(at, hi)
-        per = bisect_left(at, lo + p) - first  # points released per period
-        last_mapped = min(last, len(js) - per)
-        shifted = [x + p for x in at[first:last_mapped]]
-        if shifted == at[first + per:last_mapped + per] and desc[first:last_mapped] == desc[first + per:last_mapped + per]:
-            image.update(zip(js[first:last_mapped], js[first + per:last_mapped + per]))
-            continue
-        for k in range(first, last_mapped):
-            if at[k + per] == at[k] + p and desc[k + per] == desc[k]:
-                image[js[k]] = js[k + per]
+def _point_images(ix: PhaseIndex, runs: dict[int, tuple[int, int, int]]) -> np.ndarray:
+    """Per point, its image one period on (-1: none): the point released as many places on in its device's
+    issue order as a period releases, by the segment one period on, with the same description (stream,
+    collective, group, size, and the segments it waits for and may fuse with relative to the one that
+    releases it; another device's segment only by device: ``_irregular`` checks those one by one)."""
+    order = np.asarray(ix.order, dtype=_I64)
+    image = np.full(len(ix.points), NONE, dtype=_I64)
+    at_all = ix._seg_index[ix._after]
+    before_device = np.where(ix._before >= 0, ix._seg_device[ix._before], NONE)
+    same = before_device == ix._device
+    description = (ix._stream_name[ix._stream_of], ix._collective, ix._group, ix._bytes,
+                   np.where(ix._before < 0, 0, np.where(same, 1, 2)),
+                   np.where(same, ix._seg_index[ix._before] - at_all, before_device),
+                   np.where(ix._fused >= 0, ix._seg_index[ix._fused] - at_all, END))
+    released_by = ix._seg_device[ix._after[order]]
+    for d, (p, lo, hi) in runs.items():
+        js = order[(ix._after[order] >= 0) & (released_by == d)]
+        at = at_all[js]
+        hi -= p
+        first, last, per = np.searchsorted(at, [lo, hi, lo + p]).tolist()
+        per -= first
+        ks = np.arange(first, min(last, len(js) - per), dtype=_I64)
+        mine, theirs = js[ks], js[ks + per]
+        ok = at[ks + per] == at[ks] + p
+        for field in description:
+            ok &= field[mine] == field[theirs]
+        image[mine[ok]] = theirs[ok]
     return image
 
 
-def _mark_irregular(index: PhaseIndex, by_device, released_at, counts, image, period, domain, bad) -> None:
-    """Domain segments whose image one period on differs: in itself, in what it releases, in what it
-    waits for or may fuse with (and in which order)."""
-    for d, (lo, hi) in domain.items():
-        p = period[d]
-        sig = list(zip(index.kinds[0][d][lo:hi + p], counts[d][lo:hi + p]))
-        if sig[:hi - lo] != sig[p:]:
-            bad[d].update(lo + i for i in range(hi - lo) if sig[i] != sig[i + p])
-        for j, a in zip(by_device[d], released_at[d]):
-            if lo <= a < hi and j not in image:
-                bad[d].add(a)  # what it releases has no matching image
+def _irregular(ix: PhaseIndex, runs: dict[int, tuple[int, int, int]], image: np.ndarray, domain: np.ndarray,
+               period: np.ndarray) -> np.ndarray:
+    """Per global segment, whether it is a domain segment whose image one period on differs: in itself, in
+    what it releases, in what it waits for or may fuse with (and in which order). Drops the images of the
+    collectives such a segment releases, and so on, since what waits for those turns bad too."""
+    bad = np.zeros(len(domain), dtype=bool)
+    waits, cands = ix._waits.sizes, ix._candidates.sizes
+    for d, (p, lo, hi) in runs.items():
+        first = ix._offset[d]
+        kinds, i = ix._kind_arrays[0][d], np.arange(first + lo, first + hi - p)
+        bad[i] |= (kinds[lo:hi - p] != kinds[lo + p:hi]) | (waits[i] != waits[i + p]) | (cands[i] != cands[i + p])
+    released = ix._after >= 0
+    bad[ix._after[released & domain[ix._after] & (image < 0)]] = True  # what it releases has no matching image
     # A point waited for on another device: its image must be waited for one period on there.
-    for j in cross_device(index):
-        if j in image:
-            (b, i), target = index.before[j], index.before[image[j]]  # type: ignore[misc]
-            if b not in domain or not domain[b][0] <= i < domain[b][1] or target != (b, i + period[b]):
-                bad[index.points[j].device].add(index.after[j][1])  # type: ignore[index]
-    _mark_unmapped(index, set(range(len(index.points))).difference(image), image, domain, bad)
+    crossing = (ix._before >= 0) & (ix._seg_device[ix._before] != ix._device) & (image >= 0)
+    j = np.flatnonzero(crossing)
+    b = ix._before[j]
+    bad[ix._after[j[~domain[b] | (ix._before[image[j]] != b + period[b])]]] = True
+    _mark_unmapped(ix, image < 0, domain, bad)
     # Mapped points waited for / fused with: the image segment must wait for / fuse with exactly their
     # images, in the same order. Same-device relations are in the descriptions and counts settle the
     # rest, except order across devices (waits) and among several candidates (fuse): checked one by one.
-    for table in (index.waits, index.candidates):
-        for (d, i), js in table.items():
-            if d not in domain or not domain[d][0] <= i < domain[d][1]:
-                continue
-            if (len(js) > 1 or index.points[js[0]].device != d) and [image.get(j) for j in js] != table.get((d, i + period[d])):
-                bad[d].add(i)
+    for table in (ix._waits, ix._candidates):
+        keys = table.keys[domain[table.keys]]
+        sizes = table.sizes
+        keys = keys[(sizes[keys] > 1) | (ix._device[table.flat[table.start[keys]]] != ix._seg_device[keys])]
+        images = keys + period[keys]
+        differ = sizes[images] != sizes[keys]
+        bad[keys[differ]] = True
+        keys, images = keys[~differ], images[~differ]
+        each = np.repeat(np.arange(len(keys)), sizes[keys])
+        within = np.arange(len(each)) - np.repeat(np.cumsum(sizes[keys]) - sizes[keys], sizes[keys])
+        mismatch = image[table.flat[table.start[keys][each] + within]] != table.flat[table.start[images][each] + within]
+        bad[keys[each[mismatch]]] = True
+    while True:  # a bad segment's collectives lose their images, so what waits for them turns bad too
+        lost = released & (image >= 0) & bad[ix._after]
+        if not lost.any():
+            return bad
+        image[lost] = NONE
+        _mark_unmapped(ix, lost, domain, bad)
 
 
-def cross_device(index: PhaseIndex) -> list[int]:
-    """Points waited for on another device than their own (pipeline sends)."""
-    return [j for j, b in enumerate(index.before) if b is not None and b[0] != index.points[j].device]
+def _mark_unmapped(ix: PhaseIndex, points: np.ndarray, domain: np.ndarray, bad: np.ndarray) -> None:
+    """A point without an image cannot be waited for or fused with inside a domain (``points``: a mask)."""
+    for segment in (ix._before[points], ix._fused[points]):
+        segment = segment[segment >= 0]
+        bad[segment[domain[segment]]] = True
 
 
-def _mark_unmapped(index: PhaseIndex, points, image, domain, bad) -> None:
-    """A point without an image cannot be waited for or fused with inside a domain."""
-    for j in points:
-        for seg in (index.before[j], (index.points[j].device, index.fuse[j]) if index.fuse[j] != NONE else None):
-            if seg is not None and seg[0] in domain and domain[seg[0]][0] <= seg[1] < domain[seg[0]][1]:
-                bad[seg[0]].add(seg[1])
-
-
-def _good_spans(lo: int, hi: int, bad: set[int], shortest: int) -> list[tuple[int, int]]:
-    """The maximal spans of [lo, hi) without a bad position, at least ``shortest`` long."""
-    spans, start = [], lo
-    for i in sorted(b for b in bad if lo <= b < hi) + [hi]:
-        if i - start >= max(1, shortest):
-            spans.append((start, i))
-        start = i + 1
-    return spans
+def _good_spans(lo: int, bad: np.ndarray, shortest: int) -> list[tuple[int, int]]:
+    """The maximal spans of [lo, lo + len(bad)) without a bad position, at least ``shortest`` long."""
+    ends = np.append(np.flatnonzero(bad), len(bad))
+    starts = np.append(0, ends[:-1] + 1)
+    keep = ends - starts >= max(1, shortest)
+    return list(zip((starts[keep] + lo).tolist(), (ends[keep] + lo).tolist()))
