@@ -61,7 +61,9 @@ def test_tree_latency_is_a_chain_per_node_and_log_nodes_across():
 
 
 def test_ll_bandwidth_is_capped_at_llmaxbw():
-    model, group = CostModel(A100), Group("tp", 8, 8, 1)
+    # without the chunks' waits, which at 64 channels would bring LL under its cap
+    model = CostModel(replace(A100, nccl=replace(A100.nccl, step_overhead_us=0.0)))
+    group = Group("tp", 8, 8, 1)
     nbytes = GIB
     cfg = CommConfig(protocol=Protocol.LL, channels=64)
     # half of NCCL's 240 GB/s A100 NVLink is 120 GB/s of payload, above Ampere's single-node LL cap of 87.7 GB/s
@@ -184,6 +186,20 @@ def test_chunks_after_the_first_of_each_step_pay_the_step_overhead():
     assert model.comm_time(AG, group, nbytes, cfg) == pytest.approx((8.4 + 3.4) * 1e-6 + nbytes / 2 / rate, rel=1e-12)
 
 
+def test_a_link_bound_channel_still_pays_its_waits():
+    """8 A100 on NVSwitch, 1 GiB ring Simple all-reduce on 16 channels: 16 x 20 GB/s would exceed the 240 GB/s link,
+    so each channel copies its 117 MiB share at 15 GB/s, and still waits after each of its 2 MiB chunks but the
+    first of each of the 14 steps (the fitted 5.213 us): the link no longer hides them."""
+    model, group, nbytes = CostModel(A100), Group("tp", 8, 8, 1), GIB
+    share = nbytes * 14 / 8 / 16
+    waits = (math.ceil(share / 2**20 / 2) - 14) * A100.nccl.step_overhead_us * 1e-6
+    expected = (8.4 + 14 * 3.4) * 1e-6 + share / 15e9 + waits
+    assert A100.nccl.step_overhead_us == 5.213
+    assert model.comm_time(AR, group, nbytes, CommConfig(channels=16)) == pytest.approx(expected, rel=1e-12)
+    # across nodes the link still bounds the channels together after their waits (the proxy forwards meanwhile)
+    assert model.channel_bandwidth(group, CommConfig(channels=16), 2**21, share * 16, 14) > 15e9
+
+
 def test_chunk_size_costs_both_ways():
     model, group = CostModel(A40), Group("dp", 16, 8, 2)
     times = {c: model.comm_time(AG, group, 64 * 2**20, CommConfig(channels=2, chunk_bytes=c, by_tuner=True))
@@ -199,8 +215,10 @@ def test_a40_nvlink_joins_pairs_and_larger_groups_go_at_pcie_speed():
     model, nbytes, cfg = CostModel(A40), GIB, CommConfig(channels=16)
     pair = model.comm_time(AG, Group("tp", 2, 2, 1), nbytes, cfg)
     four = model.comm_time(AG, Group("tp", 4, 4, 1), nbytes, cfg)
-    assert pair == pytest.approx((8.4 + 3.4) * 1e-6 + nbytes / 2 / 50e9, rel=1e-12)
-    assert four == pytest.approx((8.4 + 3 * 5.7) * 1e-6 + nbytes * 3 / 4 / 31.5e9, rel=1e-12)
+    # each of 16 channels copies 32 MiB at 1/16 of the 50 GB/s NVLink pair in 16 chunks of 2 MiB, then waits 3 us
+    # after each chunk but the first (NCCL's step latency covers it)
+    assert pair == pytest.approx((8.4 + 3.4) * 1e-6 + nbytes / 2 / 50e9 + 15 * 3e-6, rel=1e-12)
+    assert four == pytest.approx((8.4 + 3 * 5.7) * 1e-6 + nbytes * 3 / 4 / 31.5e9 + 21 * 3e-6, rel=1e-12)  # 24 chunks, 3 steps
     pcie = load_hardware("a40-2x8-pcie")
     assert pcie.cluster.link_within_node(2).kind == "pcie"
 

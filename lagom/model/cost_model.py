@@ -121,16 +121,20 @@ class CostModel:
         peak = n.channel_gbps[kind] * GB * min(1.0, cfg.threads / n.threads_saturation)
         return min(peak, n.shm_gbps * GB) if cfg.transport == "shm" else peak
 
-    def channel_bandwidth(self, group: Group, cfg: CommConfig, chunk: float, bus: float, steps: int) -> float:
-        """B/s one channel sustains over a call: its share of the bus bytes at its wire rate, plus a
-        synchronisation overhead (across nodes also the network's latency) for every chunk after the
-        first of each algorithm step (NCCL's step latency already covers the first)."""
+    def channel_bandwidth(self, group: Group, cfg: CommConfig, chunk: float, bus: float, steps: int,
+                          link_bw: float = math.inf, slow: float = 1.0) -> float:
+        """B/s one channel sustains over a call: its share of the bus bytes at its copy rate (its own peak, slowed
+        by ``slow``, or its share of ``link_bw``, whichever is lower), plus a synchronisation overhead (across
+        nodes also the network's latency) for every chunk after the first of each algorithm step (NCCL's step
+        latency covers the first). A channel copies a chunk, then waits on its peer's flag: sharing the link
+        with the other channels does not hide its waits."""
         n = self.hw.nccl
         _, lat, _ = self._links(group, cfg.transport)
         share = bus / cfg.channels
+        copy = min(self.channel_peak(group, cfg) / slow, link_bw / cfg.channels)
         chunks = math.ceil(share / chunk)
         overhead = n.step_overhead_us * US + (lat if group.nodes > 1 else 0.0)
-        return share / (share / self.channel_peak(group, cfg) + max(0, chunks - steps) * overhead)
+        return share / (share / copy + max(0, chunks - steps) * overhead)
 
     # -- communication: what NCCL launches
     def uses_copy_engines(self, coll: Collective, cfg: CommConfig) -> bool:
@@ -223,11 +227,16 @@ class CostModel:
         # A channel carries 1/channels of each step's slice; small messages use smaller chunks. The chunk
         # is the one NCCL runs: cut to its buffer, its protocol's, or the P2P chunk.
         chunk = max(1024.0, min(float(self.run_chunk(coll, group, cfg)), bus / max(1, steps) / channels))
-        ch_bw = self.channel_bandwidth(group, run, chunk, bus, steps) / slow
+        tree = cfg.algorithm == Algorithm.TREE and coll == Collective.ALL_REDUCE and group.nodes > 1
+        # Inside a node a channel copies at its share of the link and then waits (the one-node sweeps: A100, H100
+        # rings). Across nodes the proxy forwards network chunks while the channel waits (the fill below), and
+        # the link bounds all channels together after their waits; a tree's channels are bounded in _tree_time.
+        share_of = link_bw if group.nodes == 1 else math.inf
+        ch_bw = self.channel_bandwidth(group, run, chunk, bus, steps, share_of, slow)
         # A network chunk is forwarded whole through each stage of the proxy path: the first one fills it
         # (its transmission only: the steps' latencies are NCCL's latency above).
         fill = (self.hw.nccl.net_pipeline_stages - 1) * chunk / self.channel_peak(group, run) * slow if group.nodes > 1 else 0.0
-        if cfg.algorithm == Algorithm.TREE and coll == Collective.ALL_REDUCE and group.nodes > 1:
+        if tree:
             return latency + fill + self._tree_time(group, nbytes, run, ch_bw, nic_share)
         bw = self._protocol_bandwidth(min(link_bw, channels * ch_bw), run, channels, group.nodes)
         return latency + fill + bus / bw
