@@ -18,10 +18,12 @@ other, devices in the phase's order), each grouping by a stable sort. Python obj
 
 from __future__ import annotations
 
+from collections.abc import ItemsView, Iterator, Mapping, ValuesView
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import count, repeat
-from operator import attrgetter
+from operator import attrgetter, is_, is_not
+from typing import Any
 
 import numpy as np
 
@@ -65,35 +67,59 @@ class Band:
     slots: list[tuple[int, list[tuple[int, int]]]]  # per stream: (points per period, [lo, hi) slot spans)
 
 
-@dataclass
-class _Groups:
-    """Points grouped by a segment (global id), each group in a given order of the points: one of the
-    index's tables (segment -> points) as arrays."""
+class SegmentTable(Mapping[tuple[int, int], list[int]]):
+    """Points grouped by a segment, each group in a given order of the points: segment (device, index) ->
+    points, one of the index's tables. Kept as arrays (what the band search reads); a segment's list is made
+    when the lowering asks for it (a cold step asks for a few thousand of tens of thousands), all of them
+    only when the table is iterated with its values."""
 
-    flat: np.ndarray  # point indices, by segment, each segment's in the given order
-    start: np.ndarray  # per global segment id, where its points start in ``flat`` (one more entry: the end)
-    keys: np.ndarray  # the segments with points, by where their first point comes in the given order
-
-    @classmethod
-    def of(cls, seq: np.ndarray, segment: np.ndarray, n_segments: int) -> _Groups:
+    def __init__(self, seq: np.ndarray, segment: np.ndarray, ix: PhaseIndex) -> None:
         seq = seq[segment[seq] >= 0]
         of = segment[seq]
         by = np.argsort(of, kind="stable")
-        sizes = np.bincount(of, minlength=n_segments)
-        start = np.zeros(n_segments + 1, dtype=_I64)
-        np.cumsum(sizes, out=start[1:])
+        sizes = np.bincount(of, minlength=len(ix._where) - 1)
+        self.start = np.zeros(len(sizes) + 1, dtype=_I64)  # per global segment id, where its points start in flat
+        np.cumsum(sizes, out=self.start[1:])
+        self.flat = seq[by]  # point indices, by segment, each segment's in the given order
         present = np.flatnonzero(sizes)
-        return cls(seq[by], start, present[np.argsort(by[start[present]])])
+        self.present = present[np.argsort(by[self.start[present]])]  # segments with points, by their first point
+        self._where, self._offset, self._size = ix._where, ix._offset, ix._size
 
     @property
     def sizes(self) -> np.ndarray:
         return np.diff(self.start)
 
-    def table(self, where: list) -> dict[tuple[int, int], list[int]]:
-        """As the dict the lowering reads: (device, segment index) -> points, keys by first point."""
+    def get(self, key: tuple[int, int], default: Any = None) -> Any:
+        d, i = key
+        first = self._offset.get(d)
+        if first is None or not 0 <= i < self._size[d]:
+            return default
+        lo, hi = self.start[first + i:first + i + 2].tolist()
+        return self.flat[lo:hi].tolist() if hi > lo else default
+
+    def __getitem__(self, key: tuple[int, int]) -> list[int]:
+        found = self.get(key)
+        if found is None:
+            raise KeyError(key)
+        return found
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        return map(self._where.__getitem__, self.present.tolist())  # type: ignore[arg-type]
+
+    def __len__(self) -> int:
+        return len(self.present)
+
+    def items(self) -> ItemsView[tuple[int, int], list[int]]:
+        return self._whole.items()
+
+    def values(self) -> ValuesView[list[int]]:
+        return self._whole.values()
+
+    @cached_property
+    def _whole(self) -> dict[tuple[int, int], list[int]]:
         flat, start = self.flat.tolist(), self.start
-        return dict(zip(map(where.__getitem__, self.keys.tolist()),
-                        map(flat.__getitem__, map(slice, start[self.keys].tolist(), start[self.keys + 1].tolist()))))
+        return dict(zip(self, map(flat.__getitem__, map(slice, start[self.present].tolist(),
+                                                          start[self.present + 1].tolist()))))
 
 
 class PhaseIndex:
@@ -122,29 +148,36 @@ class PhaseIndex:
         self._seg_device = np.repeat(np.asarray(self.devices, dtype=_I64), sizes)
         self._seg_index = np.concatenate([np.arange(size, dtype=_I64) for size in sizes] + [np.asarray([NONE])])
         self._offset = dict(zip(self.devices, np.cumsum([0, *sizes]).tolist()))
-        n_segments = len(self._where) - 1
-        after = list(map(names.__getitem__, map(_AFTER, pts)))
-        before = list(map(names.__getitem__, map(_BEFORE, pts)))
+        self._size = dict(zip(self.devices, sizes))
+        after_names, before_names = list(map(_AFTER, pts)), list(map(_BEFORE, pts))
+        after, before = list(map(names.__getitem__, after_names)), list(map(names.__getitem__, before_names))
         self.after: list[tuple[int, int] | None] = list(map(self._where.__getitem__, after))
         self.before: list[tuple[int, int] | None] = list(map(self._where.__getitem__, before))
         self._after, self._before = np.asarray(after, dtype=_I64), np.asarray(before, dtype=_I64)
         self._device = np.fromiter(map(_DEVICE, pts), dtype=_I64, count=n)
         self._collective = _collective_ids(list(map(_COLLECTIVE, pts)))
         self._bytes = np.fromiter(map(_BYTES, pts), dtype=_I64, count=n)
-        peers = np.asarray(list(map(_PEER, pts)), dtype=object)
-        has_peer = peers != None  # noqa: E711 (elementwise)
-        self._peer = np.where(has_peer, peers, NONE).astype(_I64)
+        peers = list(map(_PEER, pts))
+        self._peer = np.fromiter(map({None: NONE}.get, peers, peers), dtype=_I64, count=n)
+        has_peer = np.fromiter(map(is_not, peers, repeat(None)), dtype=bool, count=n)
         self._group, group_names = _group_ids(list(map(_GROUP, pts)))
         self._group_name = _ids(group_names)[self._group]
-        self._fused_segment(pts, names, n)
-        self._issue_order(pts, has_peer, group_names, n_segments)
+        self._fused_segment(pts, names, after_names, before_names)
+        self._issue_order(pts, has_peer, group_names)
         self._keys: list[str | None] = [None] * n
         self._band: Band | None | bool = False  # False: not searched yet
 
-    def _fused_segment(self, pts: list, names: dict, n: int) -> None:
-        """``fuse`` (the segment on the point's own device a decomposition splits) and ``first_candidate``."""
+    def _fused_segment(self, pts: list, names: dict, after_names: list, before_names: list) -> None:
+        """``fuse`` (the segment on the point's own device a decomposition splits) and ``first_candidate``.
+        A point usually fuses with the very name it waits for or is released by: those are not looked up again."""
+        n = len(pts)
         fuse_names = list(map(_FUSE, pts))
-        fused = np.fromiter(map(names.get, fuse_names, repeat(-2)), dtype=_I64, count=n)
+        fused = np.full(n, NONE, dtype=_I64)
+        known = [np.fromiter(map(is_, fuse_names, of), dtype=bool, count=n) for of in (before_names, after_names)]
+        fused[known[1]] = self._after[known[1]]
+        fused[known[0]] = self._before[known[0]]
+        rest = np.flatnonzero(_DECOMPOSABLE[self._collective] & ~known[0] & ~known[1]).tolist()
+        fused[rest] = [names.get(fuse_names[j], -2) for j in rest]
         fused[~_DECOMPOSABLE[self._collective]] = NONE
         wrong = (fused == -2) | (fused >= 0) & (self._seg_device[fused] != self._device)
         if wrong.any():
@@ -165,7 +198,7 @@ class PhaseIndex:
             p = pts[j]
             self.first_candidate.setdefault(p.device, {})[f"{p.group.name}/{p.collective.value}/{p.bytes}"] = (i, p.group.name)
 
-    def _issue_order(self, pts: list, has_peer: np.ndarray, group_names: list[str], n_segments: int) -> None:
+    def _issue_order(self, pts: list, has_peer: np.ndarray, group_names: list[str]) -> None:
         """Host issue order (by the position of the segment that releases a point, phase start first), the
         streams in it and each point's slot in its stream; and the segment -> points tables."""
         n = len(pts)
@@ -205,21 +238,14 @@ class PhaseIndex:
         # segment -> points it waits for: device by device (a pipeline stage's recv apart from its own
         # collectives), each device's in issue order. Issue order across devices compares segment indices of
         # stages whose periods differ, so it would flip once inside a pipeline's repeating stretch.
-        self._waits = _Groups.of(order[np.argsort(self._device[order], kind="stable")], self._before, n_segments)
-        self._releases = _Groups.of(order, self._after, n_segments)  # segment -> points its end releases, issue order
-        self._candidates = _Groups.of(np.arange(n, dtype=_I64), self._fused, n_segments)  # may split it, phase order
-        self.waits = self._waits.table(self._where)
-        self.releases = self._releases.table(self._where)
-
-    @cached_property
-    def candidates(self) -> dict[tuple[int, int], list[int]]:
-        """segment -> points that may split it, phase order (read only where some decomposition is on)."""
-        return self._candidates.table(self._where)
+        self.waits = SegmentTable(order[np.argsort(self._device[order], kind="stable")], self._before, self)
+        self.releases = SegmentTable(order, self._after, self)  # segment -> points its end releases, issue order
+        self.candidates = SegmentTable(np.arange(n, dtype=_I64), self._fused, self)  # may split it, phase order
 
     @cached_property
     def candidate_segments(self) -> dict[int, list[int]]:
         """device -> the segments some point may split, in order."""
-        keys = np.sort(self._candidates.keys)
+        keys = np.sort(self.candidates.present)
         return {d: (self._seg_index[keys[self._seg_device[keys] == d]]).tolist() for d in self.devices}
 
     @cached_property
@@ -347,7 +373,8 @@ def _periodic_run(sig: np.ndarray) -> tuple[int, int, int] | None:
         # Candidates whose first 16 signatures already differ are dropped at once.
         lengths = np.minimum(periods, n - m - periods)
         head = np.arange(16)
-        differ = (sig[m + head][None, :] != sig[np.minimum(m + periods[:, None] + head, n - 1)]) & (head < lengths[:, None])
+        differ = (sig[np.minimum(m + head, n - 1)][None, :] != sig[np.minimum(m + periods[:, None] + head, n - 1)]) \
+            & (head < lengths[:, None])
         tried = 0
         for period, length in zip(periods[~differ.any(axis=1)].tolist(), lengths[~differ.any(axis=1)].tolist()):
             if tried >= MAX_CANDIDATES:
@@ -448,7 +475,7 @@ def _irregular(ix: PhaseIndex, runs: dict[int, tuple[int, int, int]], image: np.
     what it releases, in what it waits for or may fuse with (and in which order). Drops the images of the
     collectives such a segment releases, and so on, since what waits for those turns bad too."""
     bad = np.zeros(len(domain), dtype=bool)
-    waits, cands = ix._waits.sizes, ix._candidates.sizes
+    waits, cands = ix.waits.sizes, ix.candidates.sizes
     for d, (p, lo, hi) in runs.items():
         first = ix._offset[d]
         kinds, i = ix._kind_arrays[0][d], np.arange(first + lo, first + hi - p)
@@ -464,8 +491,8 @@ def _irregular(ix: PhaseIndex, runs: dict[int, tuple[int, int, int]], image: np.
     # Mapped points waited for / fused with: the image segment must wait for / fuse with exactly their
     # images, in the same order. Same-device relations are in the descriptions and counts settle the
     # rest, except order across devices (waits) and among several candidates (fuse): checked one by one.
-    for table in (ix._waits, ix._candidates):
-        keys = table.keys[domain[table.keys]]
+    for table in (ix.waits, ix.candidates):
+        keys = table.present[domain[table.present]]
         sizes = table.sizes
         keys = keys[(sizes[keys] > 1) | (ix._device[table.flat[table.start[keys]]] != ix._seg_device[keys])]
         images = keys + period[keys]
