@@ -1,6 +1,6 @@
 """What the runtime recorder costs per collective call, in microseconds (medians of many calls).
 
-    python benchmarks/recorder_overhead.py [--calls 5000]
+    python benchmarks/recorder_overhead.py [--calls 5000] [--nccl-steps 1500]
 
 1. ``Recorder.track`` alone: without a work, and with a work whose future is done (the callback path);
    ``end_step`` per resolved record.
@@ -27,7 +27,9 @@
    NCCL's records carry, as the adapters call it), and ``end_step``'s one drain turned into the recorder's
    rows, per call; their sum is the added CPU per call, amortised over the step. Once for all-reduces, once
    for sends (NCCL's P2p records, which the recorder takes once the communicator has reported one). Medians
-   over the steps after the first 100, when the recorder keeps its full 100 step windows, as in a long job.
+   over the steps after the first 100, when the recorder keeps its full 100 step windows, as in a long job; and
+   the mean over those steps (``--nccl-steps`` of them, long enough that it holds the garbage collections that the
+   recording of a long job sets off, which a median leaves out): what a call costs amortised over a long job.
 
 Runs on torch 2.4 and later; the ``torch hook`` rows need torch's ``FlightRecorderHook`` (2.14+: its
 ``attach`` takes the group alone there, and the group and its ranks in builds that ask for them).
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import gc
 import statistics
 import tempfile
 import time
@@ -262,9 +265,9 @@ def _init_communicator(library: Path, comm_hash: int, n_ranks: int, name: bytes)
 WARM_STEPS = 100  # steps before timing: the recorder then keeps its full nccl_calls.WINDOWS step windows
 
 
-def recorder_on_nccl_records(calls: int, per_step: int = 200, collective: str = "all_reduce") -> dict[str, float]:
-    """The recorder reading NCCL's records: per call, ``track`` on the calling thread and ``end_step``.
-    ``collective``: "all_reduce", or "send_recv" for NCCL's P2p records of sends."""
+def recorder_on_nccl_records(steps: int, per_step: int = 200, collective: str = "all_reduce") -> dict[str, float]:
+    """The recorder reading NCCL's records: per call, ``track`` on the calling thread and ``end_step``, over ``steps``
+    steps after the warm-up ones. ``collective``: "all_reduce", or "send_recv" for NCCL's P2p records of sends."""
     library = nccl_profiler.path()
     if library is None:
         return {}
@@ -278,7 +281,7 @@ def recorder_on_nccl_records(calls: int, per_step: int = 200, collective: str = 
                                     protocol=2, type_size=2, channels=8, warps=16, channel_events=8, gpu_start_ns=1,
                                     gpu_stop_ns=1_000_001, peer=1)
     tracked, ended = [], []
-    for i in range(WARM_STEPS + max(1, calls // per_step)):
+    for i in range(WARM_STEPS + steps):
         # matched at step 0's end; its all-reduces recorded from NCCL's from step 1, its sends from step 2
         timed = i >= WARM_STEPS
         rec.begin_step(i)
@@ -295,19 +298,24 @@ def recorder_on_nccl_records(calls: int, per_step: int = 200, collective: str = 
         ended.append((time.thread_time() - cpu) / max(1, len(rows)))
         if timed:
             assert len(rows) == per_step and all(r.exact for r in rows), f"{len(rows)} rows for {per_step} calls"
+        if i == WARM_STEPS - 1:
+            gc.collect()  # what the earlier parts left for the collector is not this part's
     track_us, end_us = _us(tracked[WARM_STEPS:]), _us(ended[WARM_STEPS:])
+    mean_us = statistics.fmean(t + e for t, e in zip(tracked[WARM_STEPS:], ended[WARM_STEPS:])) * 1e6
     what = "collective" if collective == "all_reduce" else "send"
     return {f"recorder on NCCL's records, {collective}: track, left at once (cpu)": track_us,
             f"recorder on NCCL's records, {collective}: end_step per {what}, step of {per_step} (cpu)": end_us,
-            f"recorder on NCCL's records, {collective}: added per {what} (cpu)": track_us + end_us}
+            f"recorder on NCCL's records, {collective}: added per {what} (cpu)": track_us + end_us,
+            f"recorder on NCCL's records, {collective}: added per {what}, mean of {steps} steps (cpu)": mean_us}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=5000)
+    parser.add_argument("--nccl-steps", type=int, default=1500, help="timed steps of 200 calls of part 4")
     args = parser.parse_args()
-    rows = {**track_alone(args.calls), **profiler_drain_per_call(args.calls), **recorder_on_nccl_records(args.calls),
-            **recorder_on_nccl_records(args.calls, collective="send_recv"), **all_reduce_pair(args.calls)}
+    rows = {**track_alone(args.calls), **profiler_drain_per_call(args.calls), **recorder_on_nccl_records(args.nccl_steps),
+            **recorder_on_nccl_records(args.nccl_steps, collective="send_recv"), **all_reduce_pair(args.calls)}
     width = max(map(len, rows))
     for name, us in rows.items():
         print(f"{name:{width}s} {us:8.2f} us")

@@ -10,6 +10,7 @@ kernel-channel and copy-engine events.
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import os
 import shutil
@@ -470,6 +471,71 @@ def test_the_recorder_takes_a_groups_collectives_from_nccl_from_the_step_after_i
     assert [r.seq for r in third] == [3, 0] and [r.duration_s for r in third] == [pytest.approx(1e-6),
                                                                                   pytest.approx(4e-6)]
     assert rec.summary()["dp/all_reduce/4096"]["count"] == 3  # once per call: never the tap's and NCCL's both
+
+
+def test_nccls_rows_come_in_step_order_beside_the_taps_and_add_up_to_the_last_bit(nccl, library) -> None:
+    """A drain's rows, late ones of an earlier window among them, come out in (step, seq) order with the tap's, also
+    where a job's step ids repeat or go back; and the summary is each key's rows added one by one in that order, to
+    the last bit (NCCL's rows of a key, here on two communicators of one group, are added as one array)."""
+    rec = Recorder(cuda=False)
+    rec.nccl = nccl_calls.NcclCalls(profiler.ProfilerDrain(library),
+                                    lambda: [NcclGroup("dp", 4, ("7",)), NcclGroup("tp", 2)])
+    first, second = nccl(6, comm_hash=50, n_ranks=4, name=b"7"), nccl(6, comm_hash=51, n_ranks=4, name=b"7")
+    rec.begin_step(1)
+    first.run(1, [(0, 10)], count=1024)
+    rec.end_step()  # both communicators are dp's by name: NCCL's records from the next step
+    rows, late, order = [], None, []
+    for step in (2, 3, 3, 1):
+        rec.begin_step(step)
+        if late is not None:  # the last step's late collective: its kernel channel reports now
+            first.channel_end(first.channel(late, 0, 50), 50 + 7_919)
+        now = time.perf_counter()
+        rec.ended("tp", "all_reduce", 64, now, now + 1e-3 / step)  # the tap's, numbered first
+        for i in range(12):
+            (first, second)[i % 2].run(i, [(0, 1_000 + 137 * i * step)], count=1024)
+        late = first.coll(99, count=1024, channels=1)
+        first.stop(late)
+        out = rec.end_step()
+        assert out == sorted(out, key=lambda r: (r.step, r.seq))
+        order.append([(r.key, r.step, r.seq) for r in out if r.seq in (0, 1, 13)])
+        rows += out
+    assert order == [  # the late one keeps its step and is numbered after that step's rows
+        [("tp/all_reduce/64", 2, 0), ("dp/all_reduce/4096", 2, 1)],
+        [("dp/all_reduce/4096", 2, 13), ("tp/all_reduce/64", 3, 0), ("dp/all_reduce/4096", 3, 1)],
+        [("tp/all_reduce/64", 3, 0), ("dp/all_reduce/4096", 3, 1), ("dp/all_reduce/4096", 3, 13)],
+        [("tp/all_reduce/64", 1, 0), ("dp/all_reduce/4096", 1, 1), ("dp/all_reduce/4096", 3, 13)]]
+    totals: dict[str, dict[str, float]] = {}
+    for r in rows:
+        total = totals.setdefault(r.key, {"count": 0, "total_s": 0.0})
+        total["count"] += 1
+        total["total_s"] += r.end_s - r.start_s
+    assert rec.summary() == totals and totals["dp/all_reduce/4096"]["count"] == 4 * 12 + 3
+
+
+def test_the_rows_a_recorder_keeps_are_nothing_pythons_garbage_collector_walks(nccl, library) -> None:
+    """A recorder keeps its last 100,000 rows. As objects, each step's rows added to what every full collection of the
+    process walks (in a long job that cost more per call than recording it); kept as tuples of strings and numbers,
+    which the collector stops tracking, the rows of many steps, the tap's and NCCL's, add none."""
+    rec = Recorder(cuda=False)
+    rec.nccl = nccl_calls.NcclCalls(profiler.ProfilerDrain(library), lambda: [NcclGroup("dp", 4, ("7",))])
+    dp = nccl(6, comm_hash=60, n_ranks=4, name=b"7")
+
+    def steps(first: int, count: int) -> None:
+        for step in range(first, first + count):
+            rec.begin_step(step)
+            now = time.perf_counter()
+            for i in range(20):
+                rec.ended("tp", "all_gather", 64, now, now + 1e-4)  # the tap's
+                dp.run(i, [(0, 1_000)], count=1024)
+            rec.end_step()  # its rows are let go, as a session lets them go once it has added them up
+
+    steps(1, 2)  # dp's communicator is matched at the first step's end
+    gc.collect()
+    tracked = len(gc.get_objects())
+    steps(3, 50)
+    gc.collect()
+    assert len(rec.records) == 20 + 40 + 50 * 40 and rec.records[-1].key == "dp/all_reduce/4096"
+    assert len(gc.get_objects()) - tracked < 200  # the windows of the steps, not their 2,000 rows
 
 
 def test_the_recorder_takes_a_groups_transfers_once_nccl_reports_them_and_an_all_to_all_gives_them_back(

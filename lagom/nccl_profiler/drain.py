@@ -269,6 +269,7 @@ class ProfilerDrain:
         self._buffer = np.zeros(self.capacity, dtype=RECORD_DTYPE)  # allocated once: a drain allocates only its copy
         self._address = self._buffer.ctypes.data
         self._overwritten = ctypes.c_uint64()
+        self._overwritten_ref = ctypes.byref(self._overwritten)
         self._drain = lib.lagom_profiler_drain
         self._stats = (ctypes.c_uint64 * 8)()
         self.dropped_total = 0
@@ -277,7 +278,7 @@ class ProfilerDrain:
 
     def drain(self) -> Drained:
         """Every record finished since the last drain (one C call), oldest first."""
-        n = self._drain(self._address, self.capacity, ctypes.byref(self._overwritten))
+        n = self._drain(self._address, self.capacity, self._overwritten_ref)
         overwritten = self._overwritten.value
         if overwritten:
             self.dropped_total += overwritten
@@ -301,7 +302,7 @@ class ProfilerDrain:
 
     def stats(self) -> ProfilerStats:
         self._lib.lagom_profiler_stats(self._stats, len(self._stats))
-        return ProfilerStats(*(int(w) for w in self._stats))
+        return ProfilerStats(*self._stats)  # a c_uint64 array's items are ints
 
     def communicators(self) -> list[Communicator]:
         infos = (CommInfoC * 256)()

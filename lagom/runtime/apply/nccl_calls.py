@@ -31,6 +31,7 @@ bytes) equals that of exactly one group of its size, as the tap recorded it in t
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import itertools
 import logging
 import time
@@ -38,8 +39,9 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from operator import attrgetter
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -66,6 +68,8 @@ WINDOWS = 100  # steps whose windows are kept for late records (the recorder's S
 ORDER_LAG = 2  # steps between a step's end and its use for call-order matching
 KEPT_RECORDS = 1 << 16  # records kept for the report's what-ran table (the most recent)
 NEVER = np.iinfo(np.int64).max
+_ORDER = attrgetter("step", "seq")  # the recorder's order of rows
+FIELDS = attrgetter(*(f.name for f in dataclasses.fields(CallRecord)))  # a row's fields, as CallRecord takes them
 
 
 def row_name(function: str | None) -> str:
@@ -73,12 +77,77 @@ def row_name(function: str | None) -> str:
     return "send_recv" if function == "send" else function or "?"
 
 
-def _shares_a_launch(start: np.ndarray, stop: np.ndarray, comm: np.ndarray) -> bool:
+def _shares_a_launch(start: np.ndarray, stop: np.ndarray, comm: np.ndarray | None) -> bool:
     """Whether two of these collectives are of one launch (a coalesced operation), as ``drain.launches`` numbers
-    them: on the same communicator, one starts before the one before it stopped."""
+    them: on the same communicator, one starts before the one before it stopped. ``comm`` None: all on one
+    communicator (then usually in start order already, and not sorted)."""
+    if comm is None:
+        if not (start[1:] >= start[:-1]).all():
+            order = np.argsort(start, kind="stable")
+            start, stop = start[order], stop[order]
+        return bool((start[1:] <= stop[:-1]).any())
     order = np.lexsort((start, comm))
     start, stop, comm = start[order], stop[order], comm[order]
     return bool(((comm[1:] == comm[:-1]) & (start[1:] <= stop[:-1])).any())
+
+
+def _durations(names: list[str], functions: list[str], sizes: list[int], kinds: np.ndarray, nbytes: np.ndarray,
+               seconds: np.ndarray) -> list[tuple[tuple[str, str, int], np.ndarray]]:
+    """Each key's row durations (``seconds``), in row order; ``kinds`` and ``nbytes`` say which rows share a key
+    (their communicator and function, and their bytes), ``names``, ``functions`` and ``sizes`` what the key is."""
+    if (kinds == kinds[0]).all() and (nbytes == nbytes[0]).all():  # the usual drain: one key
+        return [((names[0], functions[0], sizes[0]), seconds)]
+    order = np.lexsort((nbytes, kinds))  # stable: each run of one (communicator, function, bytes) in row order
+    kinds, nbytes = kinds[order], nbytes[order]
+    runs = np.split(order, np.flatnonzero((kinds[1:] != kinds[:-1]) | (nbytes[1:] != nbytes[:-1])) + 1)
+    by_key: dict[tuple[str, str, int], list[np.ndarray]] = {}
+    for run in runs:  # two communicators of one group, or a send and a send_recv, are one key
+        i = int(run[0])
+        by_key.setdefault((names[i], functions[i], sizes[i]), []).append(run)
+    return [(key, seconds[rows[0] if len(rows) == 1 else np.sort(np.concatenate(rows))]) for key, rows in by_key.items()]
+
+
+def _numbered(launched: np.ndarray, at: np.ndarray | None, windows: list[_Window]
+              ) -> tuple[np.ndarray, range | list[int], list[int], np.ndarray | None]:
+    """Rows launched at ``launched`` (in launch order) in windows ``at`` (None: all in the one): their start in
+    seconds from their window's begin, their seq (each window numbers its rows after its tracked calls, in launch
+    order) and step, in (step, seq) order as the recorder keeps rows; and the order that puts them so (None: they
+    are already)."""
+    n = len(launched)
+    if at is None or (at[0] == at[-1] and (at == at[0]).all()):  # one window: this step's, the usual case
+        window = windows[0 if at is None else int(at[0])]
+        window.next_seq += n
+        return (launched - window.begin_ns) / 1e9, range(window.next_seq - n, window.next_seq), [window.step] * n, None
+    start_s = (launched - np.array([w.begin_ns for w in windows], np.int64)[at]) / 1e9
+    seq = np.empty(n, dtype=np.int64)
+    for i in np.unique(at).tolist():
+        mine = at == i
+        seq[mine] = windows[i].next_seq + np.arange(int(mine.sum()))
+        windows[i].next_seq += int(mine.sum())
+    steps = np.array([w.step for w in windows], np.int64)[at]
+    order = np.lexsort((seq, steps))  # stable; a job's step ids may repeat or go back
+    if (order[1:] > order[:-1]).all():
+        return start_s, seq.tolist(), steps.tolist(), None
+    return start_s[order], seq[order].tolist(), steps[order].tolist(), order
+
+
+def _each(values: list[int], of: np.ndarray | None) -> int | np.ndarray:
+    """Per record, a value of a few (one per window, or per communicator): ``values[0]`` itself where every record
+    has the one (``of`` None), else each record's ``values[of]``."""
+    return values[0] if of is None else np.array(values, dtype=np.int64)[of]
+
+
+def _placed(launch: np.ndarray, earliest: int, windows: list[_Window]) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """Each record's window by its launch (``earliest``: the first): its position in ``windows``, None where there
+    is one window; and which records are in a window at all, None where every one is (the usual drain)."""
+    ends = [NEVER if w.end_ns is None else w.end_ns for w in windows]
+    if len(windows) == 1:
+        if windows[0].begin_ns <= earliest and int(launch.max()) <= ends[0]:
+            return None, None
+        return None, (launch >= windows[0].begin_ns) & (launch <= ends[0])
+    at = np.searchsorted(np.array([w.begin_ns for w in windows], np.int64), launch, side="right") - 1
+    inside = (at >= 0) & (launch <= np.array(ends, np.int64)[np.maximum(at, 0)])
+    return at, None if inside.all() else inside
 
 
 # by a record's function id (a byte): whether its count is one rank's share, whether it is a collective the
@@ -99,6 +168,17 @@ class NcclGroup:
     aliases: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True)
+class NcclRows:
+    """One drain's rows, in (step, seq) order; their fields as tuples (``FIELDS``), which the recorder keeps; and each
+    key's row durations in that order (``None``: add them up from the rows), so that the recorder's totals take a
+    key's rows in one array operation, not one by one."""
+
+    rows: list[CallRecord] = field(default_factory=list)
+    fields: list[tuple[Any, ...]] = field(default_factory=list)
+    durations: list[tuple[tuple[str, str, int], np.ndarray]] | None = None
+
+
 @dataclass
 class _Window:
     index: int  # the recorder's count of steps begun: ownership is by this, since a job's step ids may repeat
@@ -116,8 +196,10 @@ class _Signatures:
     profiled: dict[tuple[int, int], list[tuple[int, str, int]]] = field(default_factory=dict)  # (launch ns, coll, bytes)
 
     def trim(self, oldest: int) -> None:
-        self.tracked = {k: v for k, v in self.tracked.items() if k[0] >= oldest}
-        self.profiled = {k: v for k, v in self.profiled.items() if k[0] >= oldest}
+        if self.tracked:  # empty once every group's collectives are NCCL's: nothing to rebuild each step
+            self.tracked = {k: v for k, v in self.tracked.items() if k[0] >= oldest}
+        if self.profiled:
+            self.profiled = {k: v for k, v in self.profiled.items() if k[0] >= oldest}
 
 
 class NcclCalls:
@@ -164,7 +246,7 @@ class NcclCalls:
                      "job's own; the group's sends and receives are recorded through torch's hooks from now on (and "
                      "any other group's after its first such call)", group, collective)
 
-    def end(self, tracked_seq: int, tracked: list[CallRecord]) -> list[CallRecord]:
+    def end(self, tracked_seq: int, tracked: list[CallRecord]) -> NcclRows:
         """The step ends: one drain; returns the rows of the records it holds (this step's and late ones of
         earlier steps). ``tracked``: what the tap and adapters recorded at this end (for call-order matching);
         ``tracked_seq``: how many calls they numbered in this step (the profiler's rows are numbered after)."""
@@ -174,7 +256,7 @@ class NcclCalls:
         if not self.loaded:
             self.loaded = self.reader.stats().communicators > 0
             if not self.loaded:
-                return []
+                return NcclRows()
         drained = self.reader.drain()
         self._remember_tracked(tracked)
         rows = self._rows(drained)
@@ -182,80 +264,82 @@ class NcclCalls:
         return rows
 
     # -- records to rows ---------------------------------------------------------------------------
-    def _rows(self, drained: Drained) -> list[CallRecord]:
-        """Rows of the records of taken-over groups; the rest feed call-order matching. Computed on arrays, one
-        Python object per row: this runs for every collective of the job, so each column is read once and the usual
-        step (one window, one communicator, no coalesced launch) skips the general case's sorting and grouping."""
+    def _rows(self, drained: Drained) -> NcclRows:
+        """Rows of the records of taken-over groups, in (step, seq) order; the rest feed call-order matching.
+        Computed on arrays, one Python object per row: this runs for every collective of the job, so each column
+        is read once, and what every record of a drain usually shares (its window, its communicator) stays one
+        value, not an array, with the general case's sorting and grouping skipped."""
         records = drained.records
         if not len(records) or not self._windows:
-            return []
+            return NcclRows()
         launch = records["host_start_ns"].view(np.int64)  # CLOCK_MONOTONIC ns: well inside int64
-        windows = self._windows_from(int(launch.min()))
-        begins = np.fromiter((w.begin_ns for w in windows), np.int64, len(windows))
-        ends = np.fromiter((NEVER if w.end_ns is None else w.end_ns for w in windows), np.int64, len(windows))
-        at = np.searchsorted(begins, launch, side="right") - 1
-        inside = (at >= 0) & (launch <= ends[np.maximum(at, 0)])
-        if not inside.all():
-            records, launch, at = records[inside], launch[inside], at[inside]
+        earliest = int(launch.min())
+        windows = self._windows_from(earliest)
+        at, inside = _placed(launch, earliest, windows)
+        if inside is not None:
+            records, launch = records[inside], launch[inside]
+            at = None if at is None else at[inside]
             if not len(records):
-                return []
+                return NcclRows()
         self._keep(records)
         func, comm = records["func"], records["comm_hash"]
         stop = records["host_stop_ns"].view(np.int64)
         gpu_start, gpu_stop = records["gpu_start_ns"].view(np.int64), records["gpu_stop_ns"].view(np.int64)
-        share = records["count"].view(np.int64) * records["type_size"]
-        nbytes = np.where(PER_RANK[func], share * records["n_ranks"], share)
+        nbytes = records["count"].view(np.int64) * records["type_size"]
+        per_rank = PER_RANK.take(func)
+        if per_rank.any():
+            nbytes = np.where(per_rank, nbytes * records["n_ranks"], nbytes)
         gpu = (records["channel_events"] > 0) & (gpu_stop > gpu_start)
         took = np.where(gpu, gpu_stop - gpu_start, np.maximum(stop - launch, 0))
         # per communicator: its group, the first window whose collectives and whose transfers the profiler records
         # (else never), and until when it records the transfers
-        if (comm == comm[0]).all():
-            hashes, of_hash = comm[:1], np.zeros(len(comm), dtype=np.intp)
+        of_hash: np.ndarray | None = None  # each record's communicator in ``hashes``; None: all of the one
+        if comm[0] == comm[-1] and (comm == comm[0]).all():
+            hashes = [int(comm[0])]
         else:
-            hashes, of_hash = np.unique(comm, return_inverse=True)
-        matches = [self.matches.get(h) for h in hashes.tolist()]
+            unique, of_hash = np.unique(comm, return_inverse=True)
+            hashes = unique.tolist()
+        matches = [self.matches.get(h) for h in hashes]
         groups = [m.group if m is not None else None for m in matches]
         trusted = [m is not None and m.group is not None and m.method in P2P_TRUSTED for m in matches]
-        since, since_p2p, until_p2p = np.array(
-            [[self.owned.get(g, NEVER) if g is not None else NEVER for g in groups],
-             [self.owned_p2p.get(g, NEVER) if t and g is not None else NEVER for g, t in zip(groups, trusted)],
-             [self.p2p_to_tap.get(g, NEVER) if g is not None else NEVER for g in groups]], dtype=np.int64)
-        index = np.fromiter((w.index for w in windows), np.int64, len(windows))[at]
+        since = _each([self.owned.get(g, NEVER) if g is not None else NEVER for g in groups], of_hash)
+        since_p2p = _each([self.owned_p2p.get(g, NEVER) if t and g is not None else NEVER
+                           for g, t in zip(groups, trusted)], of_hash)
+        until_p2p = _each([self.p2p_to_tap.get(g, NEVER) if g is not None else NEVER for g in groups], of_hash)
+        index = _each([w.index for w in windows], at)
         self._remember_unmatched(records, nbytes, launch, at, windows, [g is None for g in groups], of_hash)
-        p2p = IS_P2P[func]
-        if p2p.any():
-            self._take_p2p_over(groups, trusted, np.unique(of_hash[p2p]).tolist())
-        taken = np.flatnonzero((TAKEN[func] & (index >= since[of_hash])) |
-                               (p2p & (index >= since_p2p[of_hash]) & (launch < until_p2p[of_hash])))
-        if not len(taken):
-            return []
-        colls = taken[~p2p[taken]]  # sends and receives are never joined: each is its own transfer
-        if len(colls) > 1 and _shares_a_launch(launch[colls], stop[colls], comm[colls]):
+        p2p = IS_P2P.take(func)
+        wanted = TAKEN.take(func) & (index >= since)
+        transfers = bool(p2p.any())
+        if transfers:
+            self._take_p2p_over(groups, trusted, [0] if of_hash is None else np.unique(of_hash[p2p]).tolist())
+            wanted |= p2p & (index >= since_p2p) & (launch < until_p2p)
+        taken: slice | np.ndarray = slice(None)  # every record, the usual drain
+        if not wanted.all():
+            taken = np.flatnonzero(wanted)
+            if not len(taken):
+                return NcclRows()
+        colls = np.flatnonzero(wanted & ~p2p) if transfers else taken  # a send or receive is its own transfer
+        if len(launch[colls]) > 1 and _shares_a_launch(launch[colls], stop[colls],
+                                                       None if of_hash is None else comm[colls]):
             return self._joined_rows(Drained(records[taken], 0).collectives(), windows)  # a coalesced launch
         launched = launch[taken]
         if not (launched[1:] >= launched[:-1]).all():
-            taken = taken[np.argsort(launched, kind="stable")]  # launch order, across communicators
+            taken = np.arange(len(records))[taken][np.argsort(launched, kind="stable")]  # launch order, across comms
             launched = launch[taken]
-        at = at[taken]
-        n = len(taken)
-        if at[0] == at[-1] and (at == at[0]).all():  # one window: this step's, the usual case
-            window = windows[int(at[0])]
-            start_s = (launched - window.begin_ns) / 1e9
-            seq: range | list[int] = range(window.next_seq, window.next_seq + n)
-            window.next_seq += n
-            steps: list[int] = [window.step] * n
-        else:
-            start_s = (launched - begins[at]) / 1e9
-            numbered = np.empty(n, dtype=np.int64)
-            for i in np.unique(at).tolist():  # each window numbers its rows after its tracked calls, in launch order
-                mine = at == i
-                numbered[mine] = windows[i].next_seq + np.arange(int(mine.sum()))
-                windows[i].next_seq += int(mine.sum())
-            seq, steps = numbered.tolist(), np.fromiter((w.step for w in windows), np.int64, len(windows))[at].tolist()
-        names = [groups[0]] * n if len(groups) == 1 else np.array(groups, dtype=object)[of_hash[taken]].tolist()
-        return [CallRecord(*row) for row in zip(
-            names, ROW_NAMES[func[taken]].tolist(), nbytes[taken].tolist(), seq, steps, start_s.tolist(),
-            (start_s + took[taken] / 1e9).tolist(), gpu[taken].tolist())]
+        start_s, seq, steps, order = _numbered(launched, None if at is None else at[taken], windows)
+        if order is not None:
+            taken = np.arange(len(records))[taken][order]
+        n = len(launched)
+        names = cast(list[str], [groups[0]] * n if of_hash is None  # a taken row's group is a matched one
+                     else np.array(groups, dtype=object)[of_hash[taken]].tolist())
+        func, nbytes, end_s = func[taken], nbytes[taken], start_s + took[taken] / 1e9
+        functions, sizes = ROW_NAMES.take(func).tolist(), nbytes.tolist()
+        fields = list(zip(names, functions, sizes, seq, steps, start_s.tolist(), end_s.tolist(), gpu[taken].tolist(),
+                          itertools.repeat(1)))  # one tensor each: only a coalesced launch joins several
+        kinds = func if of_hash is None else of_hash[taken] * 256 + func  # each row's (communicator, function)
+        return NcclRows([CallRecord(*row) for row in fields], fields,
+                        _durations(names, functions, sizes, kinds, nbytes, end_s - start_s))
 
     def _windows_from(self, earliest_ns: int) -> list[_Window]:
         """The windows a record launched at ``earliest_ns`` or later can be in: the last begun by then, and every
@@ -266,7 +350,7 @@ class NcclCalls:
             first -= 1
         return list(itertools.islice(windows, first, None))
 
-    def _joined_rows(self, records: list[CollectiveRecord], windows: list[_Window]) -> list[CallRecord]:
+    def _joined_rows(self, records: list[CollectiveRecord], windows: list[_Window]) -> NcclRows:
         """Rows where a launch ran several collectives (a coalesced operation): one per aggregate NCCL planned
         (``drain.joined``), with its total bytes and its tensor count, as the tap and adapters record it."""
         begins = [w.begin_ns for w in windows]
@@ -278,7 +362,8 @@ class NcclCalls:
                                    window.step, start, start + r.duration_ns / 1e9, r.time_source == "gpu",
                                    r.tensors))
             window.next_seq += 1
-        return rows
+        rows.sort(key=_ORDER)
+        return NcclRows(rows, list(map(FIELDS, rows)))
 
     def _take_p2p_over(self, groups: list[str | None], trusted: list[bool], reporting: list[int]) -> None:
         """The groups whose sends and receives the profiler records from the next step: those NCCL reported a
@@ -297,17 +382,19 @@ class NcclCalls:
         match = self.matches.get(comm_hash)
         return match.group if match is not None else None
 
-    def _remember_unmatched(self, records: np.ndarray, nbytes: np.ndarray, launch: np.ndarray, at: np.ndarray,
-                            windows: list[_Window], unmatched: list[bool], of_hash: np.ndarray) -> None:
+    def _remember_unmatched(self, records: np.ndarray, nbytes: np.ndarray, launch: np.ndarray, at: np.ndarray | None,
+                            windows: list[_Window], unmatched: list[bool], of_hash: np.ndarray | None) -> None:
         """The collectives of communicators no group is matched to yet, for call-order matching (sends and receives
-        are left out: NCCL orders a launch's transfers by peer, not as they were called)."""
+        are left out: NCCL orders a launch's transfers by peer, not as they were called). ``at`` and ``of_hash`` as
+        ``_rows`` has them (None: every record's is the first)."""
         if not any(unmatched):
             return
         table = self._signatures.profiled
-        for i in np.flatnonzero(np.array(unmatched)[of_hash] & TAKEN[records["func"]]).tolist():
+        mine = TAKEN[records["func"]] & (unmatched[0] if of_hash is None else np.array(unmatched)[of_hash])
+        for i in np.flatnonzero(mine).tolist():
             func = int(records["func"][i])
             function = FUNCTIONS[func] if func < len(FUNCTIONS) else "?"
-            table.setdefault((windows[at[i]].index, int(records["comm_hash"][i])), []).append(
+            table.setdefault((windows[0 if at is None else at[i]].index, int(records["comm_hash"][i])), []).append(
                 (int(launch[i]), function, int(nbytes[i])))
 
     def _keep(self, records: np.ndarray) -> None:
@@ -326,7 +413,7 @@ class NcclCalls:
 
     # -- communicators to groups -------------------------------------------------------------------
     def _remember_tracked(self, tracked: list[CallRecord]) -> None:
-        by_step = {w.step: w.index for w in self._windows}
+        by_step = {w.step: w.index for w in self._windows} if tracked else {}
         for r in tracked:
             index = by_step.get(r.step)
             if index is not None and r.group not in self.owned and r.collective in COLLECTIVES:

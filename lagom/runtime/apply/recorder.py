@@ -14,9 +14,10 @@ from collections.abc import Callable
 from operator import attrgetter
 from typing import Any
 
+import numpy as np
 import torch
 
-from lagom.runtime.apply.nccl_calls import NcclCalls
+from lagom.runtime.apply.nccl_calls import FIELDS, NcclCalls, NcclRows
 from lagom.runtime.apply.step_clock import device_now
 from lagom.step.calls import CallRecord, TuningKey
 
@@ -79,6 +80,9 @@ class Recorder:
     done) stays open and comes out of a later ``end_step`` with its own step number.
     ``records`` keeps at least the last ``max_records`` records (at most a quarter more: trimming the list's
     front moves every record left, so it is done once per quarter, not every step); ``summary`` covers every step.
+    They are kept as tuples of their fields, which Python's garbage collector stops tracking (their fields are
+    strings and numbers): kept as objects, every step's records added to what each full collection of the process
+    walks, and a long job paid more per call for those collections than for recording it.
     ``in_step`` is True between ``begin_step`` and ``end_step``: the torch.distributed tap records
     only then, so Lagom's own calls between steps are not taken for the job's.
     """
@@ -88,7 +92,7 @@ class Recorder:
         self.max_records = max_records
         self.step = 0
         self.in_step = False
-        self.records: list[CallRecord] = []
+        self._kept: list[tuple[Any, ...]] = []  # the kept records' fields (``FIELDS``), oldest first
         self._seq = 0
         self._t0: Any = None
         self._open: list[_Open] = []
@@ -97,6 +101,11 @@ class Recorder:
 
     def _now(self) -> Any:
         return device_now(self.cuda)
+
+    @property
+    def records(self) -> list[CallRecord]:
+        """The kept records, oldest first: made anew at each read (read it once, not per step)."""
+        return [CallRecord(*fields) for fields in self._kept]
 
     @property
     def pending(self) -> int:
@@ -122,7 +131,8 @@ class Recorder:
         Returns what the caller should hand on instead of ``work``: the work itself, or, for a
         work without a completion future, a proxy that takes the end time when it is waited on.
         """
-        if not by_lagom and self.from_nccl(group, collective):
+        nccl = self.nccl  # ``from_nccl`` inline: on every collective's calling thread
+        if nccl is not None and not by_lagom and nccl.takes(group, collective):
             return work
         if self._t0 is None:
             self._t0 = self._now()
@@ -178,32 +188,57 @@ class Recorder:
             else:
                 done.append(record)
         self._open = still
-        done += self._from_nccl(done)
+        nccl = self._from_nccl(done)
         done.sort(key=_ORDER)
-        self.records.extend(done)
-        if len(self.records) > self.max_records + self.max_records // 4:
-            del self.records[: len(self.records) - self.max_records]
+        if nccl.rows and done and _ORDER(done[-1]) > _ORDER(nccl.rows[0]):  # late calls of both interleave
+            done += nccl.rows
+            done.sort(key=_ORDER)
+            self._add_up(done)
+            self._kept.extend(map(FIELDS, done))
+        else:  # NCCL's rows come after the tracked ones, each key's added up in one array operation
+            self._add_up(done)
+            self._kept.extend(map(FIELDS, done))
+            if nccl.durations is None:
+                self._add_up(nccl.rows)
+            else:
+                self._add_up_durations(nccl.durations)
+            self._kept.extend(nccl.fields)
+            done += nccl.rows
+        if len(self._kept) > self.max_records + self.max_records // 4:
+            del self._kept[: len(self._kept) - self.max_records]
+        return done
+
+    def _add_up(self, rows: list[CallRecord]) -> None:
         totals = self._totals
-        for r in done:  # keyed by tuple: a key's text is made once, in ``summary``, not per call
+        for r in rows:  # keyed by tuple: a key's text is made once, in ``summary``, not per call
             total = totals.get((r.group, r.collective, r.nbytes))
             if total is None:
                 total = totals[(r.group, r.collective, r.nbytes)] = [0, 0.0]
             total[0] += 1
             total[1] += r.end_s - r.start_s
-        return done
 
-    def _from_nccl(self, tracked: list[CallRecord]) -> list[CallRecord]:
+    def _add_up_durations(self, durations: list[tuple[tuple[str, str, int], np.ndarray]]) -> None:
+        """As ``_add_up`` rows of these durations, to the same float: a running sum is added in order, as one by one."""
+        totals = self._totals
+        for key, seconds in durations:
+            total = totals.get(key)
+            if total is None:
+                total = totals[key] = [0, 0.0]
+            total[0] += len(seconds)
+            total[1] = float(np.add.accumulate(np.concatenate(((total[1],), seconds)))[-1])
+
+    def _from_nccl(self, tracked: list[CallRecord]) -> NcclRows:
         """NCCL's records drained at this step's end; on a failure, said once, the tap and adapters record every
         call from the next step (a job must never fail because Lagom reads NCCL's records)."""
         if self.nccl is None:
-            return []
+            return NcclRows()
         try:
             return self.nccl.end(self._seq, tracked)
         except Exception as err:  # noqa: BLE001 - recording must never fail the job's step
             self.nccl = None
             log.warning("NCCL profiler: reading its records failed (%s: %s); collectives are recorded through "
                         "torch's hooks from the next step", type(err).__name__, err)
-            return []
+            return NcclRows()
 
     def _resolve(self, op: _Open) -> CallRecord | None:
         if op.end is None:
