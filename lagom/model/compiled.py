@@ -206,9 +206,11 @@ class _Rows:
     wake: np.ndarray
 
     def since(self, position: int) -> _Rows:
-        """The rows at ``position`` and after."""
+        """The rows at ``position`` and after (views: their items counted from the end, since a tail is short
+        and the rows before it may be many periods copied at once)."""
         i = int(np.searchsorted(self.pos, position))
-        dev, dep, wake = (int(n[:i].sum()) for n in (self.n_dev, self.n_dep, self.n_wake))
+        dev, dep, wake = (len(items) - int(n[i:].sum())
+                          for n, items in ((self.n_dev, self.dev), (self.n_dep, self.dep_queue), (self.n_wake, self.wake)))
         return _Rows(self.pos[i:], self.comm[i:], self.first[i:], self.last[i:], self.device[i:], self.cost[i:],
                      self.n_dev[i:], self.dev[dev:], self.n_dep[i:], self.dep_queue[dep:], self.dep_pos[dep:],
                      self.n_wake[i:], self.wake[wake:])
@@ -304,12 +306,12 @@ class _Band:
 
 
 def _tail(parts: list[_Rows], position: int) -> _Rows:
-    """The rows at ``position`` and after, joined from the last parts only (joining every part at each period
-    would copy the queue's rows once per period)."""
+    """The rows at ``position`` and after, cut from the part that holds ``position`` before joining the parts after
+    it (joining first would copy every period a tile had copied at once, at each retry)."""
     first = len(parts) - 1
     while first > 0 and not (len(parts[first].pos) and parts[first].pos[0] <= position):
         first -= 1
-    return _Rows.join(parts[first:]).since(position)
+    return _Rows.join([parts[first].since(position), *parts[first + 1:]])
 
 
 def _tile(lowering: Lowering, band: _Band, q: int, prev: _Rows, pos: int) -> tuple[_Rows, int] | None:
