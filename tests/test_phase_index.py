@@ -32,7 +32,9 @@ def reference_index(phase: Phase) -> dict:
             where[seg.name] = (d, i)
     pts = phase.points
     after, before = [where[p.after] for p in pts], [where[p.before] for p in pts]
-    fuse, candidates, first = [], {}, {}
+    fuse: list[int] = []
+    candidates: dict[tuple[int, int], list[int]] = {}
+    first: dict[tuple, int] = {}
     for j, p in enumerate(pts):
         if p.fuse_with is None or not can_decompose(p):
             fuse.append(NONE)
@@ -119,7 +121,8 @@ def reference_band(phase: Phase, ix: dict) -> Band | None:
         return (ix["streams"][ix["stream_of"][j]].name, pts[j].collective, pts[j].group, pts[j].bytes, rel,
                 fuse[j] - a if fuse[j] != NONE else None)
 
-    image, bad = {}, set()
+    image: dict[int, int] = {}
+    bad: set = set()
     for d, (p, lo, _) in runs.items():
         mine = [j for j in ix["order"] if after[j] is not None and after[j][0] == d]
         per = sum(1 for j in mine if lo <= after[j][1] < lo + p)
@@ -134,10 +137,10 @@ def reference_band(phase: Phase, ix: dict) -> Band | None:
                       for x in (i, i + p)]
             if counts[0] != counts[1]:
                 bad.add((d, i))
-    for j, p in enumerate(pts):
+    for j, point in enumerate(pts):
         if inside(after[j]) and j not in image:
             bad.add(after[j])
-        if j in image and before[j] is not None and before[j][0] != p.device:
+        if j in image and before[j] is not None and before[j][0] != point.device:
             b, i = before[j]
             if not inside(before[j]) or before[image[j]] != (b, i + period[b]):
                 bad.add(after[j])
@@ -171,7 +174,7 @@ def reference_band(phase: Phase, ix: dict) -> Band | None:
                 if (found := spans(hi - p, lambda i, d=d, lo=lo: i >= lo and (d, i) not in bad, 3 * p))}
     if not segments:
         return None
-    slots = []
+    slots: list[tuple[int, list[tuple[int, int]]]] = []
     for stream in ix["streams"]:
         good = [j in image and any(a <= after[j][1] < b for a, b in segments.get(stream.device, ())) for j in stream.points]
         mine = [j for j, ok in zip(stream.points, good) if ok]
@@ -243,7 +246,8 @@ def random_phase(seed: int) -> Phase:
     sizes = [per * rng.randint(MIN_PERIODS + 4, 20) + rng.randint(0, per) for _ in range(rng.randint(1, 3))]
     segments = {d: [ComputeSegment(f"d{d}.s{i}", *KINDS[kinds[i % per] if rng.random() > 0.02 else rng.randrange(len(KINDS))],
                                    device=d) for i in range(n)] for d, n in enumerate(sizes)}
-    points, dropped = [], rng.choice([0.0, 0.0, 0.02])  # a collective missing from one period: streams shift
+    points: list[OverlapPoint] = []
+    dropped = rng.choice([0.0, 0.0, 0.02])  # a collective missing from one period: streams shift
     for d, n in enumerate(sizes):
         for i in range(n):
             for coll, group, nbytes, wait, fuse in released[i % per]:
