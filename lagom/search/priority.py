@@ -75,22 +75,39 @@ def _distinct(ranked: list[tuple[Estimate, CommConfig]], k: int, seen: set) -> l
     return out
 
 
-def _checks(key: str, cur: Estimate, exposed: float, problem: Problem, graph: _Graph) -> list[tuple[Estimate, CommConfig]]:
-    """The candidates to evaluate for one key, best first.
+def _checks(key: str, current: CommConfig, cur: Estimate, exposed: float, problem: Problem,
+            graph: _Graph) -> list[tuple[Estimate, CommConfig]]:
+    """The candidates to evaluate for one key (now at ``current``, estimated ``cur``), best first.
 
     Compute-bound: the smallest time the windows add (exposed comm plus slowdown). Comm-bound
     (``exposed`` > 0, the step's exposed comm): first the cheapest speed-ups, ranked by the exposed comm a
     move removes net of the compute it slows, since queueing on a communicator exposes more than each
     window alone shows; then the best of the window ranking (e.g. a decomposition, whose comm is longer
-    but hidden).
+    but hidden). Last, ``current`` on the fewest channels the windows predict alike (``_fewest_channels``).
     """
     scored = [(graph.estimate(key, c, problem.model), c) for c in candidates(problem.keys[key][0], problem.hw, problem.space)]
     by_window = sorted(scored, key=lambda ec: (ec[0].added, ec[0].comm))
     seen = {(round(cur.comm, 12), round(cur.compute, 12))}
     if exposed <= 0:
-        return _distinct(by_window, CHECKED_PER_KEY, seen)
-    by_speed = sorted(scored, key=lambda ec: (ec[0].compute - cur.compute - min(exposed, cur.comm - ec[0].comm), ec[0].comm))
-    return _distinct(by_speed, CHECKED_PER_KEY, seen) + _distinct(by_window, WINDOW_CHECKS, seen)
+        checks = _distinct(by_window, CHECKED_PER_KEY, seen)
+    else:
+        by_speed = sorted(scored, key=lambda ec: (ec[0].compute - cur.compute - min(exposed, cur.comm - ec[0].comm), ec[0].comm))
+        checks = _distinct(by_speed, CHECKED_PER_KEY, seen) + _distinct(by_window, WINDOW_CHECKS, seen)
+    return checks + _fewest_channels(current, cur, scored, checks)
+
+
+def _fewest_channels(current: CommConfig, cur: Estimate, scored: list[tuple[Estimate, CommConfig]],
+                     checks: list[tuple[Estimate, CommConfig]]) -> list[tuple[Estimate, CommConfig]]:
+    """``current`` on the fewest channels (any chunk) its windows predict the same comm and compute for, unless
+    it is checked already: a window holds the compute between a collective's release and its need on the
+    device that waits, while its CTAs also slow compute the window does not hold (a pipeline send runs
+    beside the sender's next micro-batch), which only the step's simulation sees; the channels the windows
+    call moot are the ones this frees."""
+    alike = [(est, cfg) for est, cfg in scored if cfg.channels < current.channels
+             and (round(est.comm, 12), round(est.compute, 12)) == (round(cur.comm, 12), round(cur.compute, 12))
+             and replace(cfg, channels=current.channels, chunk_bytes=current.chunk_bytes) == current]
+    fewest = min(alike, key=lambda ec: ec[1].channels, default=None)
+    return [fewest] if fewest is not None and all(fewest[1] != cfg for _, cfg in checks) else []
 
 
 def search(problem: Problem, evaluator: Evaluator, start: SearchResult | None = None,
@@ -183,7 +200,8 @@ class _Tuning:
         """The key's estimate under its config now, its candidates best first, and whether it is comm-bound."""
         cur = self.estimate(key, self.configs[key])
         exposed = per_key[key]["exposed"]
-        return cur, _checks(key, cur, self.best.exposed_comm_s if exposed > 0 else 0.0, self.problem, self.graph), exposed > 0
+        return cur, _checks(key, self.configs[key], cur, self.best.exposed_comm_s if exposed > 0 else 0.0, self.problem,
+                            self.graph), exposed > 0
 
     def apply(self, key: str, cur: Estimate, checks: list[tuple[Estimate, CommConfig]], comm_bound: bool,
               why: str = "") -> bool:
