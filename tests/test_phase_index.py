@@ -14,6 +14,7 @@ from dataclasses import replace
 
 import pytest
 
+from lagom.errors import LagomError
 from lagom.hardware import load_hardware
 from lagom.model.phase_index import MAX_CANDIDATES, MIN_PERIODS, NONE, PROBES, Band, PhaseIndex, Stream
 from lagom.plan.comm_config import can_decompose
@@ -279,3 +280,10 @@ def test_random_phases_have_bands_cut_into_spans():
     assert len(found) >= 15 and any(len(band.period) > 1 for band in found)
     assert any(len(spans) > 1 for band in found for spans in band.segments.values())
     assert any(len(spans) > 1 for band in found for _, spans in band.slots)
+
+
+def test_a_point_fusing_with_another_devices_segment_is_refused():
+    segments = {0: [ComputeSegment("a", *KINDS[0])], 1: [ComputeSegment("b", *KINDS[1], device=1)]}
+    point = OverlapPoint("ag", Collective.ALL_GATHER, TP, 1 << 20, after="a", before=None, device=0, fuse_with="b")
+    with pytest.raises(LagomError, match="fuses with b, a segment of another device"):
+        PhaseIndex(Phase("step", 1, segments, [point]))

@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections.abc import ItemsView, Iterator, Mapping, ValuesView
 from dataclasses import dataclass
 from functools import cached_property
-from itertools import count, repeat
-from operator import attrgetter, is_, is_not
+from itertools import compress, count, repeat
+from operator import attrgetter, is_not
 from typing import Any
 
 import numpy as np
@@ -149,8 +149,8 @@ class PhaseIndex:
         self._seg_index = np.concatenate([np.arange(size, dtype=_I64) for size in sizes] + [np.asarray([NONE])])
         self._offset = dict(zip(self.devices, np.cumsum([0, *sizes]).tolist()))
         self._size = dict(zip(self.devices, sizes))
-        after_names, before_names = list(map(_AFTER, pts)), list(map(_BEFORE, pts))
-        after, before = list(map(names.__getitem__, after_names)), list(map(names.__getitem__, before_names))
+        after = list(map(names.__getitem__, map(_AFTER, pts)))
+        before = list(map(names.__getitem__, map(_BEFORE, pts)))
         self.after: list[tuple[int, int] | None] = list(map(self._where.__getitem__, after))
         self.before: list[tuple[int, int] | None] = list(map(self._where.__getitem__, before))
         self._after, self._before = np.asarray(after, dtype=_I64), np.asarray(before, dtype=_I64)
@@ -162,23 +162,20 @@ class PhaseIndex:
         has_peer = np.fromiter(map(is_not, peers, repeat(None)), dtype=bool, count=n)
         self._group, group_names = _group_ids(list(map(_GROUP, pts)))
         self._group_name = _ids(group_names)[self._group]
-        self._fused_segment(pts, names, after_names, before_names)
+        self._fused_segment(pts, names)
         self._issue_order(pts, has_peer, group_names)
         self._keys: list[str | None] = [None] * n
         self._band: Band | None | bool = False  # False: not searched yet
 
-    def _fused_segment(self, pts: list, names: dict, after_names: list, before_names: list) -> None:
-        """``fuse`` (the segment on the point's own device a decomposition splits) and ``first_candidate``.
-        A point usually fuses with the very name it waits for or is released by: those are not looked up again."""
+    def _fused_segment(self, pts: list, names: dict) -> None:
+        """``fuse`` (the segment on the point's own device a decomposition splits) and ``first_candidate``:
+        only points whose collective a decomposition applies to are looked up (``can_decompose``)."""
         n = len(pts)
         fuse_names = list(map(_FUSE, pts))
+        decomposable = _DECOMPOSABLE[self._collective]
         fused = np.full(n, NONE, dtype=_I64)
-        known = [np.fromiter(map(is_, fuse_names, of), dtype=bool, count=n) for of in (before_names, after_names)]
-        fused[known[1]] = self._after[known[1]]
-        fused[known[0]] = self._before[known[0]]
-        rest = np.flatnonzero(_DECOMPOSABLE[self._collective] & ~known[0] & ~known[1]).tolist()
-        fused[rest] = [names.get(fuse_names[j], -2) for j in rest]
-        fused[~_DECOMPOSABLE[self._collective]] = NONE
+        fused[decomposable] = np.fromiter(map(names.get, compress(fuse_names, decomposable.tolist()), repeat(-2)),
+                                          dtype=_I64, count=int(decomposable.sum()))
         wrong = (fused == -2) | (fused >= 0) & (self._seg_device[fused] != self._device)
         if wrong.any():
             j = int(np.argmax(wrong))
