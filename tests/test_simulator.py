@@ -34,8 +34,10 @@ def test_bandwidth_grows_with_channels_until_the_link_saturates():
     pair = Group("tp", 2, 2, 1)  # one NVLink-bridged pair: a larger group runs at the PCIe bridge's speed
     times = [MODEL.comm_time(Collective.ALL_GATHER, pair, 64 * 2**20, replace(default_config(HW), channels=c))
              for c in (1, 2, 4, 8, 16)]
-    # one A40 NVLink channel moves under 15 GB/s with 2 MiB chunks: four of them fill the 50 GB/s link
-    assert times[0] > times[1] > times[2] == times[3] == times[4]
+    # one A40 NVLink channel moves under 15 GB/s with 2 MiB chunks: four of them fill the 50 GB/s link; more
+    # channels then only share out the per-chunk waits on the peer (each has fewer chunks to wait after)
+    assert times[0] > times[1] > times[2] > times[3] > times[4]
+    assert times[1] / times[2] > 1.5 and times[2] - times[4] < 0.02 * times[2]
 
 
 def test_comm_ctas_slow_a_gemm_by_whole_waves():
