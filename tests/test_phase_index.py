@@ -199,6 +199,8 @@ def assert_same_index(phase: Phase) -> PhaseIndex:
             assert list(got) == list(expected), f"{name}: key order"
     assert [list(v) for v in ix.first_candidate.values()] == [list(v) for v in ref["first_candidate"].values()]
     assert ix.band == reference_band(phase, ref)
+    for d, segs in phase.segments.items():  # what the lowering's band tests read instead of the lists
+        assert ix.releases.counts(d).tolist() == [len(ref["releases"].get((d, i), ())) for i in range(len(segs))]
     return ix
 
 

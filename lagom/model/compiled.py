@@ -288,9 +288,7 @@ class _Band:
         self.shift = np.asarray([queue.shift for queue in lowering.queues], dtype=np.int64)
         self.spans = [(np.asarray([lo for lo, _ in queue.spans], dtype=np.int64),
                        np.asarray([hi for _, hi in queue.spans], dtype=np.int64)) for queue in lowering.queues]
-        self.releases = {d: np.zeros(len(segs), dtype=np.int64) for d, segs in ix.segments.items()}
-        for (d, i), released in ix.releases.items():
-            self.releases[d][i] = len(released)
+        self.releases = {d: ix.releases.counts(d) for d in ix.segments}
 
     def in_spans(self, queue: np.ndarray, pos: np.ndarray, shift: np.ndarray, counts: np.ndarray) -> np.ndarray:
         """Per count c of ``counts``: whether every (queue, position) moved c times its ``shift`` lies in one of

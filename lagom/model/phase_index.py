@@ -89,6 +89,11 @@ class SegmentTable(Mapping[tuple[int, int], list[int]]):
     def sizes(self) -> np.ndarray:
         return np.diff(self.start)
 
+    def counts(self, d: int) -> np.ndarray:
+        """Per segment of device ``d``, in order, how many points it holds (no lists made)."""
+        first = self._offset[d]
+        return self.sizes[first:first + self._size[d]]
+
     def get(self, key: tuple[int, int], default: Any = None) -> Any:
         d, i = key
         first = self._offset.get(d)
