@@ -133,6 +133,11 @@ class Nccl:
     # nvls_fill_half_mib (published-fit; NCCL's tuning has no such term); 0: none
     nvls_fill_us: float = 0.0
     nvls_fill_half_mib: float = 1.0
+    # A one-node ring's time beyond NCCL's latency and its bytes, per algorithm step: ring_fill_us at large
+    # messages, half of it where a step's slice (the buffer over the ranks) is ring_fill_half_mib (published-fit;
+    # NCCL's tuning has no such term); 0: none
+    ring_fill_us: float = 0.0
+    ring_fill_half_mib: float = 1.0
     ce_gbps: float = 0.0  # copy-engine bandwidth per GPU (CTA policy ZERO); 0: no copy-engine collectives
     ce_launch_us: float = 0.0  # one copy-engine transfer's launch cost, paid per peer
     cta_registers: int = 96  # per thread: NCCL builds its kernels with -maxrregcount=96
@@ -305,15 +310,17 @@ def _validate(hw: Hardware) -> None:
         "nccl.nvls_channels": hw.nccl.nvls_channels,
         "nccl.default_chunk_bytes": hw.nccl.default_chunk_bytes,
         "nccl.nvls_fill_half_mib": hw.nccl.nvls_fill_half_mib,
+        "nccl.ring_fill_half_mib": hw.nccl.ring_fill_half_mib,
     }
     if hw.cluster.nodes > 1:
         positive["cluster.inter.gbps"] = hw.cluster.inter.gbps
     for key, value in positive.items():
         if not value or value <= 0:
             raise ConfigError(f"hardware {hw.name}: {key}", f"must be positive, got {value}")
-    if hw.nccl.nvls_fill_us < 0:
-        raise ConfigError(f"hardware {hw.name}: nccl.nvls_fill_us", f"must be 0 or more, got {hw.nccl.nvls_fill_us}",
-                          "set it to 0 where no fit gives it")
+    for key in ("nvls_fill_us", "ring_fill_us"):
+        if getattr(hw.nccl, key) < 0:
+            raise ConfigError(f"hardware {hw.name}: nccl.{key}", f"must be 0 or more, got {getattr(hw.nccl, key)}",
+                              "set it to 0 where no fit gives it")
     if hw.nccl.max_channels > 64:
         raise ConfigError(f"hardware {hw.name}: nccl.max_channels", f"{hw.nccl.max_channels} exceeds NCCL's 64 channels "
                           "per communicator", "set it to the channels NCCL builds for this topology, at most 64")

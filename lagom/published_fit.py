@@ -57,6 +57,8 @@ RANGES: dict[str, tuple[float, float]] = {
     "nccl.step_overhead_us": (0.0, 20.0),
     "nccl.nvls_fill_us": (0.0, 300.0),
     "nccl.nvls_fill_half_mib": (0.25, 256.0),
+    "nccl.ring_fill_us": (0.0, 20.0),
+    "nccl.ring_fill_half_mib": (0.01, 2.0),
 }
 # What a pair fit point may name: the constants the contention fit sets (its own ranges).
 CONTENTION = {f"{c.section}.{c.key}": c for c in (*CONSTANTS, PERSISTENT)}

@@ -60,6 +60,13 @@ def test_tree_latency_is_a_chain_per_node_and_log_nodes_across():
 # -- NCCL's bandwidth refinements
 
 
+def _ring_fill(steps: int, nbytes: int, ranks: int) -> float:
+    """The A100's published-fit ring fill: per step, its full value times a step's slice (the buffer over the ranks)
+    over the slice plus the half size."""
+    nccl, piece = A100.nccl, nbytes / ranks
+    return steps * nccl.ring_fill_us * 1e-6 * piece / (piece + nccl.ring_fill_half_mib * 2**20)
+
+
 def test_ll_bandwidth_is_capped_at_llmaxbw():
     # without the chunks' waits, which at 64 channels would bring LL under its cap
     model = CostModel(replace(A100, nccl=replace(A100.nccl, step_overhead_us=0.0)))
@@ -67,7 +74,7 @@ def test_ll_bandwidth_is_capped_at_llmaxbw():
     nbytes = GIB
     cfg = CommConfig(protocol=Protocol.LL, channels=64)
     # half of NCCL's 240 GB/s A100 NVLink is 120 GB/s of payload, above Ampere's single-node LL cap of 87.7 GB/s
-    expected = (6.6 + 7 * 0.6) * 1e-6 + nbytes * 7 / 8 / 87.7e9
+    expected = (6.6 + 7 * 0.6) * 1e-6 + _ring_fill(7, nbytes, 8) + nbytes * 7 / 8 / 87.7e9
     assert model.comm_time(AG, group, nbytes, cfg) == pytest.approx(expected, rel=1e-12)
 
 
@@ -76,7 +83,7 @@ def test_ll128_bandwidth_is_capped_per_channel():
     protocols["LL128"] = replace(protocols["LL128"], channel_max_gbps=[10.0, 10.0, 10.0])
     model = CostModel(replace(A100, nccl=replace(A100.nccl, protocols=protocols)))
     cfg, nbytes = CommConfig(protocol=Protocol.LL128, channels=4), GIB
-    expected = (14.0 + 7 * 1.9) * 1e-6 + nbytes * 7 / 8 / (4 * 10e9)
+    expected = (14.0 + 7 * 1.9) * 1e-6 + _ring_fill(7, nbytes, 8) + nbytes * 7 / 8 / (4 * 10e9)
     assert model.comm_time(AG, Group("tp", 8, 8, 1), nbytes, cfg) == pytest.approx(expected, rel=1e-12)
 
 
@@ -165,6 +172,49 @@ def test_nccls_pick_does_not_see_the_nvls_fill():
     assert model.as_nccl_tunes.hw.nccl.nvls_fill_us == 0 < model.hw.nccl.nvls_fill_us
 
 
+def test_the_ring_fill_is_paid_per_step_at_a_known_size():
+    """A fill of 10 us per step at large messages and half of it at a 1 MiB slice: 8 ranks on 8 MiB have 1 MiB slices,
+    so an all-reduce (14 steps) pays 70 us more than without it, an all-gather (7 steps) 35 us, on every protocol;
+    a send/recv, a two-node ring and NVLS pay nothing."""
+    fill = replace(A100.nccl, ring_fill_us=10.0, ring_fill_half_mib=1.0)
+    filled, bare = CostModel(replace(A100, nccl=fill)), CostModel(replace(A100, nccl=replace(fill, ring_fill_us=0.0)))
+    node, nbytes = Group("tp", 8, 8, 1), 8 * 2**20
+    for proto in Protocol:
+        cfg = CommConfig(protocol=proto, channels=16)
+        assert filled.comm_time(AR, node, nbytes, cfg) - bare.comm_time(AR, node, nbytes, cfg) == pytest.approx(70e-6, rel=1e-9)
+        assert filled.comm_time(AG, node, nbytes, cfg) - bare.comm_time(AG, node, nbytes, cfg) == pytest.approx(35e-6, rel=1e-9)
+    for coll, group in ((Collective.SEND_RECV, Group("pp", 2, 2, 1)), (AR, Group("dp", 16, 8, 2))):
+        assert filled.comm_time(coll, group, nbytes, CommConfig()) == bare.comm_time(coll, group, nbytes, CommConfig())
+    nvls_hw = replace(H100, nccl=replace(H100.nccl, ring_fill_us=10.0, ring_fill_half_mib=1.0))
+    nvls = CommConfig(algorithm=Algorithm.NVLS, channels=16)
+    assert CostModel(nvls_hw).comm_time(AR, node, nbytes, nvls) == CostModel(H100).comm_time(AR, node, nbytes, nvls)
+
+
+def test_the_a100_ring_fill_levels_off_at_its_fitted_value():
+    """The A100's published fit: 5.925 us per step once the slice is large (83 us on an 8-rank all-reduce of 1 GiB,
+    14 steps of 128 MiB slices), half of it where the slice is 0.1308 MiB (a 1.05 MiB buffer on 8 ranks)."""
+    group, cfg = Group("tp", 8, 8, 1), CommConfig(channels=16)
+    bare = CostModel(replace(A100, nccl=replace(A100.nccl, ring_fill_us=0.0)))
+    added = {n: CostModel(A100).comm_time(AR, group, n, cfg) - bare.comm_time(AR, group, n, cfg)
+             for n in (GIB, int(8 * 0.1308 * 2**20))}
+    assert added[GIB] == pytest.approx(14 * 5.925e-6 * 128 / (128 + 0.1308), rel=1e-9)
+    assert added[int(8 * 0.1308 * 2**20)] == pytest.approx(14 * 5.925e-6 / 2, rel=1e-5)
+
+
+def test_nccls_pick_does_not_see_the_ring_fill():
+    """NCCL's tables have no ring fill: on 8 H100s given one, NCCL still runs ring LL at 1 MiB (its pick without the
+    fill) although NVLS is then priced faster; the pick is priced with the fill."""
+    hw = replace(H100, nccl=replace(H100.nccl, ring_fill_us=10.0, ring_fill_half_mib=0.01))
+    point = OverlapPoint("ar", AR, Group("tp", 8, 8, 1), 1 << 20, None, None)
+    model = CostModel(hw)
+    ring = CommConfig(algorithm=Algorithm.RING, protocol=Protocol.LL, channels=32)
+    nvls = CommConfig(algorithm=Algorithm.NVLS, protocol=Protocol.SIMPLE, channels=16)
+    assert model.comm_time(AR, point.group, point.bytes, ring) > model.comm_time(AR, point.group, point.bytes, nvls)
+    picked = nccl_choice(point, hw, CommConfig(channels=32), model)
+    assert (picked.algorithm, picked.protocol) == (Algorithm.RING, Protocol.LL)
+    assert model.as_nccl_tunes.hw.nccl.ring_fill_us == 0 < model.hw.nccl.ring_fill_us
+
+
 def test_copy_engines_take_no_sms_but_still_move_hbm():
     model, group, nbytes = CostModel(H100), Group("tp", 8, 8, 1), GIB
     cfg = CommConfig(cta_policy=CTAPolicy.ZERO, channels=16)
@@ -189,12 +239,12 @@ def test_chunks_after_the_first_of_each_step_pay_the_step_overhead():
 def test_a_link_bound_channel_still_pays_its_waits():
     """8 A100 on NVSwitch, 1 GiB ring Simple all-reduce on 16 channels: 16 x 20 GB/s would exceed the 240 GB/s link,
     so each channel copies its 117 MiB share at 15 GB/s, and still waits after each of its 2 MiB chunks but the
-    first of each of the 14 steps (the fitted 5.213 us): the link no longer hides them."""
+    first of each of the 14 steps (the fitted 4.094 us): the link no longer hides them. The ring fill is on top."""
     model, group, nbytes = CostModel(A100), Group("tp", 8, 8, 1), GIB
     share = nbytes * 14 / 8 / 16
     waits = (math.ceil(share / 2**20 / 2) - 14) * A100.nccl.step_overhead_us * 1e-6
-    expected = (8.4 + 14 * 3.4) * 1e-6 + share / 15e9 + waits
-    assert A100.nccl.step_overhead_us == 5.213
+    expected = (8.4 + 14 * 3.4) * 1e-6 + share / 15e9 + waits + _ring_fill(14, nbytes, 8)
+    assert A100.nccl.step_overhead_us == 4.094
     assert model.comm_time(AR, group, nbytes, CommConfig(channels=16)) == pytest.approx(expected, rel=1e-12)
     # across nodes the link still bounds the channels together after their waits (the proxy forwards meanwhile)
     assert model.channel_bandwidth(group, CommConfig(channels=16), 2**21, share * 16, 14) > 15e9

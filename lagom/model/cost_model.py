@@ -56,6 +56,11 @@ def ring_shape(coll: Collective, n: int, algorithm: str) -> tuple[int, float]:
     return 1, 1.0  # send/recv
 
 
+def _fill(full_us: float, half_mib: float, nbytes: float) -> float:
+    """Seconds of a fill that grows with the bytes and levels off: ``full_us`` at large sizes, half at ``half_mib``."""
+    return full_us * US * nbytes / (nbytes + half_mib * MIB)
+
+
 def _by_nodes(values: list[float], nodes: int) -> float:
     """NCCL's per-node-count tables: one node, two nodes, more."""
     return values[min(nodes, 3) - 1] if values else math.inf
@@ -73,12 +78,12 @@ class CostModel:
 
     @cached_property
     def as_nccl_tunes(self) -> CostModel:
-        """This model without what NCCL's own tuning leaves out and a fit added (the NVLS fill): NCCL picks its
-        algorithm and protocol by its latency and bandwidth tables, so a fitted fill must not move its pick
-        (8 H100s run NVLS from 2 MiB, NVIDIA/nccl-tests #309, where NVLS with the fill is priced slower than ring)."""
-        if self.hw.nccl.nvls_fill_us == 0:
+        """This model without what NCCL's own tuning leaves out and a fit added (the NVLS and ring fills): NCCL
+        picks its algorithm and protocol by its latency and bandwidth tables, so a fitted fill must not move its
+        pick (8 H100s run NVLS from 2 MiB, NVIDIA/nccl-tests #309, where NVLS with the fill is priced slower than ring)."""
+        if self.hw.nccl.nvls_fill_us == 0 and self.hw.nccl.ring_fill_us == 0:
             return self
-        return CostModel(replace(self.hw, nccl=replace(self.hw.nccl, nvls_fill_us=0.0)), self.capability)
+        return CostModel(replace(self.hw, nccl=replace(self.hw.nccl, nvls_fill_us=0.0, ring_fill_us=0.0)), self.capability)
 
     # -- communication: links
     def _within_bw(self, group: Group, transport: str) -> float:
@@ -239,7 +244,21 @@ class CostModel:
         if tree:
             return latency + fill + self._tree_time(group, nbytes, run, ch_bw, nic_share)
         bw = self._protocol_bandwidth(min(link_bw, channels * ch_bw), run, channels, group.nodes)
-        return latency + fill + bus / bw
+        ring_fill = self.ring_fill(coll, group, nbytes) if cfg.algorithm == Algorithm.RING else 0.0
+        return latency + fill + ring_fill + bus / bw
+
+    def ring_fill(self, coll: Collective, group: Group, nbytes: int) -> float:
+        """A one-node ring collective's time beyond NCCL's latency and its bytes at the channels' rate, per algorithm
+        step: ``ring_fill_us`` once a step's slice (the buffer over the ranks) is large, half of it at
+        ``ring_fill_half_mib``. Published 8-A100 all-reduce sweeps take a fixed 85-180 us more than that from 1 to
+        512 MiB on every protocol, about twice NCCL's own latency; the form is the sweeps', not a mechanism's, and
+        the split over steps (an all-gather pays half an all-reduce's) an assumption no source checks. Not on a
+        send/recv or all-to-all (one exchange, no ring steps) nor across nodes, where no source measured it."""
+        nccl = self.hw.nccl
+        if nccl.ring_fill_us == 0 or group.nodes > 1 or coll in (Collective.SEND_RECV, Collective.ALL_TO_ALL):
+            return 0.0
+        steps, _ = ring_shape(coll, group.size, Algorithm.RING)
+        return steps * _fill(nccl.ring_fill_us, nccl.ring_fill_half_mib, nbytes / group.size)
 
     def _tree_time(self, group: Group, nbytes: int, cfg: CommConfig, ch_bw: float, nic_share: float) -> float:
         """Tree all-reduce: a chain inside each node (every GPU sends the buffer up and down it) and a double
@@ -274,7 +293,7 @@ class CostModel:
                               "leave nvls out of the search space or set cluster.nvls and nccl.nvls_efficiency")
         _, factor = ring_shape(coll, group.size, Algorithm.NVLS)
         ctas = max(1, cfg.channels)
-        fill = nccl.nvls_fill_us * US * nbytes / (nbytes + nccl.nvls_fill_half_mib * MIB)
+        fill = _fill(nccl.nvls_fill_us, nccl.nvls_fill_half_mib, nbytes)
         return fill + nbytes * factor / (min(link_bw, ctas * nccl.channel_gbps["nvlink"] * GB / slow) * nccl.nvls_efficiency)
 
     def _copy_engine_time(self, coll: Collective, group: Group, nbytes: int, link_bw: float) -> float:
