@@ -39,7 +39,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from operator import attrgetter
+from operator import itemgetter
 from pathlib import Path
 from typing import Any, cast
 
@@ -68,8 +68,8 @@ WINDOWS = 100  # steps whose windows are kept for late records (the recorder's S
 ORDER_LAG = 2  # steps between a step's end and its use for call-order matching
 KEPT_RECORDS = 1 << 16  # records kept for the report's what-ran table (the most recent)
 NEVER = np.iinfo(np.int64).max
-_ORDER = attrgetter("step", "seq")  # the recorder's order of rows
-FIELDS = attrgetter(*(f.name for f in dataclasses.fields(CallRecord)))  # a row's fields, as CallRecord takes them
+_NAMES = [f.name for f in dataclasses.fields(CallRecord)]  # a row's fields, in the order CallRecord takes them
+ORDER = itemgetter(_NAMES.index("step"), _NAMES.index("seq"))  # a row's fields -> the recorder's order of rows
 
 
 def row_name(function: str | None) -> str:
@@ -170,11 +170,10 @@ class NcclGroup:
 
 @dataclass(frozen=True)
 class NcclRows:
-    """One drain's rows, in (step, seq) order; their fields as tuples (``FIELDS``), which the recorder keeps; and each
-    key's row durations in that order (``None``: add them up from the rows), so that the recorder's totals take a
-    key's rows in one array operation, not one by one."""
+    """One drain's rows as tuples of their fields (what ``CallRecord`` takes, which the recorder keeps as they are),
+    in (step, seq) order; and each key's row durations in that order (``None``: add them up from the rows), so that
+    the recorder's totals take a key's rows in one array operation, not one by one."""
 
-    rows: list[CallRecord] = field(default_factory=list)
     fields: list[tuple[Any, ...]] = field(default_factory=list)
     durations: list[tuple[tuple[str, str, int], np.ndarray]] | None = None
 
@@ -246,9 +245,10 @@ class NcclCalls:
                      "job's own; the group's sends and receives are recorded through torch's hooks from now on (and "
                      "any other group's after its first such call)", group, collective)
 
-    def end(self, tracked_seq: int, tracked: list[CallRecord]) -> NcclRows:
+    def end(self, tracked_seq: int, tracked: list[tuple[Any, ...]]) -> NcclRows:
         """The step ends: one drain; returns the rows of the records it holds (this step's and late ones of
-        earlier steps). ``tracked``: what the tap and adapters recorded at this end (for call-order matching);
+        earlier steps). ``tracked``: the rows' fields of what the tap and adapters recorded at this end, in the order
+        they were issued (for call-order matching);
         ``tracked_seq``: how many calls they numbered in this step (the profiler's rows are numbered after)."""
         window = self._windows[-1] if self._windows else None
         if window is not None and window.end_ns is None:
@@ -338,8 +338,7 @@ class NcclCalls:
         fields = list(zip(names, functions, sizes, seq, steps, start_s.tolist(), end_s.tolist(), gpu[taken].tolist(),
                           itertools.repeat(1)))  # one tensor each: only a coalesced launch joins several
         kinds = func if of_hash is None else of_hash[taken] * 256 + func  # each row's (communicator, function)
-        return NcclRows([CallRecord(*row) for row in fields], fields,
-                        _durations(names, functions, sizes, kinds, nbytes, end_s - start_s))
+        return NcclRows(fields, _durations(names, functions, sizes, kinds, nbytes, end_s - start_s))
 
     def _windows_from(self, earliest_ns: int) -> list[_Window]:
         """The windows a record launched at ``earliest_ns`` or later can be in: the last begun by then, and every
@@ -358,12 +357,11 @@ class NcclCalls:
         for r in sorted(joined(records), key=lambda r: r.host_start_ns):
             window = windows[bisect.bisect_right(begins, r.host_start_ns) - 1]
             start = (r.host_start_ns - window.begin_ns) / 1e9
-            rows.append(CallRecord(self._group_of(r.comm_hash) or "?", row_name(r.function), r.bytes, window.next_seq,
-                                   window.step, start, start + r.duration_ns / 1e9, r.time_source == "gpu",
-                                   r.tensors))
+            rows.append((self._group_of(r.comm_hash) or "?", row_name(r.function), r.bytes, window.next_seq, window.step,
+                         start, start + r.duration_ns / 1e9, r.time_source == "gpu", r.tensors))
             window.next_seq += 1
-        rows.sort(key=_ORDER)
-        return NcclRows(rows, list(map(FIELDS, rows)))
+        rows.sort(key=ORDER)
+        return NcclRows(rows)
 
     def _take_p2p_over(self, groups: list[str | None], trusted: list[bool], reporting: list[int]) -> None:
         """The groups whose sends and receives the profiler records from the next step: those NCCL reported a
@@ -412,12 +410,12 @@ class NcclCalls:
         return Drained(np.concatenate(list(self.records)), 0).collectives()
 
     # -- communicators to groups -------------------------------------------------------------------
-    def _remember_tracked(self, tracked: list[CallRecord]) -> None:
+    def _remember_tracked(self, tracked: list[tuple[Any, ...]]) -> None:
         by_step = {w.step: w.index for w in self._windows} if tracked else {}
-        for r in tracked:
-            index = by_step.get(r.step)
-            if index is not None and r.group not in self.owned and r.collective in COLLECTIVES:
-                self._signatures.tracked.setdefault((index, r.group), []).append((r.collective, r.nbytes))
+        for group, collective, nbytes, _, step, _, _, _, _ in tracked:
+            index = by_step.get(step)
+            if index is not None and group not in self.owned and collective in COLLECTIVES:
+                self._signatures.tracked.setdefault((index, group), []).append((collective, nbytes))
         self._signatures.trim(self._index - WINDOWS)
 
     def _match(self) -> None:

@@ -11,13 +11,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from operator import attrgetter
 from typing import Any
 
 import numpy as np
 import torch
 
-from lagom.runtime.apply.nccl_calls import FIELDS, NcclCalls, NcclRows
+from lagom.runtime.apply.nccl_calls import ORDER, NcclCalls, NcclRows
 from lagom.runtime.apply.step_clock import device_now
 from lagom.step.calls import CallRecord, TuningKey
 
@@ -25,7 +24,6 @@ log = logging.getLogger("lagom.runtime")
 
 CALLBACK_GRACE_S = 0.01  # a completed future runs its callbacks right after waking its waiters
 STALE_STEPS = 100  # a call still open this many steps after its own was never completed: dropped
-_ORDER = attrgetter("step", "seq")
 
 
 class _Open:
@@ -92,7 +90,7 @@ class Recorder:
         self.max_records = max_records
         self.step = 0
         self.in_step = False
-        self._kept: list[tuple[Any, ...]] = []  # the kept records' fields (``FIELDS``), oldest first
+        self._kept: list[tuple[Any, ...]] = []  # the kept records' fields (what CallRecord takes), oldest first
         self._seq = 0
         self._t0: Any = None
         self._open: list[_Open] = []
@@ -165,7 +163,7 @@ class Recorder:
     def end_step(self) -> list[CallRecord]:
         """Resolve what has completed; return those records (this step's and late earlier ones)."""
         self.in_step = False
-        done: list[CallRecord] = []
+        done: list[tuple[Any, ...]] = []  # the rows' fields: kept as they are, objects made once for the caller
         still: list[_Open] = []
         step_end = None
         stale = [op for op in self._open if op.step < self.step - STALE_STEPS]
@@ -189,33 +187,31 @@ class Recorder:
                 done.append(record)
         self._open = still
         nccl = self._from_nccl(done)
-        done.sort(key=_ORDER)
-        if nccl.rows and done and _ORDER(done[-1]) > _ORDER(nccl.rows[0]):  # late calls of both interleave
-            done += nccl.rows
-            done.sort(key=_ORDER)
+        done.sort(key=ORDER)
+        if nccl.fields and done and ORDER(done[-1]) > ORDER(nccl.fields[0]):  # late calls of both interleave
+            done += nccl.fields
+            done.sort(key=ORDER)
             self._add_up(done)
-            self._kept.extend(map(FIELDS, done))
         else:  # NCCL's rows come after the tracked ones, each key's added up in one array operation
             self._add_up(done)
-            self._kept.extend(map(FIELDS, done))
             if nccl.durations is None:
-                self._add_up(nccl.rows)
+                self._add_up(nccl.fields)
             else:
                 self._add_up_durations(nccl.durations)
-            self._kept.extend(nccl.fields)
-            done += nccl.rows
+            done += nccl.fields
+        self._kept += done
         if len(self._kept) > self.max_records + self.max_records // 4:
             del self._kept[: len(self._kept) - self.max_records]
-        return done
+        return [CallRecord(*fields) for fields in done]
 
-    def _add_up(self, rows: list[CallRecord]) -> None:
-        totals = self._totals
-        for r in rows:  # keyed by tuple: a key's text is made once, in ``summary``, not per call
-            total = totals.get((r.group, r.collective, r.nbytes))
+    def _add_up(self, rows: list[tuple[Any, ...]]) -> None:
+        totals = self._totals  # keyed by tuple: a key's text is made once, in ``summary``, not per call
+        for group, collective, nbytes, _, _, start_s, end_s, _, _ in rows:
+            total = totals.get((group, collective, nbytes))
             if total is None:
-                total = totals[(r.group, r.collective, r.nbytes)] = [0, 0.0]
+                total = totals[(group, collective, nbytes)] = [0, 0.0]
             total[0] += 1
-            total[1] += r.end_s - r.start_s
+            total[1] += end_s - start_s
 
     def _add_up_durations(self, durations: list[tuple[tuple[str, str, int], np.ndarray]]) -> None:
         """As ``_add_up`` rows of these durations, to the same float: a running sum is added in order, as one by one."""
@@ -227,7 +223,7 @@ class Recorder:
             total[0] += len(seconds)
             total[1] = float(np.add.accumulate(np.concatenate(((total[1],), seconds)))[-1])
 
-    def _from_nccl(self, tracked: list[CallRecord]) -> NcclRows:
+    def _from_nccl(self, tracked: list[tuple[Any, ...]]) -> NcclRows:
         """NCCL's records drained at this step's end; on a failure, said once, the tap and adapters record every
         call from the next step (a job must never fail because Lagom reads NCCL's records)."""
         if self.nccl is None:
@@ -240,7 +236,8 @@ class Recorder:
                         "torch's hooks from the next step", type(err).__name__, err)
             return NcclRows()
 
-    def _resolve(self, op: _Open) -> CallRecord | None:
+    def _resolve(self, op: _Open) -> tuple[Any, ...] | None:
+        """The call's row, as the fields CallRecord takes; None while it has not completed."""
         if op.end is None:
             return None
         if self.cuda:
@@ -249,8 +246,7 @@ class Recorder:
             start, end = op.t0.elapsed_time(op.start) / 1e3, op.t0.elapsed_time(op.end) / 1e3
         else:
             start, end = op.start - op.t0, op.end - op.t0
-        return CallRecord(op.group, op.collective, op.nbytes, op.seq, op.step, start, max(start, end), op.exact,
-                          op.tensors)
+        return op.group, op.collective, op.nbytes, op.seq, op.step, start, max(start, end), op.exact, op.tensors
 
     def summary(self) -> dict[str, dict[str, float]]:
         """Per key over every resolved call: how many, and their total seconds."""
