@@ -251,9 +251,10 @@ class CostModel:
         """A one-node ring collective's time beyond NCCL's latency and its bytes at the channels' rate, per algorithm
         step: ``ring_fill_us`` once a step's slice (the buffer over the ranks) is large, half of it at
         ``ring_fill_half_mib``. A bare-metal 8-A100 all-reduce sweep took 41-165 us more than that from 1 to 512 MiB
-        on every protocol, up to twice NCCL's own latency; the form is the sweeps', not a mechanism's, and the split
-        over steps (an all-gather pays half an all-reduce's) an assumption no source checks. Not on a send/recv or
-        all-to-all (one exchange, no ring steps) nor across nodes, where no source measured it."""
+        on every protocol, more than NCCL's own latency there (15-56 us); the form is the sweeps', not a
+        mechanism's, and the split over steps (an all-gather pays half an all-reduce's) an assumption no source
+        checks. Not on a send/recv or all-to-all (one exchange, no ring steps) nor across nodes, where no source
+        measured it."""
         nccl = self.hw.nccl
         if nccl.ring_fill_us == 0 or group.nodes > 1 or coll in (Collective.SEND_RECV, Collective.ALL_TO_ALL):
             return 0.0
