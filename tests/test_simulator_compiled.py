@@ -238,3 +238,32 @@ def test_the_environment_chooses_the_python_loop_and_a_bad_value_is_named():
     assert subprocess.run(run, capture_output=True, text=True, check=True, env={"PATH": ""}).stdout.strip() == "True"
     bad = subprocess.run(run, capture_output=True, text=True, env={"LAGOM_SIMULATOR": "fortran", "PATH": ""})
     assert bad.returncode != 0 and "LAGOM_SIMULATOR" in bad.stderr and "'python'" in bad.stderr
+
+
+@pytest.mark.parametrize("compiled_loop", [True, False])
+def test_compute_durations_carry_over_runs_under_one_model_and_its_settings(compiled_loop):
+    """A Simulator keeps compute durations across runs, keyed by the configs beside each segment: a run with one
+    key's channels changed asks the model for fewer of them than the same run on a fresh Simulator, and gets
+    the same step to the bit; a change in the model's settings (a calibrated compute scale) starts them afresh."""
+    wl = load_workload("bert-pp4")
+    problem = problem_for(wl, load_hardware(wl.hardware))
+    model = CalibratedModel(problem.hw)
+    asked: list[int] = []
+    real = model.compute_time
+    model.compute_time = lambda seg, running=(): asked.append(1) or real(seg, running)  # type: ignore[method-assign]
+    configs = nccl_configs(problem)
+    key = next(iter(configs))
+    other = {**configs, key: replace(configs[key], channels=2)}
+    sim = Simulator(problem.graph, compiled_loop=compiled_loop)
+    sim.run(configs, model)
+    asked.clear()
+    carried = sim.run(other, model)
+    carried_asks = len(asked)
+    asked.clear()
+    fresh = Simulator(problem.graph, compiled_loop=compiled_loop).run(other, model)
+    assert carried_asks < len(asked)
+    assert (carried.step_s, carried.exposed_comm_s) == (fresh.step_s, fresh.exposed_comm_s)
+    model.compute_scale = 1.5
+    scaled = sim.run(other, model)
+    assert scaled.step_s == Simulator(problem.graph, compiled_loop=compiled_loop).run(other, model).step_s
+    assert scaled.step_s > carried.step_s

@@ -80,6 +80,7 @@ CHECKPOINT_EVERY = 400  # tasks started between checkpoints
 TRAILS_KEPT = 3  # earlier runs whose checkpoints a Simulator keeps
 LOWERINGS_KEPT = 8  # decomposition choices whose task shapes a Simulator keeps
 SHAPES_KEPT = 200_000  # task shapes a Simulator keeps over all its lowerings (about 400 bytes each)
+DURATIONS_KEPT = 200_000  # compute durations a Simulator keeps across runs (Simulator._compute_durations)
 ARRAYS_KEPT = 256 << 20  # bytes of arrays lowered for the compiled loop kept, all Simulators together (~51 a task)
 INF = float("inf")
 
@@ -226,6 +227,18 @@ class Simulator:
         weakref.finalize(self, _KEPT.drop, self._owner)
         self._statics: dict[int, tuple[dict, dict]] = {}
         self._trails: list[_Trail] = []
+        self._durations: tuple[CostModel, tuple, dict[tuple, float]] | None = None
+
+    def _compute_durations(self, model: CostModel) -> dict[tuple, float]:
+        """Compute durations under ``model`` kept across runs, keyed by the configs of the collectives beside each
+        segment: a search's runs differ in a key or two, so most situations recur in every run, while a run's own
+        memo (and the compiled loop's) start empty. Started afresh for another model or settings, and past
+        DURATIONS_KEPT entries."""
+        state = _model_state(model)
+        kept = self._durations
+        if kept is None or kept[0] is not model or kept[1] != state or len(kept[2]) > DURATIONS_KEPT:
+            kept = self._durations = (model, state, {})
+        return kept[2]
 
     def index(self, i: int) -> PhaseIndex:
         idx = self._indexes[i]
@@ -272,6 +285,7 @@ class Simulator:
                 left.append((result, first_start, [], []))  # no checkpoints: a later run reuses it whole or not at all
                 continue
             run = _PhaseRun(self._lowering(i, split, extrapolate), configs, model, default, keep_spans)
+            run.shared_compute = self._compute_durations(model)
             phases.append(run.simulate(*self._static(i, model), resume=start))
             left.append(None if keep_spans else (phases[-1], run.first_start, run.checkpoints, run.records))
         if not keep_spans:
@@ -309,6 +323,7 @@ class Simulator:
         without ``timings``, the records: a search's results outlive both (its trails and bests), and pinning
         them for timings that are rarely asked for held gigabytes."""
         run = _CompiledPhaseRun(self._lowered(i, split), configs, model, default, extrapolate, timings)
+        run.shared_compute = self._compute_durations(model)
         outcome = run.simulate_loop()
         simulator, graph = weakref.ref(self), self.graph
 
@@ -496,6 +511,7 @@ class _PhaseRun:
         self.comm_memo: dict[tuple, float] = {}
         self.rate_memo: dict[tuple, float] = {}
         self.compute_memo: dict[tuple, float] = {}
+        self.shared_compute: dict[tuple, float] = {}  # the Simulator's, across runs (Simulator._compute_durations)
         self.solo_memo: dict[tuple, float] = {}
         self.util_memo: dict[tuple, float] = {}
         self.config_memo: dict[str, CommConfig] = {}
@@ -549,10 +565,14 @@ class _PhaseRun:
         key = (t.cost, tuple([(c.cost, c.rate) for c in beside]))
         dur = self.compute_memo.get(key)
         if dur is None:
-            running = tuple(RunningComm(c.config, c.rate, self.ctas(c)) for c in beside)  # type: ignore[arg-type]
-            raw = self.model.compute_time(_segment(t.cost), running)
-            self._check_duration(t, raw)
-            dur = self.compute_memo[key] = max(EPS, raw)
+            shared = (t.cost, tuple([(c.cost, c.config, c.rate) for c in beside]))
+            dur = self.shared_compute.get(shared)
+            if dur is None:
+                running = tuple(RunningComm(c.config, c.rate, self.ctas(c)) for c in beside)  # type: ignore[arg-type]
+                raw = self.model.compute_time(_segment(t.cost), running)
+                self._check_duration(t, raw)
+                dur = self.shared_compute[shared] = max(EPS, raw)
+            self.compute_memo[key] = dur
         return dur
 
     def _check_duration(self, t: _Task, raw: float) -> None:
@@ -1024,6 +1044,7 @@ class _PhaseRun:
                          set(), set(), now.totals, now.exposed, len(self.records), longest, dict(self.first_start),
                          list(self.jumps), self.simulated, max((t.seq for t in running), default=0))
         probe = _PhaseRun(self.lw, self.configs, self.model, self.default, False)
+        probe.shared_compute = self.shared_compute
         probe.probe_unit = now.unit + units
         try:
             seen = probe.simulate(0.0, 0.0, resume=(cp, self.records, []))
