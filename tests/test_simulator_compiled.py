@@ -129,8 +129,8 @@ def test_a_search_run_pins_neither_arrays_nor_records_and_its_timings_come_back_
 
 
 def test_simulators_share_one_budget_of_kept_arrays_and_make_room_before_lowering(monkeypatch):
-    """Two Simulators alive (a tune's bucket scales) keep their arrays within one budget, least recently used
-    dropped first; a lowering first makes room for the largest arrays lowered so far."""
+    """Two Simulators alive (a tune's bucket scales) keep their arrays within one budget, the other's (used as
+    often, less recently) dropped first; a lowering first makes room for the largest arrays lowered so far."""
     import lagom.model.simulator as simulator
 
     wl = load_workload("bert-pp4")
@@ -267,3 +267,34 @@ def test_compute_durations_carry_over_runs_under_one_model_and_its_settings(comp
     scaled = sim.run(other, model)
     assert scaled.step_s == Simulator(problem.graph, compiled_loop=compiled_loop).run(other, model).step_s
     assert scaled.step_s > carried.step_s
+
+
+def test_splits_gone_over_again_in_the_same_order_are_not_all_lowered_again(monkeypatch):
+    """A search's stages go over the same choices of decompositions in the same order. Where they do not all fit
+    the budget, dropping the least recently used would drop each one just before its next use (three splits, two
+    fitting: six lowerings over two passes); dropping the least used, then the newest, keeps one for the second
+    pass. Results are the fresh Simulator's."""
+    import lagom.model.simulator as simulator
+
+    wl = load_workload("bert-pp4")
+    problem = problem_for(wl, load_hardware(wl.hardware))
+    configs = nccl_configs(problem)
+    key = next(iter(configs))
+    passes = [configs] + [{**configs, key: replace(configs[key], decomposition=Decomposition.P2P, num_chunks=k)}
+                          for k in (1, 2)]
+    sizes = []
+    for c in passes:
+        one = Simulator(problem.graph, compiled_loop=True)
+        one.run(c, problem.model)
+        sizes.append(next(iter(one.lowered().values())).nbytes)
+    monkeypatch.setattr(simulator, "_KEPT", simulator._KeptArrays())  # no other test's arrays in the budget
+    monkeypatch.setattr(simulator, "ARRAYS_KEPT", 2 * max(sizes) + 1)
+    lowered: list[int] = []
+    lower = compiled.lower
+    monkeypatch.setattr(compiled, "lower", lambda lw: lowered.append(1) or lower(lw))
+    again = [{**c, key: replace(c[key], channels=1)} for c in passes]  # the same splits, runs not seen before
+    sim = Simulator(problem.graph, compiled_loop=True)
+    results = [sim.run(c, problem.model) for c in passes + again]
+    assert len(lowered) == 5
+    for c, result in zip(passes + again, results):
+        _agree(result, Simulator(problem.graph, compiled_loop=True).run(c, problem.model))

@@ -387,8 +387,10 @@ class Simulator:
 
 class _KeptArrays:
     """The arrays lowered for the compiled loop, kept for the runs to come of every Simulator in the process within
-    one budget (ARRAYS_KEPT bytes), least recently used dropped first: a tune keeps several Simulators alive (one
-    per bucket scale), and each keeping its own hundreds of MB was most of its peak. Before a lowering, room is
+    one budget (ARRAYS_KEPT bytes): a tune keeps several Simulators alive (one per bucket scale), and each keeping
+    its own hundreds of MB was most of its peak. The least used are dropped first and, of those used as often, the
+    most recently lowered: a search's stages go over the same splits in the same order, and where they exceed the
+    budget, dropping the least recently used dropped each one just before its next use. Before a lowering, room is
     made for the largest arrays lowered so far, so the new arrays and the lowering's transient do not come on
     top of a full budget. Simulators may run in threads of
     their own (a search beside the job): the bookkeeping holds a lock, the lowering does not."""
@@ -397,10 +399,12 @@ class _KeptArrays:
         self._lock = threading.Lock()
         self._kept: OrderedDict[tuple[int, int, frozenset], compiled.PhaseArrays] = OrderedDict()  # (owner, phase, split)
         self._largest = 0  # bytes of the largest arrays lowered so far
+        self._uses: Counter[tuple[int, int, frozenset]] = Counter()  # runs per (owner, phase, split), kept or not
 
     def arrays(self, owner: int, i: int, split: frozenset, lowering: Callable[[], Lowering]) -> compiled.PhaseArrays:
         key = (owner, i, split)
         with self._lock:
+            self._uses[key] += 1
             arrays = self._kept.pop(key, None)
             if arrays is None:
                 self._fit(self._largest, 0)
@@ -413,9 +417,14 @@ class _KeptArrays:
         return arrays
 
     def _fit(self, room: int, keep: int) -> None:
-        """Drop the least recently used until ``room`` more bytes fit, keeping the ``keep`` most recent."""
-        while len(self._kept) > keep and sum(a.nbytes for a in self._kept.values()) + room > ARRAYS_KEPT:
-            self._kept.popitem(last=False)
+        """Drop arrays, the least used and then the most recent first, until ``room`` more bytes fit, keeping the
+        ``keep`` most recent."""
+        held = sum(a.nbytes for a in self._kept.values())
+        order = list(self._kept)  # least recently used first
+        for key in sorted(order[:len(order) - keep], key=lambda k: (self._uses[k], -order.index(k))):
+            if held + room <= ARRAYS_KEPT:
+                break
+            held -= self._kept.pop(key).nbytes
 
     def of(self, owner: int) -> dict[tuple[int, frozenset], compiled.PhaseArrays]:
         with self._lock:
@@ -426,6 +435,8 @@ class _KeptArrays:
         with self._lock:
             for key in [k for k in self._kept if k[0] == owner]:
                 del self._kept[key]
+            for key in [k for k in self._uses if k[0] == owner]:
+                del self._uses[key]
 
 
 _KEPT = _KeptArrays()
