@@ -421,7 +421,8 @@ class _KeptArrays:
         ``keep`` most recent."""
         held = sum(a.nbytes for a in self._kept.values())
         order = list(self._kept)  # least recently used first
-        for key in sorted(order[:len(order) - keep], key=lambda k: (self._uses[k], -order.index(k))):
+        recent = {k: n for n, k in enumerate(order)}
+        for key in sorted(order[:len(order) - keep], key=lambda k: (self._uses[k], -recent[k])):
             if held + room <= ARRAYS_KEPT:
                 break
             held -= self._kept.pop(key).nbytes

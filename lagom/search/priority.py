@@ -59,6 +59,11 @@ def priority(cur: Estimate, new: Estimate) -> float:
     return (new.compute - cur.compute) / saved if saved else math.inf
 
 
+def _predicted(est: Estimate) -> tuple[float, float]:
+    """What an estimate predicts, as candidates are told apart: comm and compute, to the picosecond."""
+    return round(est.comm, 12), round(est.compute, 12)
+
+
 def _distinct(ranked: list[tuple[Estimate, CommConfig]], k: int, seen: set) -> list[tuple[Estimate, CommConfig]]:
     """The first k candidates whose predictions differ from each other and from ``seen``: checks go to
     distinct predictions, not to knobs the model says are moot. Of settings differing only in priority,
@@ -67,7 +72,7 @@ def _distinct(ranked: list[tuple[Estimate, CommConfig]], k: int, seen: set) -> l
     for est, cfg in ranked:
         if len(out) == k:
             break
-        predicted = (round(est.comm, 12), round(est.compute, 12))
+        predicted = _predicted(est)
         family = replace(cfg, priority=0)
         if predicted not in seen and family not in seen:
             seen.update((predicted, family))
@@ -87,7 +92,7 @@ def _checks(key: str, current: CommConfig, cur: Estimate, exposed: float, proble
     """
     scored = [(graph.estimate(key, c, problem.model), c) for c in candidates(problem.keys[key][0], problem.hw, problem.space)]
     by_window = sorted(scored, key=lambda ec: (ec[0].added, ec[0].comm))
-    seen = {(round(cur.comm, 12), round(cur.compute, 12))}
+    seen = {_predicted(cur)}
     if exposed <= 0:
         checks = _distinct(by_window, CHECKED_PER_KEY, seen)
     else:
@@ -104,7 +109,7 @@ def _fewest_channels(current: CommConfig, cur: Estimate, scored: list[tuple[Esti
     beside the sender's next micro-batch), which only the step's simulation sees; the channels the windows
     call moot are the ones this frees."""
     alike = [(est, cfg) for est, cfg in scored if cfg.channels < current.channels
-             and (round(est.comm, 12), round(est.compute, 12)) == (round(cur.comm, 12), round(cur.compute, 12))
+             and _predicted(est) == _predicted(cur)
              and replace(cfg, channels=current.channels, chunk_bytes=current.chunk_bytes) == current]
     fewest = min(alike, key=lambda ec: ec[1].channels, default=None)
     return [fewest] if fewest is not None and all(fewest[1] != cfg for _, cfg in checks) else []
