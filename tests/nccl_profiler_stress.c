@@ -35,10 +35,13 @@
 
 typedef size_t (*drain_fn)(lagom_prof_record*, size_t, uint64_t*);
 typedef size_t (*stats_fn)(uint64_t*, size_t);
+typedef size_t (*read_fn)(lagom_prof_record*, size_t, uint64_t*, size_t);
 
 static lagom_prof_plugin_v6* v6;
 static drain_fn drain;
 static stats_fn stats;
+static read_fn read_all;
+static uint64_t reads = 0;
 static int failures = 0;
 
 static const char* FUNCS[] = {"AllReduce", "AllGather", "ReduceScatter", "Broadcast", "Reduce"};
@@ -181,7 +184,17 @@ static void* read_ring(void* arg) {
   for (;;) {
     int done = atomic_load(&launching_done);
     uint64_t missed = 0;
-    size_t n = drain(out, 1024, &missed);
+    size_t n;
+    if ((reads++ & 1) == 0) {
+      n = drain(out, 1024, &missed);
+    } else { /* Python's one call: the drain, then the counters */
+      uint64_t counters[1 + LAGOM_PROF_STATS_WORDS];
+      n = read_all(out, 1024, counters, 1 + LAGOM_PROF_STATS_WORDS);
+      missed = counters[0];
+      lagom_prof_stats s;
+      memcpy(&s, &counters[1], sizeof s);
+      if (s.published < drained + n || s.overwritten != overwritten + missed) fail("counters after a read", n, missed);
+    }
     overwritten += missed;
     drained += n;
     for (size_t i = 0; i < n; i++) check(&out[i]);
@@ -334,7 +347,8 @@ int main(int argc, char** argv) {
   v6 = dlsym(lib, "ncclProfiler_v6"); /* the symbol names NCCL looks up, newest first */
   drain = (drain_fn)dlsym(lib, "lagom_profiler_drain");
   stats = (stats_fn)dlsym(lib, "lagom_profiler_stats");
-  if (v6 == NULL || drain == NULL || stats == NULL) return fprintf(stderr, "stress: symbols\n"), 1;
+  read_all = (read_fn)dlsym(lib, "lagom_profiler_read");
+  if (v6 == NULL || drain == NULL || stats == NULL || read_all == NULL) return fprintf(stderr, "stress: symbols\n"), 1;
   if (dlsym(lib, "ncclProfiler_v7") != NULL) fail("a v7 symbol with v6's layout", 0, 0);
   if (strcmp(v6->name, "Lagom") != 0) fail("name", 0, 0);
 

@@ -332,7 +332,17 @@ def test_a_full_ring_drops_the_oldest_and_says_so_once(library, caplog) -> None:
     said = [r for r in caplog.records if "dropped" in r.getMessage()]
     assert len(said) == 1 and "dropped 100 " in said[0].getMessage()
     assert reader.dropped_total == 105 and reader.stats().overwritten == 105
-    assert len(reader.drain()) == 0
+    assert reader.drained_stats == reader.stats()  # the drain's one C call read the counters after its copy
+    empty = reader.drain()
+    assert len(empty) == 0 and empty.overwritten == 0 and empty.records.dtype == profiler.RECORD_DTYPE
+    reader.push(profiler.RecordC(seq_number=7, count=3))
+    again = reader.drain()  # a drain's records are its own: the next drain (into the same buffer) leaves them
+    reader.push(profiler.RecordC(seq_number=8, count=4))
+    assert len(reader.drain()) == 1 and again.records["seq_number"].tolist() == [7]
+    assert again.records.flags.writeable
+    stats = reader.stats()
+    assert reader.drained_stats == stats and stats.published == reader.capacity * 2 + extra + 7
+    assert reader.drained_communicators == stats.communicators
 
 
 def test_slots_run_out_and_finalize_frees_what_never_finished(nccl, library, caplog) -> None:
@@ -345,6 +355,7 @@ def test_slots_run_out_and_finalize_frees_what_never_finished(nccl, library, cap
         reader.drain()
     [said] = [r.getMessage() for r in caplog.records]
     assert said.startswith("NCCL profiler: 6 collectives were not recorded, 1024 are still waiting")
+    assert (reader.drained_stats.no_slot, reader.drained_stats.in_flight) == (6, 1024)
     stats = reader.stats()
     assert (stats.no_slot, stats.in_flight) == (6, 1024)
     comm.plugin.finalize(comm.context)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import ctypes
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -233,6 +233,10 @@ class ProfilerStats:
         return self.overwritten + self.no_slot + self.lost_writes + self.abandoned
 
 
+_STATS = [f.name for f in fields(ProfilerStats)]
+NO_SLOT, COMMUNICATORS = _STATS.index("no_slot"), _STATS.index("communicators")  # their positions in the counters
+
+
 @dataclass(frozen=True)
 class Communicator:
     """A communicator as NCCL described it to the profiler at init; ``name`` is its commName ('' when unset)."""
@@ -267,19 +271,36 @@ class ProfilerDrain:
         self._lib = lib
         self.capacity = int(lib.lagom_profiler_capacity())  # records the ring holds: one drain takes them all
         self._buffer = np.zeros(self.capacity, dtype=RECORD_DTYPE)  # allocated once: a drain allocates only its copy
-        self._address = self._buffer.ctypes.data
-        self._overwritten = ctypes.c_uint64()
-        self._overwritten_ref = ctypes.byref(self._overwritten)
-        self._drain = lib.lagom_profiler_drain
+        self._bytes = self._buffer.view(np.uint8)  # copied as bytes: a structured copy costs twice as much
         self._stats = (ctypes.c_uint64 * 8)()
+        # the drain: one C call (lagom_profiler_read) that copies the records and the counters, its arguments made
+        # once (ctypes converts none of them per call); the counters are this drain's dropped records, then stats'
+        self._counters = np.zeros(1 + len(self._stats), dtype=np.uint64)
+        read = ctypes.CDLL(str(path)).lagom_profiler_read  # a function object of its own: no argtypes to convert
+        read.restype = ctypes.c_size_t
+        self._read = read
+        self._read_args = (ctypes.c_void_p(self._buffer.ctypes.data), ctypes.c_size_t(self.capacity),
+                           ctypes.c_void_p(self._counters.ctypes.data), ctypes.c_size_t(len(self._counters)))
+        self._empty = Drained(self._buffer[:0].copy(), 0)
+        self._drained: ProfilerStats | None = ProfilerStats(0, 0, 0, 0, 0, 0, 0, 0)
+        self._drained_counters = [0] * len(self._stats)
+        self.drained_communicators = 0  # communicators NCCL had initialised at the last drain (its ``stats``' own)
         self.dropped_total = 0
-        self.drained_stats = ProfilerStats(0, 0, 0, 0, 0, 0, 0, 0)  # the counters as the last drain read them
         self._dropped_said = self._no_slot_said = False
 
+    @property
+    def drained_stats(self) -> ProfilerStats:
+        """The counters as the last drain read them."""
+        if self._drained is None:  # made when asked: most steps read none but the communicators
+            self._drained = ProfilerStats(*self._drained_counters)
+        return self._drained
+
     def drain(self) -> Drained:
-        """Every record finished since the last drain (one C call), oldest first."""
-        n = self._drain(self._address, self.capacity, self._overwritten_ref)
-        overwritten = self._overwritten.value
+        """Every record finished since the last drain, oldest first, and the counters after it (one C call)."""
+        n = self._read(*self._read_args)
+        overwritten, *counters = self._counters.tolist()
+        self._drained_counters, self._drained = counters, None
+        self.drained_communicators = counters[COMMUNICATORS]
         if overwritten:
             self.dropped_total += overwritten
             if not self._dropped_said:
@@ -287,9 +308,11 @@ class ProfilerDrain:
                 log.warning("NCCL profiler: the ring dropped %d collective records before they were read (it holds "
                             "%d; drain more often); later drops are counted in dropped_total, not logged",
                             overwritten, self.capacity)
-        self.drained_stats = self.stats()
-        self._say_unrecorded(self.drained_stats)
-        return Drained(self._buffer[:n].copy(), overwritten)
+        if counters[NO_SLOT] and not self._no_slot_said:
+            self._say_unrecorded(self.drained_stats)
+        if not n and not overwritten:
+            return self._empty
+        return Drained(self._bytes[:n * RECORD_DTYPE.itemsize].copy().view(RECORD_DTYPE), overwritten)
 
     def _say_unrecorded(self, stats: ProfilerStats) -> None:
         """Says once when collectives went unrecorded for want of an in-flight slot: NCCL announced kernel
@@ -301,6 +324,7 @@ class ProfilerDrain:
                         "first communicator to record host times only", stats.no_slot, stats.in_flight)
 
     def stats(self) -> ProfilerStats:
+        """The counters now (a C call of their own; a drain reads them too: ``drained_stats``)."""
         self._lib.lagom_profiler_stats(self._stats, len(self._stats))
         return ProfilerStats(*self._stats)  # a c_uint64 array's items are ints
 

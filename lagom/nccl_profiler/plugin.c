@@ -17,9 +17,9 @@
  * (channels only move the slot's GPU times, so all of one collective's channels share it). stopEvent and
  * recordEventState accept only pointers into the pool, so a stray handle is ignored, not followed.
  *
- * Python reads the ring through lagom_profiler_drain (ctypes reaches the instance NCCL loaded: the same
- * file opened twice is one library), the counters through lagom_profiler_stats and the communicators NCCL
- * initialised through lagom_profiler_communicators.
+ * Python reads the ring and the counters together through lagom_profiler_read, once per step (ctypes reaches the
+ * instance NCCL loaded: the same file opened twice is one library); lagom_profiler_drain and lagom_profiler_stats
+ * do each alone, and lagom_profiler_communicators copies the communicators NCCL initialised.
  */
 #define _POSIX_C_SOURCE 200809L
 
@@ -439,6 +439,17 @@ EXPORT size_t lagom_profiler_stats(uint64_t* out, size_t words) {
   memcpy(words_all, &stats, sizeof stats);
   for (size_t i = 0; out != NULL && i < words && i < LAGOM_PROF_STATS_WORDS; i++) out[i] = words_all[i];
   return LAGOM_PROF_STATS_WORDS;
+}
+
+/* One drain and the counters after it, in one call (Python's reader, once per step): copies up to ``max`` records
+ * into ``out`` as lagom_profiler_drain does, then writes into ``counters`` (at most ``words`` of them) the records
+ * this drain found dropped, followed by lagom_profiler_stats' counters in their order. Returns the records copied. */
+EXPORT size_t lagom_profiler_read(lagom_prof_record* out, size_t max, uint64_t* counters, size_t words) {
+  uint64_t all[1 + LAGOM_PROF_STATS_WORDS];
+  size_t n = lagom_profiler_drain(out, max, &all[0]);
+  lagom_profiler_stats(&all[1], LAGOM_PROF_STATS_WORDS);
+  for (size_t i = 0; counters != NULL && i < words && i < 1 + LAGOM_PROF_STATS_WORDS; i++) counters[i] = all[i];
+  return n;
 }
 
 /* Copies the communicators NCCL initialised (hash, ranks, nodes, rank, name; at most ``max``); returns how many. */

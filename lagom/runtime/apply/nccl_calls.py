@@ -420,9 +420,9 @@ class NcclCalls:
 
     def _match(self) -> None:
         """Match the communicators NCCL initialised since the last time, then any still unmatched by call order."""
-        stats = self.reader.drained_stats  # read by this step's drain
-        if stats.communicators != self._communicators:
-            self._communicators = stats.communicators
+        communicators = self.reader.drained_communicators  # as this step's drain read them
+        if communicators != self._communicators:
+            self._communicators = communicators
             groups = self._groups()
             known = {alias: g.name for g in groups for alias in g.aliases}
             found = group_names(self.reader.communicators(), {g.name: g.size for g in groups}, known_names=known)
