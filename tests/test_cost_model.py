@@ -107,6 +107,35 @@ def test_efficiency_policy_keeps_the_channels_that_add_bandwidth():
     assert model.launch_shape(AG, group, GIB, cfg) == (12, 512)
 
 
+SR = Collective.SEND_RECV
+
+
+@pytest.mark.parametrize(("nbytes", "channels"), [(128 * 2**20, 8), (256 * 2**20, 16), (512 * 2**20, 32), (GIB, 32)])
+def test_a_send_spreads_over_more_channels_only_as_its_parts_pass_32_p2p_chunks(nbytes, channels):
+    # NCCL's addP2pToPlan on 8 ranks with 24 channels (32 for P2P, 32 per NVLink peer): it starts on 32 halved
+    # until 8 ranks x it <= 32, i.e. 4, and doubles while a part is above 32 x 512 KiB = 16 MiB
+    model, cfg = CostModel(A100), CommConfig(channels=24)
+    assert model.launch_shape(SR, Group("pp", 8, 8, 1), nbytes, cfg)[0] == channels
+
+
+def test_a_small_send_runs_on_its_share_of_the_p2p_channels_and_parts_of_at_least_an_eighth_chunk():
+    model, cfg = CostModel(A100), CommConfig(channels=16)
+    assert model.launch_shape(SR, Group("pp", 2, 2, 1), 4 * 2**20, cfg)[0] == 8  # 16 / 2 ranks
+    assert model.launch_shape(SR, Group("tp", 8, 8, 1), 4 * 2**20, cfg)[0] == 2  # 16 / 8 ranks
+    # a decomposition's step is a 2-rank group that keeps its communicator's 8 ranks per node
+    assert model.launch_shape(SR, model.p2p_group(Group("tp", 8, 8, 1)), 4 * 2**20, cfg)[0] == 2
+    assert model.launch_shape(SR, Group("pp", 2, 2, 1), 100_000, cfg)[0] == 2  # 64 KiB parts at least
+    few = model.comm_time(SR, Group("tp", 8, 8, 1), 64 * 2**20, cfg)
+    assert few > model.comm_time(SR, Group("pp", 2, 2, 1), 64 * 2**20, cfg)
+
+
+def test_a_send_over_pcie_gets_two_channels_per_peer():
+    # A40 pairs: a group of 4 crosses the PCIe bridge, where NCCL gives a peer 2 channels
+    model, cfg = CostModel(A40), CommConfig(channels=16)
+    assert model.launch_shape(SR, Group("tp", 4, 4, 1), GIB, cfg)[0] == 2
+    assert model.launch_shape(SR, Group("tp", 2, 2, 1), GIB, cfg)[0] == 16
+
+
 def test_tree_all_reduce_halves_what_the_nic_carries_on_two_nodes():
     model, group, nbytes = CostModel(A100X2), Group("dp", 16, 8, 2), GIB
     ring = model.comm_time(AR, group, nbytes, CommConfig(channels=16))

@@ -156,7 +156,9 @@ class CostModel:
         if self.uses_copy_engines(coll, cfg):
             return 0, 0
         channels, threads = cfg.channels, cfg.threads
-        if cfg.algorithm != Algorithm.NVLS:
+        if coll == Collective.SEND_RECV and group.nodes == 1:
+            channels = self.p2p_channels(group, nbytes, cfg)
+        elif cfg.algorithm != Algorithm.NVLS:
             proto = self._protocol(cfg)
             per_thread = proto.thread_threshold * (group.size if cfg.protocol == "LL" and cfg.algorithm == Algorithm.RING else 1)
             channels = max(1, min(channels, int(nbytes) // (threads * per_thread)))
@@ -169,6 +171,33 @@ class CostModel:
             per_channel = self.hw.nccl.channel_gbps[kind] * GB * min(1.0, threads / self.hw.nccl.threads_saturation)
             channels = min(channels, max(1, math.ceil(link_bw / per_channel)))
         return channels, threads
+
+    def p2p_channels(self, group: Group, nbytes: int, cfg: CommConfig) -> int:
+        """Channels NCCL splits one send (and its matching receive) over inside a node (``addP2pToPlan`` in
+        enqueue.cc, NCCL 2.22 on; ``calcP2pChunkSize`` from 2.13 cuts the same parts).
+
+        The communicator has ``cfg.channels`` channels, rounded up to a power of two for P2P; a peer may use all
+        of them over NVLink (two per NVLink, more than any node has channels) but 2 over PCIe. An operation
+        starts on the per-peer channels halved until one per operation fits when every rank has one (per-peer x
+        ranks <= P2P channels), at least a part of 1/8 P2P chunk each, and doubles them while a part exceeds
+        32 P2P chunks (16 MiB over NVLink). So a message does not use every channel until it is large: on 8
+        A100s with 32 P2P channels a 128 MiB send runs on 8, 256 MiB on 16 (li-plus/playground's sendrecv_perf:
+        111 GB/s at 128 MiB, 189 from 256 MiB). The communicator's ranks are the group's on this node (a
+        decomposition's P2P step is a 2-rank group that keeps its communicator's ranks per node)."""
+        p2p = 1 << max(0, cfg.channels - 1).bit_length()
+        nvlink = self.hw.cluster.link_within_node(group.ranks_per_node).kind == "nvlink" and cfg.transport != "shm"
+        per_peer = p2p if nvlink else min(p2p, 2)
+        fewest = per_peer
+        while fewest * max(group.size, group.ranks_per_node) > p2p and fewest > 1:
+            fewest //= 2
+        step = self.run_chunk(Collective.SEND_RECV, group, cfg)
+        min_part, max_part = max(1, step // 8), step * 32
+        channels = max(1, min(fewest, -(-int(nbytes) // min_part)))
+        part = max(min_part, -(-int(nbytes) // channels))
+        while part > max_part and channels <= per_peer // 2:
+            channels *= 2
+            part = -(-int(nbytes) // channels)
+        return channels
 
     def latency(self, coll: Collective, group: Group, cfg: CommConfig) -> float:
         """NCCL's latency: the base of the algorithm and protocol, then each step at its link's latency,
