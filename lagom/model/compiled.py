@@ -41,21 +41,23 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ENV = "LAGOM_SIMULATOR"  # "compiled" (the default where built) or "python"
-ABI = 2  # LAGOM_EVENT_LOOP_ABI in event_loop.h
+ABI = 3  # LAGOM_EVENT_LOOP_ABI in event_loop.h
 OK, NOMEM, CALLBACK, DEADLOCK, STALLED, PAUSED = range(6)
 TILE_BLOCK = 64  # periods a lowering tests for copying at once (numpy over the block, not a call per period)
 
 _i32, _u8, _f64 = ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_uint8), ctypes.POINTER(ctypes.c_double)
 _i64 = ctypes.POINTER(ctypes.c_int64)
 COST_FN = ctypes.CFUNCTYPE(ctypes.c_double, ctypes.c_int, ctypes.c_int, _f64)
+# event_loop.h's lagom_task_t: a task's fields side by side
+TASK = np.dtype([("queue", np.int32), ("device", np.int32), ("cost", np.int32), ("record", np.int32),
+                 ("dev_off", np.int32), ("dep_off", np.int32), ("wake_off", np.int32),
+                 ("comm", np.uint8), ("first", np.uint8), ("last", np.uint8), ("unused", np.uint8)])
 
 
 class _Phase(ctypes.Structure):
     _fields_ = [("n_tasks", ctypes.c_int32), ("n_queues", ctypes.c_int32), ("n_devices", ctypes.c_int32),
-                ("n_blame", ctypes.c_int32), ("queue_first", _i32), ("task_queue", _i32),
-                ("comm", _u8), ("first", _u8), ("last", _u8), ("device", _i32), ("cost", _i32), ("record", _i32),
-                ("dev_off", _i32), ("dev_list", _i32), ("dep_off", _i32), ("dep_list", _i32),
-                ("wake_off", _i32), ("wake_list", _i32),
+                ("n_blame", ctypes.c_int32), ("queue_first", _i32), ("task", ctypes.c_void_p),
+                ("dev_list", _i32), ("dep_list", _i32), ("wake_list", _i32),
                 ("cost_key", _i32), ("cost_cross", _u8), ("cost_one_way", _u8),
                 ("cost_solo", _f64), ("cost_launch", _f64), ("cost_util", _f64),
                 ("compute_queue", _i32), ("blame_device", _i32),
@@ -125,18 +127,9 @@ class PhaseArrays:
     position: np.ndarray  # per task: its position in the lowering
     positions: list[np.ndarray]  # per queue: its tasks' positions (views into ``position``)
     queue_first: np.ndarray
-    task_queue: np.ndarray  # per task: its queue
-    comm: np.ndarray
-    first: np.ndarray
-    last: np.ndarray
-    device: np.ndarray  # dense device index
-    cost: np.ndarray
-    record: np.ndarray  # a comm task's slot in the results, else -1
-    dev_off: np.ndarray
+    task: np.ndarray  # per task and one more (its lists' ends), of dtype TASK: queue, dense device, cost, record...
     dev_list: np.ndarray
-    dep_off: np.ndarray
     dep_list: np.ndarray
-    wake_off: np.ndarray
     wake_list: np.ndarray
     costs: list[tuple]  # cost tuples by id
     cost_task: list[tuple[int, int]]  # per cost: a (queue, position) of that cost
@@ -146,7 +139,7 @@ class PhaseArrays:
     cost_one_way: np.ndarray
     compute_queue: np.ndarray
     blame_device: np.ndarray
-    record_task: np.ndarray  # per record: its task
+    records: int  # comm tasks: each has a slot in a run's records
     _struct: _Phase | None = field(default=None, repr=False)
     _costs: tuple | None = field(default=None, repr=False)
     _boundaries: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
@@ -409,16 +402,21 @@ def _arrays(lowering: Lowering, per_queue: list[_Rows], devices: list[int], dens
     queue_first = _offsets([len(r.pos) for r in per_queue])
     position = _join(per_queue, "pos")
     positions = [position[a:b] for a, b in zip(queue_first[:-1].tolist(), queue_first[1:].tolist())]
+    task = np.zeros(int(queue_first[-1]) + 1, dtype=TASK)
+    task["queue"][:-1] = np.repeat(np.arange(len(positions), dtype=np.int32), np.diff(queue_first))
     dep_list = np.empty(sum(len(r.dep_queue) for r in per_queue), dtype=np.int32)
     at = 0
     for r in per_queue:  # the dependencies' (queue, position) pairs as task numbers, a queue's at a time
         dep_queue, dep_pos = r.take("dep_queue"), r.take("dep_pos")
         dep_list[at:at + len(dep_queue)] = _task_numbers(positions, queue_first, dep_queue, dep_pos, ix.phase.name)
         at += len(dep_queue)
-    comm = _join(per_queue, "comm")
-    record = np.full(len(comm), -1, dtype=np.int32)
-    record_task = np.flatnonzero(comm).astype(np.int32)
-    record[record_task] = np.arange(len(record_task), dtype=np.int32)
+    for name in ("comm", "first", "last", "device", "cost"):
+        task[name][:-1] = _join(per_queue, name)
+    for name, items in (("dev", "dev_off"), ("dep", "dep_off"), ("wake", "wake_off")):
+        task[items] = _join(per_queue, f"n_{name}", counts=True)
+    task["record"] = -1
+    comm = np.flatnonzero(task["comm"])
+    task["record"][comm] = np.arange(len(comm), dtype=np.int32)
     costs = list(cost_ids)
     keys = list(dict.fromkeys(c[0] for c in costs if isinstance(c[0], str)))
     key_ids = {k: n for n, k in enumerate(keys)}
@@ -433,14 +431,10 @@ def _arrays(lowering: Lowering, per_queue: list[_Rows], devices: list[int], dens
         compute_queue[dense[d]] = q
 
     return PhaseArrays(
-        lowering, position, positions, queue_first,
-        np.repeat(np.arange(len(positions), dtype=np.int32), np.diff(queue_first)),
-        comm, _join(per_queue, "first"), _join(per_queue, "last"), _join(per_queue, "device"),
-        _join(per_queue, "cost"), record, _join(per_queue, "n_dev", counts=True), _join(per_queue, "dev"),
-        _join(per_queue, "n_dep", counts=True), dep_list, _join(per_queue, "n_wake", counts=True),
-        _join(per_queue, "wake"), costs, cost_task, keys, np.asarray(cost_key, dtype=np.int32),
+        lowering, position, positions, queue_first, task, _join(per_queue, "dev"), dep_list, _join(per_queue, "wake"),
+        costs, cost_task, keys, np.asarray(cost_key, dtype=np.int32),
         np.frombuffer(bytes(cross), dtype=np.uint8).copy(), np.frombuffer(bytes(one_way), dtype=np.uint8).copy(),
-        compute_queue, np.asarray([dense[d] for d in ix.devices], dtype=np.int32), record_task)
+        compute_queue, np.asarray([dense[d] for d in ix.devices], dtype=np.int32), len(comm))
 
 
 def _offsets(counts: list[int]) -> np.ndarray:
@@ -492,10 +486,10 @@ class Outcome:
     def records(self, arrays: PhaseArrays) -> list[tuple]:
         """The reference's records: (queue, position, start, end, solo, exposed) per comm task simulated (those of
         periods a jump skipped take their images' timings, as the reference's do)."""
-        if len(self.start) != len(arrays.record_task):
+        if len(self.start) != arrays.records:
             raise LagomError(f"a compiled run of phase {arrays.lowering.ix.phase.name} kept no records")
         out = []
-        for r, task in enumerate(arrays.record_task.tolist()):
+        for r, task in enumerate(np.flatnonzero(arrays.task["comm"]).tolist()):
             if math.isnan(self.start[r]):
                 continue
             q, pos = arrays.where(task)
@@ -524,7 +518,7 @@ class LoopRun:
         self.lib, self.arrays = lib, arrays
         self.failed: list[BaseException] = []
         recorded = parent is None and records
-        keys, kept = len(arrays.keys), len(arrays.record_task) if recorded else 0
+        keys, kept = len(arrays.keys), arrays.records if recorded else 0
         if parent is None:
             self.totals, self.touched = np.zeros(4 * keys), np.zeros(keys, dtype=np.int32)
             self.first_start = np.full(keys, np.inf)
@@ -685,9 +679,7 @@ def _struct(arrays: PhaseArrays, run: Any, model: CostModel) -> _Phase:
         a = arrays
         struct = arrays._struct = _Phase(
             a.tasks, len(a.positions), len(a.compute_queue), len(a.blame_device), _ptr(a.queue_first, _i32),
-            _ptr(a.task_queue, _i32), _ptr(a.comm, _u8), _ptr(a.first, _u8), _ptr(a.last, _u8), _ptr(a.device, _i32), _ptr(a.cost, _i32),
-            _ptr(a.record, _i32), _ptr(a.dev_off, _i32), _ptr(a.dev_list, _i32), _ptr(a.dep_off, _i32),
-            _ptr(a.dep_list, _i32), _ptr(a.wake_off, _i32), _ptr(a.wake_list, _i32), _ptr(a.cost_key, _i32),
+            a.task.ctypes.data, _ptr(a.dev_list, _i32), _ptr(a.dep_list, _i32), _ptr(a.wake_list, _i32), _ptr(a.cost_key, _i32),
             _ptr(a.cost_cross, _u8), _ptr(a.cost_one_way, _u8), None, None, None, _ptr(a.compute_queue, _i32),
             _ptr(a.blame_device, _i32), _ptr(a.position, _i64), *(_ptr(x, kind) for x, kind in zip(a.band, (_i64, _i32, _i64, _i64))))
     arrays._costs = (solo, launch, util)  # the struct points into them: they live as long as the arrays' struct

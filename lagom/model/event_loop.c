@@ -275,7 +275,6 @@ struct lagom_sim {
     memo_t *memo;         /* a clone shares its parent's */
     memo_t own_memo;
     int owns_memo;
-    const int32_t *task_queue;
     int32_t *head;
     head_t *state;
     int32_t *compute_on; /* per device: the queue of the compute task running there, or -1 */
@@ -294,18 +293,18 @@ struct lagom_sim {
 
 typedef struct lagom_sim sim_t;
 
-static int done(const sim_t *r, int32_t task) { return task < r->head[r->task_queue[task]]; }
+static int done(const sim_t *r, int32_t task) { return task < r->head[r->ph->task[task].queue]; }
 
 static int deps_done(const sim_t *r, int32_t task) {
     const lagom_phase_t *ph = r->ph;
-    for (int32_t k = ph->dep_off[task]; k < ph->dep_off[task + 1]; k++)
+    for (int32_t k = ph->task[task].dep_off; k < ph->task[task + 1].dep_off; k++)
         if (!done(r, ph->dep_list[k]))
             return 0;
     return 1;
 }
 
 static int started(const sim_t *r, int32_t task) {
-    int32_t q = r->task_queue[task];
+    int32_t q = r->ph->task[task].queue;
     return r->head[q] == task && r->state[q].start >= 0;
 }
 
@@ -385,7 +384,6 @@ static sim_t *sim_alloc(const lagom_phase_t *ph) {
     if (!s)
         return NULL;
     s->ph = ph;
-    s->task_queue = ph->task_queue;
     s->head = malloc((size_t)nq * sizeof *s->head + 1);
     s->state = calloc((size_t)nq + 1, sizeof *s->state);
     s->compute_on = malloc((size_t)nd * sizeof *s->compute_on + 1);
@@ -459,14 +457,14 @@ EXPORT int lagom_sim_run(sim_t *s) {
                 continue;
             st->start = st->since = s->now;
             st->seq = ++s->seq;
-            int32_t c = ph->cost[t];
-            if (ph->comm[t]) {
+            int32_t c = ph->task[t].cost;
+            if (ph->task[t].comm) {
                 int busy = 0;
-                for (int32_t k = ph->dev_off[t]; k < ph->dev_off[t + 1]; k++)
+                for (int32_t k = ph->task[t].dev_off; k < ph->task[t + 1].dev_off; k++)
                     busy |= s->compute_on[ph->dev_list[k]] >= 0;
                 st->solo = ph->cost_solo[c];
                 st->rem = 1.0 + (busy ? ph->cost_launch[c] / (st->solo > EPS ? st->solo : EPS) : 0.0);
-                for (int32_t k = ph->dev_off[t]; k < ph->dev_off[t + 1]; k++) {
+                for (int32_t k = ph->task[t].dev_off; k < ph->task[t + 1].dev_off; k++) {
                     int32_t d = ph->dev_list[k];
                     s->comms_on[(int64_t)d * nq + s->comms_len[d]++] = q;
                 }
@@ -474,17 +472,17 @@ EXPORT int lagom_sim_run(sim_t *s) {
                 double *row = out->totals + 4 * (int64_t)kk;
                 touch(s, kk);
                 row[1] += st->solo;
-                if (ph->first[t]) {
+                if (ph->task[t].first) {
                     row[0] -= s->now;
                     row[3] += 1;
                     if (isinf(out->first_start[kk]))
                         out->first_start[kk] = s->now;
                 }
             } else {
-                s->compute_on[ph->device[t]] = q;
+                s->compute_on[ph->task[t].device] = q;
                 check |= s->check && s->check[t] && s->watching;
             }
-            for (int32_t k = ph->dev_off[t]; k < ph->dev_off[t + 1]; k++)
+            for (int32_t k = ph->task[t].dev_off; k < ph->task[t + 1].dev_off; k++)
                 idset_add(&s->dirty, ph->dev_list[k]);
             st->dur = 0.0;
             out->tasks++;
@@ -496,23 +494,23 @@ EXPORT int lagom_sim_run(sim_t *s) {
         for (int32_t i = 0; i < s->dirty.len; i++) {
             int32_t d = s->dirty.ids[i];
             for (int32_t j = 0; j < s->comms_len[d]; j++) {
-                int32_t q = s->comms_on[(int64_t)d * nq + j], t = s->head[q], c = ph->cost[t];
+                int32_t q = s->comms_on[(int64_t)d * nq + j], t = s->head[q], c = ph->task[t].cost;
                 head_t *st = &s->state[q];
                 if (st->rated == s->event)
                     continue;
                 st->rated = s->event;
                 double util = 0.0;
                 int32_t sharing = 1;
-                for (int32_t k = ph->dev_off[t]; k < ph->dev_off[t + 1]; k++) {
+                for (int32_t k = ph->task[t].dev_off; k < ph->task[t + 1].dev_off; k++) {
                     int32_t dd = ph->dev_list[k], ct = s->compute_on[dd];
-                    if (ct >= 0 && ph->cost_util[ph->cost[s->head[ct]]] > util)
-                        util = ph->cost_util[ph->cost[s->head[ct]]];
+                    if (ct >= 0 && ph->cost_util[ph->task[s->head[ct]].cost] > util)
+                        util = ph->cost_util[ph->task[s->head[ct]].cost];
                     if (ph->cost_cross[c]) { /* collectives of other communicators crossing nodes share the NIC */
                         int32_t on_nic = 0;
                         for (int32_t o = 0; o < s->comms_len[dd]; o++) {
-                            int32_t oq = s->comms_on[(int64_t)dd * nq + o], ot = s->head[oq], oc = ph->cost[ot];
+                            int32_t oq = s->comms_on[(int64_t)dd * nq + o], ot = s->head[oq], oc = ph->task[ot].cost;
                             if (ph->cost_cross[oc] && (!(ph->cost_one_way[c] && ph->cost_one_way[oc]) ||
-                                                       (ph->device[t] == dd) == (ph->device[ot] == dd)))
+                                                       (ph->task[t].device == dd) == (ph->task[ot].device == dd)))
                                 on_nic++;
                         }
                         if (on_nic > sharing)
@@ -536,7 +534,7 @@ EXPORT int lagom_sim_run(sim_t *s) {
                         return LAGOM_SIM_CALLBACK;
                     if (rate != st->rate) {
                         st->rate = rate;
-                        for (int32_t k = ph->dev_off[t]; k < ph->dev_off[t + 1]; k++)
+                        for (int32_t k = ph->task[t].dev_off; k < ph->task[t + 1].dev_off; k++)
                             idset_add(&s->rate_dirty, ph->dev_list[k]);
                     }
                 }
@@ -551,10 +549,10 @@ EXPORT int lagom_sim_run(sim_t *s) {
             if (q < 0)
                 continue;
             int n = 1;
-            key[0] = ph->cost[s->head[q]];
+            key[0] = ph->task[s->head[q]].cost;
             for (int32_t j = 0; j < s->comms_len[d]; j++) {
                 int32_t cq = s->comms_on[(int64_t)d * nq + j];
-                key[n++] = ph->cost[s->head[cq]];
+                key[n++] = ph->task[s->head[cq]].cost;
                 key[n++] = s->state[cq].rate;
             }
             double dur = memo_get(s->memo, key, n, s->cost, LAGOM_COST_COMPUTE);
@@ -585,11 +583,11 @@ EXPORT int lagom_sim_run(sim_t *s) {
                 continue;
             int32_t blocker = -1, t = s->head[cq];
             if (t < ph->queue_first[cq + 1]) {
-                for (int32_t k = ph->dep_off[t]; k < ph->dep_off[t + 1]; k++) {
+                for (int32_t k = ph->task[t].dep_off; k < ph->task[t + 1].dep_off; k++) {
                     int32_t waited = ph->dep_list[k];
                     if (done(s, waited))
                         continue;
-                    if (ph->comm[waited] && deps_done(s, waited)) {
+                    if (ph->task[waited].comm && deps_done(s, waited)) {
                         blocker = waited;
                         break;
                     }
@@ -598,7 +596,7 @@ EXPORT int lagom_sim_run(sim_t *s) {
                 blocker = s->head[s->comms_on[(int64_t)d * nq]];
             }
             if (blocker >= 0 && !started(s, blocker)) /* queued: blame what holds its communicator */
-                blocker = s->head[s->task_queue[blocker]];
+                blocker = s->head[ph->task[blocker].queue];
             if (blocker >= 0)
                 s->blockers[nb++] = blocker;
         }
@@ -606,7 +604,7 @@ EXPORT int lagom_sim_run(sim_t *s) {
         if (nb) {
             double dt = end - s->now;
             for (int32_t i = 0; i < nb; i++) {
-                int32_t q = s->task_queue[s->blockers[i]], kk = ph->cost_key[ph->cost[s->blockers[i]]];
+                int32_t q = ph->task[s->blockers[i]].queue, kk = ph->cost_key[ph->task[s->blockers[i]].cost];
                 s->state[q].exposed += dt;
                 touch(s, kk);
                 out->totals[4 * (int64_t)kk + 2] += dt;
@@ -647,8 +645,8 @@ EXPORT int lagom_sim_run(sim_t *s) {
         for (int32_t i = 0; i < nf; i++) {
             int32_t q = s->finished[i], t = s->head[q];
             head_t *st = &s->state[q];
-            if (ph->comm[t]) {
-                for (int32_t k = ph->dev_off[t]; k < ph->dev_off[t + 1]; k++) {
+            if (ph->task[t].comm) {
+                for (int32_t k = ph->task[t].dev_off; k < ph->task[t + 1].dev_off; k++) {
                     int32_t d = ph->dev_list[k];
                     int32_t *on = s->comms_on + (int64_t)d * nq;
                     for (int32_t j = 0; j < s->comms_len[d]; j++) {
@@ -659,9 +657,9 @@ EXPORT int lagom_sim_run(sim_t *s) {
                         }
                     }
                 }
-                if (ph->last[t])
-                    out->totals[4 * (int64_t)ph->cost_key[ph->cost[t]]] += s->now;
-                int32_t rec = ph->record[t];
+                if (ph->task[t].last)
+                    out->totals[4 * (int64_t)ph->cost_key[ph->task[t].cost]] += s->now;
+                int32_t rec = ph->task[t].record;
                 if (out->start) { /* a probe keeps no records */
                     out->start[rec] = st->start;
                     out->end[rec] = s->now;
@@ -669,13 +667,13 @@ EXPORT int lagom_sim_run(sim_t *s) {
                     out->exposed[rec] = st->exposed;
                 }
             } else {
-                s->compute_on[ph->device[t]] = -1;
+                s->compute_on[ph->task[t].device] = -1;
             }
-            for (int32_t k = ph->dev_off[t]; k < ph->dev_off[t + 1]; k++)
+            for (int32_t k = ph->task[t].dev_off; k < ph->task[t + 1].dev_off; k++)
                 idset_add(&s->dirty, ph->dev_list[k]);
             s->head[q] = t + 1;
             idset_add(&s->woken, q);
-            for (int32_t k = ph->wake_off[t]; k < ph->wake_off[t + 1]; k++)
+            for (int32_t k = ph->task[t].wake_off; k < ph->task[t + 1].wake_off; k++)
                 idset_add(&s->woken, ph->wake_list[k]);
             fresh(st);
             if (s->head[q] >= ph->queue_first[q + 1])
@@ -737,7 +735,7 @@ EXPORT int lagom_sim_jump(sim_t *s, double later, double exposed, double delta, 
             return LAGOM_SIM_NOMEM;
         for (int32_t j = 0; j < s->comms_len[d]; j++) {
             int32_t q = s->comms_on[(int64_t)d * ph->n_queues + j];
-            if (ph->device[s->head[q]] == d && push_end(s, q))
+            if (ph->task[s->head[q]].device == d && push_end(s, q))
                 return LAGOM_SIM_NOMEM;
         }
     }

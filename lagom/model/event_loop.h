@@ -1,11 +1,12 @@
 /* The ABI between lagom/model/compiled.py (ctypes) and the compiled event loop: one phase lowered to flat
- * arrays, a cost callback, and the results. Field order here is the order of compiled.py's Structures. */
+ * arrays, a cost callback, and the results. Field order here is the order of compiled.py's Structures and its
+ * TASK dtype. */
 #ifndef LAGOM_EVENT_LOOP_H
 #define LAGOM_EVENT_LOOP_H
 
 #include <stdint.h>
 
-#define LAGOM_EVENT_LOOP_ABI 2 /* bumped whenever a struct below changes */
+#define LAGOM_EVENT_LOOP_ABI 3 /* bumped whenever a struct below changes */
 
 enum { LAGOM_SIM_OK = 0, LAGOM_SIM_NOMEM = 1, LAGOM_SIM_CALLBACK = 2, LAGOM_SIM_DEADLOCK = 3, LAGOM_SIM_STALLED = 4,
        LAGOM_SIM_PAUSED = 5 };
@@ -15,16 +16,23 @@ enum { LAGOM_SIM_OK = 0, LAGOM_SIM_NOMEM = 1, LAGOM_SIM_CALLBACK = 2, LAGOM_SIM_
 enum { LAGOM_COST_COMM = 0, LAGOM_COST_RATE = 1, LAGOM_COST_COMPUTE = 2 };
 typedef double (*lagom_cost_fn)(int kind, int n, const double *key);
 
+/* One task's fields together: the loop reads most of them at its start and at its end, and a task's fields in
+ * one cache line cost one miss where a field per array cost one each (a phase's tasks run to millions, and a
+ * step interleaves its queues). Its devices, dependencies and wakes are [off, off of the next task) in the lists. */
+typedef struct {
+    int32_t queue, device, cost, record; /* record: its slot in the results (comm tasks), else -1 */
+    int32_t dev_off, dep_off, wake_off;
+    uint8_t comm, first, last, unused;
+} lagom_task_t;
+_Static_assert(sizeof(lagom_task_t) == 32, "compiled.py's TASK dtype is 32 bytes");
+
 typedef struct {
     int32_t n_tasks, n_queues, n_devices, n_blame;
     const int32_t *queue_first; /* n_queues + 1: a queue's tasks are [queue_first[q], queue_first[q + 1]) */
-    const int32_t *task_queue;  /* per task: its queue */
-    /* per task */
-    const uint8_t *comm, *first, *last;
-    const int32_t *device, *cost, *record; /* record: its slot in the results (comm tasks), else -1 */
-    const int32_t *dev_off, *dev_list;     /* n_tasks + 1 offsets: the devices whose resources it uses */
-    const int32_t *dep_off, *dep_list;     /* the tasks it waits for, in lowering order */
-    const int32_t *wake_off, *wake_list;   /* the queues whose heads may wait for it, besides its own */
+    const lagom_task_t *task;   /* n_tasks + 1: the last holds only the lists' lengths */
+    const int32_t *dev_list;    /* the devices whose resources a task uses */
+    const int32_t *dep_list;    /* the tasks it waits for, in lowering order */
+    const int32_t *wake_list;   /* the queues whose heads may wait for it, besides its own */
     /* per cost: comm costs have a key, NIC use and launch wait; compute costs an HBM share */
     const int32_t *cost_key;
     const uint8_t *cost_cross, *cost_one_way;
