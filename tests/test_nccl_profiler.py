@@ -13,12 +13,14 @@ import ctypes
 import gc
 import logging
 import os
+import random
 import shutil
 import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -521,6 +523,111 @@ def test_nccls_rows_come_in_step_order_beside_the_taps_and_add_up_to_the_last_bi
         total["count"] += 1
         total["total_s"] += r.end_s - r.start_s
     assert rec.summary() == totals and totals["dp/all_reduce/4096"]["count"] == 4 * 12 + 3
+
+
+def _drain_scenario(rng: random.Random, reader: profiler.ProfilerDrain) -> tuple[nccl_calls.NcclCalls, np.ndarray]:
+    """A reader mid-job and one drain's records, at random: up to four step windows (step ids repeated or going back,
+    the last maybe still open), communicators matched by name, hash, rank count, ambiguously or not at all, groups
+    whose collectives and transfers the profiler took over at some window or not, transfers handed back to the tap
+    at some launch; records of any function (an unknown one too), in or outside the windows, in launch order or
+    not, one launch each or several sharing one (coalesced), GPU-timed or not, some with a stop before their start."""
+    calls = nccl_calls.NcclCalls(reader, lambda: [])
+    begin, index = 10**12 + rng.randrange(10**9), rng.randrange(1, 200)
+    for k in range(rng.randint(1, 4)):
+        window = nccl_calls._Window(index + k, rng.choice([7, 8, 8, 3, index + k]), begin, None, rng.randrange(3))
+        begin += rng.randrange(1, 400_000)
+        window.end_ns = begin - rng.randrange(0, 50_000) if k or rng.random() < 0.5 else None
+        if calls._windows:
+            calls._windows[-1].end_ns = calls._windows[-1].end_ns or window.begin_ns - 1
+        calls._windows.append(window)
+        begin += rng.randrange(0, 80_000)
+    calls._index = calls._windows[-1].index
+    first, last = calls._windows[0], calls._windows[-1]
+    methods = {101: "comm_name", 102: "hash", 103: "rank_count", 104: "call_order"}
+    for comm_hash, method in methods.items():
+        if rng.random() < 0.9:
+            calls.matches[comm_hash] = profiler.GroupMatch(["dp", "tp", "pp"][comm_hash % 3], method)
+    calls.matches[105] = profiler.GroupMatch(None, "ambiguous")  # 106: never matched
+    windows = [w.index for w in calls._windows]
+    for group in ("dp", "tp", "pp"):
+        if rng.random() < 0.9:
+            calls.owned[group] = rng.choice([windows[0] - 5, windows[0] - 5, *windows, windows[-1] + 1])
+        if rng.random() < 0.4:
+            calls.owned_p2p[group] = rng.choice([windows[0] - 5, *windows, windows[-1] + 1])
+        if rng.random() < 0.3:
+            calls.p2p_to_tap[group] = rng.randrange(first.begin_ns, last.begin_ns + 500_000)
+    n = rng.choice([1, 2, 3, rng.randint(1, 24), rng.randint(1, 40)])
+    records = np.zeros(n, dtype=profiler.RECORD_DTYPE)
+    comms = rng.sample(range(101, 107), rng.choice([1, 1, 2, 3, 4]))
+    span = last.begin_ns + 300_000 - first.begin_ns
+    start = first.begin_ns + rng.randrange(-20_000, 200_000)
+    for r in records:
+        r["comm_hash"] = rng.choice(comms)
+        r["func"] = rng.choice([4, 4, 4, 2, 3, 0, 1, 5, 6, 7, 6, 7, 6, 7, 8, 9, 10, 11, 200])
+        r["count"], r["type_size"] = rng.choice([1, 7, 1024, 1 << 20, 3 << 28]), rng.choice([1, 2, 4, 8])
+        r["n_ranks"] = rng.choice([2, 4, 8, 64])
+        if rng.random() < 0.08:  # anywhere: outside the windows, or out of launch order
+            start = first.begin_ns + rng.randrange(-100_000, span)
+        else:  # after the last stopped (its own launch), or before (the same launch)
+            start += rng.randrange(1, 30_000) if rng.random() < 0.85 else -rng.randrange(0, 5_000)
+        r["host_start_ns"], r["host_stop_ns"] = start, start + rng.choice([rng.randrange(0, 20_000), -3])
+        r["channel_events"] = rng.choice([0, 1, 8, 8])
+        gpu = rng.randrange(10**9, 2 * 10**9)
+        r["gpu_start_ns"], r["gpu_stop_ns"] = gpu, gpu + rng.choice([rng.randrange(1, 10**6), 0, -7])
+        if rng.random() < 0.1:
+            r["gpu_start_ns"] = r["gpu_stop_ns"] = 0
+    return calls, records
+
+
+def test_a_small_drains_plain_python_rows_are_the_array_paths_to_the_bit(library, monkeypatch, caplog) -> None:
+    """``NcclCalls._rows`` makes a drain of at most ``SMALL_DRAIN`` records into rows in plain Python, a larger one on
+    arrays. On 800 random drains, made both ways from the same state: the same rows (every float to the bit, by its
+    repr), in the same order, each key's durations adding up to the same total, and the same state after (the windows'
+    numbering, the transfers taken over, the call-order table, the records kept, what was logged)."""
+    rng = random.Random(32)
+    reader = profiler.ProfilerDrain(library)
+    seen = {"rows": 0, "several windows": 0, "outside": 0, "coalesced": 0, "transfers": 0, "unmatched": 0,
+            "several keys": 0, "reordered": 0, "none taken": 0, "transfers taken over": 0}
+    joined = nccl_calls.NcclCalls._joined_rows
+
+    def coalesced(self: nccl_calls.NcclCalls, records: list[profiler.CollectiveRecord],
+                  windows: list[nccl_calls._Window]) -> nccl_calls.NcclRows:
+        seen["coalesced"] += small  # counted once, on the plain-Python path's turn
+        return joined(self, records, windows)
+
+    monkeypatch.setattr(nccl_calls.NcclCalls, "_joined_rows", coalesced)
+    for _ in range(800):
+        state = rng.getstate()
+        made = []
+        for small in (False, True):  # the array path, then the plain-Python path
+            rng.setstate(state)
+            calls, records = _drain_scenario(rng, reader)
+            before = dict(calls.owned_p2p)
+            monkeypatch.setattr(nccl_calls, "SMALL_DRAIN", len(records) if small else 0)
+            caplog.clear()
+            with caplog.at_level(logging.INFO, logger="lagom.runtime"):
+                rows = calls._rows(profiler.Drained(records.copy(), 0))
+            rec = Recorder(cuda=False)
+            rec._add_up(rows.fields) if rows.durations is None else rec._add_up_durations(rows.durations)
+            kept = np.concatenate(list(calls.records)) if calls.records else None
+            made.append((repr(rows.fields), repr(rec._totals), [w.next_seq for w in calls._windows],
+                         calls.owned_p2p, calls._signatures.profiled, caplog.messages,
+                         None if kept is None else kept.tobytes()))
+        array, listed = made
+        assert listed == array
+        fields = rows.fields
+        windows = calls._windows
+        launches = records["host_start_ns"].astype(np.int64)
+        seen["rows"] += bool(fields)
+        seen["several windows"] += len({f[4] for f in fields}) > 1 or len(windows) > 1 and len(fields) > 1
+        seen["outside"] += kept is not None and len(kept) < len(records)
+        seen["transfers"] += any(f[1] in ("send_recv", "recv") for f in fields)
+        seen["unmatched"] += bool(calls._signatures.profiled)
+        seen["several keys"] += rows.durations is not None and len(rows.durations) > 1
+        seen["reordered"] += bool(fields) and not (np.diff(launches) >= 0).all()
+        seen["none taken"] += kept is not None and not fields
+        seen["transfers taken over"] += len(calls.owned_p2p) > len(before)
+    assert min(seen.values()) >= 20, seen  # every branch of both paths was gone through, many times
 
 
 def test_the_rows_a_recorder_keeps_are_nothing_pythons_garbage_collector_walks(nccl, library) -> None:

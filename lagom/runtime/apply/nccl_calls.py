@@ -34,12 +34,13 @@ import bisect
 import dataclasses
 import itertools
 import logging
+import struct
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
-from operator import itemgetter
+from operator import gt, itemgetter, le, lt
 from pathlib import Path
 from typing import Any, cast
 
@@ -49,6 +50,7 @@ from lagom.nccl_profiler.drain import (
     FUNCTIONS,
     P2P_FUNCTIONS,
     PER_RANK_COUNT,
+    RECORD_DTYPE,
     CollectiveRecord,
     Drained,
     GroupMatch,
@@ -67,7 +69,8 @@ P2P_TRUSTED = frozenset({"hash", "comm_name", "call_order"})  # matches that a c
 WINDOWS = 100  # steps whose windows are kept for late records (the recorder's STALE_STEPS)
 ORDER_LAG = 2  # steps between a step's end and its use for call-order matching
 KEPT_RECORDS = 1 << 16  # records kept for the report's what-ran table (the most recent)
-NEVER = np.iinfo(np.int64).max
+NEVER = int(np.iinfo(np.int64).max)
+Seconds = np.ndarray | list[float]  # a key's row durations
 _NAMES = [f.name for f in dataclasses.fields(CallRecord)]  # a row's fields, in the order CallRecord takes them
 ORDER = itemgetter(_NAMES.index("step"), _NAMES.index("seq"))  # a row's fields -> the recorder's order of rows
 
@@ -91,8 +94,49 @@ def _shares_a_launch(start: np.ndarray, stop: np.ndarray, comm: np.ndarray | Non
     return bool(((comm[1:] == comm[:-1]) & (start[1:] <= stop[:-1])).any())
 
 
+def _launches_overlap(comm: list[int] | None, start: Sequence[int], stop: Sequence[int], calls: Sequence[int]) -> bool:
+    """``_shares_a_launch`` of the records ``calls`` of columns as lists (``comm``: each record's communicator; None:
+    all on one): put in (communicator, start) order (stable), whether one starts before the one before it, on its
+    communicator, stopped."""
+    if comm is None:
+        starts = [start[i] for i in calls]
+        if all(map(le, starts, starts[1:])):  # in start order already, usually
+            return any(map(le, starts[1:], [stop[i] for i in calls]))
+    ordered = sorted(calls, key=(lambda i: start[i]) if comm is None else (lambda i: (comm[i], start[i])))
+    return any((comm is None or comm[a] == comm[b]) and start[b] <= stop[a] for a, b in zip(ordered, ordered[1:]))
+
+
+class _Pick:
+    """A column's values at ``rows``, in that order, as a list."""
+
+    __slots__ = ("rows",)
+
+    def __init__(self, rows: Sequence[int]) -> None:
+        self.rows = rows
+
+    def __call__[T](self, column: Sequence[T]) -> list[T]:
+        return [column[i] for i in self.rows]
+
+
+def _same[T](column: Sequence[T]) -> Sequence[T]:
+    return column
+
+
+_FLAT: dict[int, struct.Struct] = {}  # per record count: ``LISTED`` that many times, one struct
+
+
+def _listed(records: np.ndarray) -> list[tuple[int, ...]]:
+    """The columns ``LISTED`` reads, each a tuple of every record's value."""
+    flat = _FLAT.get(len(records))
+    if flat is None:
+        flat = _FLAT[len(records)] = struct.Struct("<" + LISTED.format.lstrip("<") * len(records))
+    values = flat.unpack(records)
+    width = len(LISTED_FIELDS)
+    return [values[i::width] for i in range(width)]
+
+
 def _durations(names: list[str], functions: list[str], sizes: list[int], kinds: np.ndarray, nbytes: np.ndarray,
-               seconds: np.ndarray) -> list[tuple[tuple[str, str, int], np.ndarray]]:
+               seconds: np.ndarray) -> list[tuple[tuple[str, str, int], Seconds]]:
     """Each key's row durations (``seconds``), in row order; ``kinds`` and ``nbytes`` say which rows share a key
     (their communicator and function, and their bytes), ``names``, ``functions`` and ``sizes`` what the key is."""
     if (kinds == kinds[0]).all() and (nbytes == nbytes[0]).all():  # the usual drain: one key
@@ -100,11 +144,19 @@ def _durations(names: list[str], functions: list[str], sizes: list[int], kinds: 
     order = np.lexsort((nbytes, kinds))  # stable: each run of one (communicator, function, bytes) in row order
     kinds, nbytes = kinds[order], nbytes[order]
     runs = np.split(order, np.flatnonzero((kinds[1:] != kinds[:-1]) | (nbytes[1:] != nbytes[:-1])) + 1)
-    by_key: dict[tuple[str, str, int], list[np.ndarray]] = {}
-    for run in runs:  # two communicators of one group, or a send and a send_recv, are one key
+    return [(key, seconds[rows[0] if len(rows) == 1 else np.sort(np.concatenate(rows))])
+            for key, rows in _keyed(runs, names, functions, sizes).items()]
+
+
+def _keyed[Run: (np.ndarray, list[int])](runs: Iterable[Run], names: list[str], functions: list[str],
+                                         sizes: Sequence[int]) -> dict[tuple[str, str, int], list[Run]]:
+    """Runs of rows (each of one communicator, function and bytes, in (communicator, function, bytes) order) by the
+    key they are: two communicators of one group, or a send and a send_recv, are one key."""
+    by_key: dict[tuple[str, str, int], list[Run]] = {}
+    for run in runs:
         i = int(run[0])
         by_key.setdefault((names[i], functions[i], sizes[i]), []).append(run)
-    return [(key, seconds[rows[0] if len(rows) == 1 else np.sort(np.concatenate(rows))]) for key, rows in by_key.items()]
+    return by_key
 
 
 def _numbered(launched: np.ndarray, at: np.ndarray | None, windows: list[_Window]
@@ -156,6 +208,33 @@ PER_RANK = np.isin(np.arange(256), [FUNCTIONS.index(f) for f in PER_RANK_COUNT])
 TAKEN = np.isin(np.arange(256), [FUNCTIONS.index(f) for f in COLLECTIVES])
 IS_P2P = np.isin(np.arange(256), [FUNCTIONS.index(f) for f in P2P_FUNCTIONS])
 ROW_NAMES = np.array([row_name(FUNCTIONS[i] if i < len(FUNCTIONS) else None) for i in range(256)], dtype=object)
+# the same as lists, for the plain-Python rows of a small drain
+PER_RANK_OF, TAKEN_OF, IS_P2P_OF, ROW_NAMES_OF = PER_RANK.tolist(), TAKEN.tolist(), IS_P2P.tolist(), ROW_NAMES.tolist()
+PER_RANK_IDS = frozenset(np.flatnonzero(PER_RANK).tolist())
+SMALL_DRAIN = 40  # records up to which a drain's rows are made in plain Python (``NcclCalls._rows``)
+
+
+def _record_struct(fields: tuple[tuple[str, str], ...]) -> struct.Struct:
+    """A struct that reads these fields (name, struct code; in the record's order) of one record, skipping the rest."""
+    layout, at, offsets = "<", 0, RECORD_DTYPE.fields
+    assert offsets is not None
+    for name, code in fields:
+        offset = offsets[name][1]
+        assert offset >= at and struct.calcsize(code) == RECORD_DTYPE[name].itemsize
+        layout += f"{offset - at}x{code}" if offset > at else code
+        at = offset + struct.calcsize(code)
+    return struct.Struct(layout + (f"{RECORD_DTYPE.itemsize - at}x" if at < RECORD_DTYPE.itemsize else ""))
+
+
+# a record's fields that rows are made of: the hash as stored; the count and the times as the array path views them
+# (int64), so that the two compute on the same integers
+LISTED_FIELDS = (("comm_hash", "Q"), ("count", "q"), ("host_start_ns", "q"), ("host_stop_ns", "q"),
+                 ("gpu_start_ns", "q"), ("gpu_stop_ns", "q"), ("n_ranks", "I"), ("func", "B"), ("type_size", "B"),
+                 ("channel_events", "B"))
+LISTED = _record_struct(LISTED_FIELDS)
+assert LISTED.size == RECORD_DTYPE.itemsize
+_ZEROS = itertools.repeat(0)  # the one communicator's, or window's, position, for every record
+_BILLIONS = itertools.repeat(1e9)
 
 
 @dataclass(frozen=True)
@@ -172,10 +251,11 @@ class NcclGroup:
 class NcclRows:
     """One drain's rows as tuples of their fields (what ``CallRecord`` takes, which the recorder keeps as they are),
     in (step, seq) order; and each key's row durations in that order (``None``: add them up from the rows), so that
-    the recorder's totals take a key's rows in one array operation, not one by one."""
+    the recorder's totals take a key's rows in one array operation, not one by one (a list, from a small drain's
+    plain-Python rows: added one by one, to the same float)."""
 
     fields: list[tuple[Any, ...]] = field(default_factory=list)
-    durations: list[tuple[tuple[str, str, int], np.ndarray]] | None = None
+    durations: list[tuple[tuple[str, str, int], Seconds]] | None = None
 
 
 @dataclass
@@ -266,12 +346,20 @@ class NcclCalls:
     # -- records to rows ---------------------------------------------------------------------------
     def _rows(self, drained: Drained) -> NcclRows:
         """Rows of the records of taken-over groups, in (step, seq) order; the rest feed call-order matching.
-        Computed on arrays, one Python object per row: this runs for every collective of the job, so each column
-        is read once, and what every record of a drain usually shares (its window, its communicator) stays one
-        value, not an array, with the general case's sorting and grouping skipped."""
+        This runs for every collective of the job. A drain of more than ``SMALL_DRAIN`` records is computed on
+        arrays (``_array_rows``), one Python object per row; a smaller one, a step of few collectives, in plain
+        Python (``_listed_rows``), where the array path's fixed cost (some 35 NumPy calls of about a microsecond on
+        tiny arrays) would be most of the step's. The two give the same rows, to the bit, and leave the same state."""
         records = drained.records
         if not len(records) or not self._windows:
             return NcclRows()
+        if len(records) <= SMALL_DRAIN:
+            return self._listed_rows(records)
+        return self._array_rows(records)
+
+    def _array_rows(self, records: np.ndarray) -> NcclRows:
+        """``_rows`` on arrays: each column is read once, and what every record of a drain usually shares (its window,
+        its communicator) stays one value, not an array, with the general case's sorting and grouping skipped."""
         launch = records["host_start_ns"].view(np.int64)  # CLOCK_MONOTONIC ns: well inside int64
         earliest = int(launch.min())
         windows = self._windows_from(earliest)
@@ -299,15 +387,17 @@ class NcclCalls:
         else:
             unique, of_hash = np.unique(comm, return_inverse=True)
             hashes = unique.tolist()
-        matches = [self.matches.get(h) for h in hashes]
-        groups = [m.group if m is not None else None for m in matches]
-        trusted = [m is not None and m.group is not None and m.method in P2P_TRUSTED for m in matches]
-        since = _each([self.owned.get(g, NEVER) if g is not None else NEVER for g in groups], of_hash)
-        since_p2p = _each([self.owned_p2p.get(g, NEVER) if t and g is not None else NEVER
-                           for g, t in zip(groups, trusted)], of_hash)
-        until_p2p = _each([self.p2p_to_tap.get(g, NEVER) if g is not None else NEVER for g in groups], of_hash)
+        groups, trusted, owned, owned_p2p, p2p_to_tap = self._owners(hashes)
+        since, since_p2p, until_p2p = _each(owned, of_hash), _each(owned_p2p, of_hash), _each(p2p_to_tap, of_hash)
         index = _each([w.index for w in windows], at)
-        self._remember_unmatched(records, nbytes, launch, at, windows, [g is None for g in groups], of_hash)
+        if None in groups:
+            unmatched = TAKEN.take(func) & (groups[0] is None if of_hash is None
+                                            else np.array([g is None for g in groups])[of_hash])
+            mine = np.flatnonzero(unmatched)
+            self._remember_unmatched(zip(itertools.repeat(cast(int, index)) if at is None
+                                         else cast(np.ndarray, index)[mine].tolist(),
+                                         comm[mine].tolist(), launch[mine].tolist(), func[mine].tolist(),
+                                         nbytes[mine].tolist()))
         p2p = IS_P2P.take(func)
         wanted = TAKEN.take(func) & (index >= since)
         transfers = bool(p2p.any())
@@ -340,6 +430,135 @@ class NcclCalls:
         kinds = func if of_hash is None else of_hash[taken] * 256 + func  # each row's (communicator, function)
         return NcclRows(fields, _durations(names, functions, sizes, kinds, nbytes, end_s - start_s))
 
+    def _listed_rows(self, records: np.ndarray) -> NcclRows:
+        """``_rows`` in plain Python, for a small drain: ``_array_rows``' steps in its order, on its columns as tuples
+        and lists (``LISTED`` reads the same integers from each record), with the same arithmetic. Whether a record
+        is taken is decided once per (communicator, window, function) it has, and what every record of a drain
+        usually shares (its window, its communicator, its function) stays one value, as there."""
+        columns = _listed(records)
+        launch = columns[2]
+        earliest = min(launch)
+        windows = self._windows_from(earliest)
+        ends = [NEVER if w.end_ns is None else w.end_ns for w in windows]
+        at: list[int] | None = None  # each record's window in ``windows``; None: all in the first (the usual drain)
+        if len(windows) > 1 or not (windows[0].begin_ns <= earliest and max(launch) <= ends[0]):
+            begins = [w.begin_ns for w in windows]
+            at = [bisect.bisect_right(begins, t) - 1 for t in launch]
+            inside = [i for i, (w, t) in enumerate(zip(at, launch)) if w >= 0 and t <= ends[w]]
+            if len(inside) < len(launch):
+                if not inside:
+                    return NcclRows()
+                records, at = records[inside], [at[i] for i in inside]
+                columns = _listed(records)
+        self._keep(records)
+        comm, count, launch, stop, gpu_start, gpu_stop, n_ranks, func, size, events = columns
+        n = len(launch)
+        hashes = sorted(set(comm))
+        of_hash = None if len(hashes) == 1 else list(map({h: k for k, h in enumerate(hashes)}.__getitem__, comm))
+        groups, trusted, since, since_p2p, until_p2p = self._owners(hashes)
+        indices = [w.index for w in windows]
+        functions_run = set(func)
+        nbytes = [c * z for c, z in zip(count, size)]
+        if not PER_RANK_IDS.isdisjoint(functions_run):
+            nbytes = [b * r if PER_RANK_OF[f] else b for b, r, f in zip(nbytes, n_ranks, func)]
+        if min(events) > 0 and all(map(gt, gpu_stop, gpu_start)):  # every record GPU-timed, the usual drain
+            gpu = [True] * n
+        else:
+            gpu = [e > 0 and b > a for e, a, b in zip(events, gpu_start, gpu_stop)]
+        took = [b - a for a, b in zip(gpu_start, gpu_stop)] if all(gpu) else [
+            b - a if g else max(p - t, 0) for g, a, b, t, p in zip(gpu, gpu_start, gpu_stop, launch, stop)]
+        # what decides whether a record is taken: its communicator, window and function (its function alone where
+        # the drain has one communicator and one window); per such key, 1: taken, 2: taken where launched before the
+        # tap took the group's transfers back, 0: not taken
+        simple = of_hash is None and at is None
+        keys: Sequence[Hashable] = func if simple else list(zip(_ZEROS if of_hash is None else of_hash,
+                                                                _ZEROS if at is None else at, func))
+        verdict: dict[Hashable, int] = {}
+        unmatched, reporting = set(), set()
+        for key in functions_run if simple else set(keys):
+            k, w, f = (0, 0, key) if simple else cast(tuple[int, int, int], key)
+            if IS_P2P_OF[f]:
+                reporting.add(k)
+                verdict[key] = 2 if indices[w] >= since_p2p[k] else 0
+            else:
+                verdict[key] = int(TAKEN_OF[f] and indices[w] >= since[k])
+                if TAKEN_OF[f] and groups[k] is None:
+                    unmatched.add(key)
+        if unmatched:
+            self._remember_unmatched([(indices[0 if at is None else at[i]], comm[i], launch[i], func[i], nbytes[i])
+                                      for i, key in enumerate(keys) if key in unmatched])
+        if reporting:
+            self._take_p2p_over(groups, trusted, sorted(reporting))
+        every = set(verdict.values()) == {1}  # every record taken, the usual drain
+        taken: Sequence[int] = range(n)
+        if not every:
+            taken = [i for i, key in enumerate(keys)
+                     if (v := verdict[key]) == 1 or v == 2 and launch[i] < until_p2p[0 if of_hash is None else of_hash[i]]]
+            if not taken:
+                return NcclRows()
+        launched = launch if every else [launch[i] for i in taken]
+        in_order = all(map(le, launched, launched[1:]))
+        colls = [i for i in taken if not IS_P2P_OF[func[i]]] if reporting else taken  # a transfer is its own
+        if len(colls) > 1 and (any(map(le, launched[1:], stop if every else [stop[i] for i in taken]))
+                               if of_hash is None and in_order and colls is taken
+                               else _launches_overlap(of_hash, launch, stop, colls)):
+            return self._joined_rows(Drained(records[list(taken)], 0).collectives(), windows)  # a coalesced launch
+        if not in_order:
+            taken = sorted(taken, key=launch.__getitem__)  # launch order, across communicators (stable)
+            launched, every = [launch[i] for i in taken], False
+        pick = _same if every else _Pick(taken)
+        m = len(launched)
+        seq: Sequence[int]
+        there = None if at is None else pick(at)
+        if there is None or there.count(there[0]) == m:  # one window: this step's, the usual case
+            window = windows[0 if there is None else there[0]]
+            window.next_seq += m
+            seq, steps = range(window.next_seq - m, window.next_seq), [window.step] * m
+            begin = window.begin_ns
+            start_s = [(t - begin) / 1e9 for t in launched]
+        else:  # each window numbers its rows in launch order, and the rows go in (step, seq) order
+            seq, steps, start_s = [], [], []
+            for t, w in zip(launched, there):
+                window = windows[w]
+                seq.append(window.next_seq)
+                window.next_seq += 1
+                steps.append(int(window.step))
+                start_s.append((t - window.begin_ns) / 1e9)
+            order = sorted(range(m), key=list(zip(steps, seq)).__getitem__)
+            if not all(map(lt, order, order[1:])):
+                pick = _Pick([pick(range(n))[j] for j in order])
+                seq, steps, start_s = [seq[j] for j in order], [steps[j] for j in order], [start_s[j] for j in order]
+        names = cast(list[str], [groups[0]] * m if of_hash is None  # a taken row's group is a matched one
+                     else [groups[k] for k in pick(of_hash)])
+        one_function = len(functions_run) == 1
+        functions = [ROW_NAMES_OF[func[0]]] * m if one_function else [ROW_NAMES_OF[f] for f in pick(func)]
+        sizes = pick(nbytes)
+        end_s = [a + t / 1e9 for a, t in zip(start_s, pick(took))]
+        fields = list(zip(names, functions, sizes, seq, steps, start_s, end_s, pick(gpu),
+                          itertools.repeat(1)))  # one tensor each: only a coalesced launch joins several
+        seconds = [e - a for a, e in zip(start_s, end_s)]
+        if of_hash is None and one_function and sizes.count(sizes[0]) == m:  # the usual drain: one key
+            return NcclRows(fields, [((names[0], functions[0], sizes[0]), seconds)])
+        runs: dict[tuple[int, int, int], list[int]] = {}  # the rows of each (communicator, function, bytes)
+        for j, kind in enumerate(zip(_ZEROS if of_hash is None else pick(of_hash), pick(func), sizes)):
+            runs.setdefault(kind, []).append(j)
+        keyed = _keyed([runs[kind] for kind in sorted(runs)], names, functions, sizes)
+        return NcclRows(fields, [(key, [seconds[j] for j in (rows[0] if len(rows) == 1 else sorted(
+            itertools.chain.from_iterable(rows)))]) for key, rows in keyed.items()])
+
+    def _owners(self, hashes: list[int]) -> tuple[list[str | None], list[bool], list[int], list[int], list[int]]:
+        """Per communicator of ``hashes``: its group (None: none matched); whether its transfers may follow that
+        match; the first window index whose collectives, and whose transfers, the profiler records (else NEVER); and
+        the launch (monotonic ns) from which the tap records its transfers again (else NEVER)."""
+        matches = [self.matches.get(h) for h in hashes]
+        groups = [m.group if m is not None else None for m in matches]
+        trusted = [m is not None and m.group is not None and m.method in P2P_TRUSTED for m in matches]
+        since = [self.owned.get(g, NEVER) if g is not None else NEVER for g in groups]
+        since_p2p = [self.owned_p2p.get(g, NEVER) if t and g is not None else NEVER for g, t in zip(groups, trusted)]
+        until_p2p = [self.p2p_to_tap.get(g, NEVER) if g is not None else NEVER for g in groups]
+        return groups, trusted, since, since_p2p, until_p2p
+
+
     def _windows_from(self, earliest_ns: int) -> list[_Window]:
         """The windows a record launched at ``earliest_ns`` or later can be in: the last begun by then, and every
         later one (usually this step's alone, not all ``WINDOWS`` kept)."""
@@ -347,7 +566,7 @@ class NcclCalls:
         first = len(windows) - 1
         while first > 0 and windows[first].begin_ns > earliest_ns:
             first -= 1
-        return list(itertools.islice(windows, first, None))
+        return [windows[i] for i in range(first, len(windows))]  # no walk over the deque to its tail
 
     def _joined_rows(self, records: list[CollectiveRecord], windows: list[_Window]) -> NcclRows:
         """Rows where a launch ran several collectives (a coalesced operation): one per aggregate NCCL planned
@@ -380,20 +599,14 @@ class NcclCalls:
         match = self.matches.get(comm_hash)
         return match.group if match is not None else None
 
-    def _remember_unmatched(self, records: np.ndarray, nbytes: np.ndarray, launch: np.ndarray, at: np.ndarray | None,
-                            windows: list[_Window], unmatched: list[bool], of_hash: np.ndarray | None) -> None:
-        """The collectives of communicators no group is matched to yet, for call-order matching (sends and receives
-        are left out: NCCL orders a launch's transfers by peer, not as they were called). ``at`` and ``of_hash`` as
-        ``_rows`` has them (None: every record's is the first)."""
-        if not any(unmatched):
-            return
+    def _remember_unmatched(self, calls: Iterable[tuple[int, int, int, int, int]]) -> None:
+        """The collectives of communicators no group is matched to yet, for call-order matching: (window index,
+        communicator hash, launch ns, function id, bytes) each, in record order. Sends and receives are left out
+        (NCCL orders a launch's transfers by peer, not as they were called)."""
         table = self._signatures.profiled
-        mine = TAKEN[records["func"]] & (unmatched[0] if of_hash is None else np.array(unmatched)[of_hash])
-        for i in np.flatnonzero(mine).tolist():
-            func = int(records["func"][i])
-            function = FUNCTIONS[func] if func < len(FUNCTIONS) else "?"
-            table.setdefault((windows[0 if at is None else at[i]].index, int(records["comm_hash"][i])), []).append(
-                (int(launch[i]), function, int(nbytes[i])))
+        for index, comm_hash, launch, func, nbytes in calls:
+            table.setdefault((index, comm_hash), []).append(
+                (launch, FUNCTIONS[func] if func < len(FUNCTIONS) else "?", nbytes))
 
     def _keep(self, records: np.ndarray) -> None:
         if not len(records):

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lagom.runtime.apply.nccl_calls import ORDER, NcclCalls, NcclRows
+from lagom.runtime.apply.nccl_calls import ORDER, NcclCalls, NcclRows, Seconds
 from lagom.runtime.apply.step_clock import device_now
 from lagom.step.calls import CallRecord, TuningKey
 
@@ -213,15 +213,22 @@ class Recorder:
             total[0] += 1
             total[1] += end_s - start_s
 
-    def _add_up_durations(self, durations: list[tuple[tuple[str, str, int], np.ndarray]]) -> None:
-        """As ``_add_up`` rows of these durations, to the same float: a running sum is added in order, as one by one."""
+    def _add_up_durations(self, durations: list[tuple[tuple[str, str, int], Seconds]]) -> None:
+        """As ``_add_up`` rows of these durations, to the same float: a running sum is added in order, as one by one
+        (an array's in one operation; a list's, a small drain's few, one by one)."""
         totals = self._totals
         for key, seconds in durations:
             total = totals.get(key)
             if total is None:
                 total = totals[key] = [0, 0.0]
             total[0] += len(seconds)
-            total[1] = float(np.add.accumulate(np.concatenate(((total[1],), seconds)))[-1])
+            if isinstance(seconds, list):
+                added = total[1]
+                for s in seconds:
+                    added += s
+                total[1] = added
+            else:
+                total[1] = float(np.add.accumulate(np.concatenate(((total[1],), seconds)))[-1])
 
     def _from_nccl(self, tracked: list[tuple[Any, ...]]) -> NcclRows:
         """NCCL's records drained at this step's end; on a failure, said once, the tap and adapters record every
