@@ -1,6 +1,6 @@
 """What the runtime recorder costs per collective call, in microseconds (medians of many calls).
 
-    python benchmarks/recorder_overhead.py [--calls 5000] [--nccl-steps 1500]
+    python benchmarks/recorder_overhead.py [--calls 5000] [--nccl-steps 1500] [--nccl-per-step 20 200]
 
 1. ``Recorder.track`` alone: without a work, and with a work whose future is done (the callback path);
    ``end_step`` per resolved record.
@@ -26,7 +26,9 @@
    and matched to its group by name: what the calling thread pays per call (``Recorder.track`` leaving a call
    NCCL's records carry, as the adapters call it), and ``end_step``'s one drain turned into the recorder's
    rows, per call; their sum is the added CPU per call, amortised over the step. Once for all-reduces, once
-   for sends (NCCL's P2p records, which the recorder takes once the communicator has reported one). Medians
+   for sends (NCCL's P2p records, which the recorder takes once the communicator has reported one), each for steps
+   of every size ``--nccl-per-step`` names (default 20 and 200 calls: a drain's fixed cost weighs most on the
+   steps of few collectives, and a drain of few records takes another path than a large one's). Medians
    over the steps after the first 100, when the recorder keeps its full 100 step windows, as in a long job; and
    the mean over those steps (``--nccl-steps`` of them, long enough that it holds the garbage collections that the
    recording of a long job sets off, which a median leaves out): what a call costs amortised over a long job.
@@ -303,19 +305,25 @@ def recorder_on_nccl_records(steps: int, per_step: int = 200, collective: str = 
     track_us, end_us = _us(tracked[WARM_STEPS:]), _us(ended[WARM_STEPS:])
     mean_us = statistics.fmean(t + e for t, e in zip(tracked[WARM_STEPS:], ended[WARM_STEPS:])) * 1e6
     what = "collective" if collective == "all_reduce" else "send"
-    return {f"recorder on NCCL's records, {collective}: track, left at once (cpu)": track_us,
-            f"recorder on NCCL's records, {collective}: end_step per {what}, step of {per_step} (cpu)": end_us,
-            f"recorder on NCCL's records, {collective}: added per {what} (cpu)": track_us + end_us,
-            f"recorder on NCCL's records, {collective}: added per {what}, mean of {steps} steps (cpu)": mean_us}
+    part = f"recorder on NCCL's records, {collective}, {per_step} a step"
+    return {f"{part}: track, left at once (cpu)": track_us,
+            f"{part}: end_step per {what} (cpu)": end_us,
+            f"{part}: added per {what} (cpu)": track_us + end_us,
+            f"{part}: added per {what}, mean of {steps} steps (cpu)": mean_us}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=5000)
-    parser.add_argument("--nccl-steps", type=int, default=1500, help="timed steps of 200 calls of part 4")
+    parser.add_argument("--nccl-steps", type=int, default=1500, help="timed steps of part 4, per step size")
+    parser.add_argument("--nccl-per-step", type=int, nargs="+", default=[20, 200],
+                        help="calls a step of part 4 (each size a run of its own)")
     args = parser.parse_args()
-    rows = {**track_alone(args.calls), **profiler_drain_per_call(args.calls), **recorder_on_nccl_records(args.nccl_steps),
-            **recorder_on_nccl_records(args.nccl_steps, collective="send_recv"), **all_reduce_pair(args.calls)}
+    rows = {**track_alone(args.calls), **profiler_drain_per_call(args.calls)}
+    for per_step in args.nccl_per_step:
+        for collective in ("all_reduce", "send_recv"):
+            rows |= recorder_on_nccl_records(args.nccl_steps, per_step, collective)
+    rows |= all_reduce_pair(args.calls)
     width = max(map(len, rows))
     for name, us in rows.items():
         print(f"{name:{width}s} {us:8.2f} us")

@@ -226,11 +226,11 @@ def _record_struct(fields: tuple[tuple[str, str], ...]) -> struct.Struct:
     return struct.Struct(layout + (f"{RECORD_DTYPE.itemsize - at}x" if at < RECORD_DTYPE.itemsize else ""))
 
 
-# a record's fields that rows are made of: the hash as stored; the count and the times as the array path views them
-# (int64), so that the two compute on the same integers
+# a record's fields that rows are made of (and n_ranks, read where a drain has a collective counted per rank): the
+# hash as stored; the count and the times as the array path views them (int64), so that the two compute on the same
+# integers
 LISTED_FIELDS = (("comm_hash", "Q"), ("count", "q"), ("host_start_ns", "q"), ("host_stop_ns", "q"),
-                 ("gpu_start_ns", "q"), ("gpu_stop_ns", "q"), ("n_ranks", "I"), ("func", "B"), ("type_size", "B"),
-                 ("channel_events", "B"))
+                 ("gpu_start_ns", "q"), ("gpu_stop_ns", "q"), ("func", "B"), ("type_size", "B"), ("channel_events", "B"))
 LISTED = _record_struct(LISTED_FIELDS)
 assert LISTED.size == RECORD_DTYPE.itemsize
 _ZEROS = itertools.repeat(0)  # the one communicator's, or window's, position, for every record
@@ -247,7 +247,7 @@ class NcclGroup:
     aliases: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: made once per step, and a frozen one's fields cost a setattr call each
 class NcclRows:
     """One drain's rows as tuples of their fields (what ``CallRecord`` takes, which the recorder keeps as they are),
     in (step, seq) order; and each key's row durations in that order (``None``: add them up from the rows), so that
@@ -451,7 +451,7 @@ class NcclCalls:
                 records, at = records[inside], [at[i] for i in inside]
                 columns = _listed(records)
         self._keep(records)
-        comm, count, launch, stop, gpu_start, gpu_stop, n_ranks, func, size, events = columns
+        comm, count, launch, stop, gpu_start, gpu_stop, func, size, events = columns
         n = len(launch)
         hashes = sorted(set(comm))
         of_hash = None if len(hashes) == 1 else list(map({h: k for k, h in enumerate(hashes)}.__getitem__, comm))
@@ -460,13 +460,13 @@ class NcclCalls:
         functions_run = set(func)
         nbytes = [c * z for c, z in zip(count, size)]
         if not PER_RANK_IDS.isdisjoint(functions_run):
-            nbytes = [b * r if PER_RANK_OF[f] else b for b, r, f in zip(nbytes, n_ranks, func)]
-        if min(events) > 0 and all(map(gt, gpu_stop, gpu_start)):  # every record GPU-timed, the usual drain
+            nbytes = [b * r if PER_RANK_OF[f] else b for b, r, f in zip(nbytes, records["n_ranks"].tolist(), func)]
+        took: list[int] | None = None  # each record's time, ns; None: its GPU time, every record's (the usual drain)
+        if min(events) > 0 and all(map(gt, gpu_stop, gpu_start)):
             gpu = [True] * n
         else:
             gpu = [e > 0 and b > a for e, a, b in zip(events, gpu_start, gpu_stop)]
-        took = [b - a for a, b in zip(gpu_start, gpu_stop)] if all(gpu) else [
-            b - a if g else max(p - t, 0) for g, a, b, t, p in zip(gpu, gpu_start, gpu_stop, launch, stop)]
+            took = [b - a if g else max(p - t, 0) for g, a, b, t, p in zip(gpu, gpu_start, gpu_stop, launch, stop)]
         # what decides whether a record is taken: its communicator, window and function (its function alone where
         # the drain has one communicator and one window); per such key, 1: taken, 2: taken where launched before the
         # tap took the group's transfers back, 0: not taken
@@ -497,9 +497,10 @@ class NcclCalls:
             if not taken:
                 return NcclRows()
         launched = launch if every else [launch[i] for i in taken]
-        in_order = all(map(le, launched, launched[1:]))
+        later = launched[1:]
+        in_order = all(map(le, launched, later))
         colls = [i for i in taken if not IS_P2P_OF[func[i]]] if reporting else taken  # a transfer is its own
-        if len(colls) > 1 and (any(map(le, launched[1:], stop if every else [stop[i] for i in taken]))
+        if len(colls) > 1 and (any(map(le, later, stop if every else [stop[i] for i in taken]))
                                if of_hash is None and in_order and colls is taken
                                else _launches_overlap(of_hash, launch, stop, colls)):
             return self._joined_rows(Drained(records[list(taken)], 0).collectives(), windows)  # a coalesced launch
@@ -533,7 +534,10 @@ class NcclCalls:
         one_function = len(functions_run) == 1
         functions = [ROW_NAMES_OF[func[0]]] * m if one_function else [ROW_NAMES_OF[f] for f in pick(func)]
         sizes = pick(nbytes)
-        end_s = [a + t / 1e9 for a, t in zip(start_s, pick(took))]
+        if took is None:
+            end_s = [a + (b - c) / 1e9 for a, c, b in zip(start_s, pick(gpu_start), pick(gpu_stop))]
+        else:
+            end_s = [a + t / 1e9 for a, t in zip(start_s, pick(took))]
         fields = list(zip(names, functions, sizes, seq, steps, start_s, end_s, pick(gpu),
                           itertools.repeat(1)))  # one tensor each: only a coalesced launch joins several
         seconds = [e - a for a, e in zip(start_s, end_s)]
@@ -550,12 +554,16 @@ class NcclCalls:
         """Per communicator of ``hashes``: its group (None: none matched); whether its transfers may follow that
         match; the first window index whose collectives, and whose transfers, the profiler records (else NEVER); and
         the launch (monotonic ns) from which the tap records its transfers again (else NEVER)."""
-        matches = [self.matches.get(h) for h in hashes]
-        groups = [m.group if m is not None else None for m in matches]
-        trusted = [m is not None and m.group is not None and m.method in P2P_TRUSTED for m in matches]
-        since = [self.owned.get(g, NEVER) if g is not None else NEVER for g in groups]
-        since_p2p = [self.owned_p2p.get(g, NEVER) if t and g is not None else NEVER for g, t in zip(groups, trusted)]
-        until_p2p = [self.p2p_to_tap.get(g, NEVER) if g is not None else NEVER for g in groups]
+        groups: list[str | None] = []
+        trusted, since, since_p2p, until_p2p = [], [], [], []
+        for h in hashes:
+            match = self.matches.get(h)
+            group = None if match is None else match.group
+            groups.append(group)
+            trusted.append(group is not None and cast(GroupMatch, match).method in P2P_TRUSTED)
+            since.append(NEVER if group is None else self.owned.get(group, NEVER))
+            since_p2p.append(self.owned_p2p.get(cast(str, group), NEVER) if trusted[-1] else NEVER)
+            until_p2p.append(NEVER if group is None else self.p2p_to_tap.get(group, NEVER))
         return groups, trusted, since, since_p2p, until_p2p
 
 

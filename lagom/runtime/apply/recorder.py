@@ -8,6 +8,7 @@ CPU, CUDA events on the current stream on GPU, resolved when the step ends.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -16,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lagom.runtime.apply.nccl_calls import ORDER, NcclCalls, NcclRows, Seconds
+from lagom.runtime.apply.nccl_calls import COLLECTIVES, ORDER, NcclCalls, NcclRows, Seconds
 from lagom.runtime.apply.step_clock import device_now
 from lagom.step.calls import CallRecord, TuningKey
 
@@ -130,7 +131,8 @@ class Recorder:
         work without a completion future, a proxy that takes the end time when it is waited on.
         """
         nccl = self.nccl  # ``from_nccl`` inline: on every collective's calling thread
-        if nccl is not None and not by_lagom and nccl.takes(group, collective):
+        if nccl is not None and not by_lagom and (group in nccl.owned and collective in COLLECTIVES
+                                                  or nccl.takes(group, collective)):  # ``takes``' first case inline
             return work
         if self._t0 is None:
             self._t0 = self._now()
@@ -166,7 +168,7 @@ class Recorder:
         done: list[tuple[Any, ...]] = []  # the rows' fields: kept as they are, objects made once for the caller
         still: list[_Open] = []
         step_end = None
-        stale = [op for op in self._open if op.step < self.step - STALE_STEPS]
+        stale = [op for op in self._open if op.step < self.step - STALE_STEPS] if self._open else None
         if stale:
             log.warning("dropping %d calls that never completed (e.g. %s issued in step %d): their works' futures "
                         "were never marked done", len(stale), f"{stale[0].group}/{stale[0].collective}", stale[0].step)
@@ -202,7 +204,7 @@ class Recorder:
         self._kept += done
         if len(self._kept) > self.max_records + self.max_records // 4:
             del self._kept[: len(self._kept) - self.max_records]
-        return [CallRecord(*fields) for fields in done]
+        return list(itertools.starmap(CallRecord, done))
 
     def _add_up(self, rows: list[tuple[Any, ...]]) -> None:
         totals = self._totals  # keyed by tuple: a key's text is made once, in ``summary``, not per call
