@@ -632,12 +632,14 @@ class NcclCalls:
 
     # -- communicators to groups -------------------------------------------------------------------
     def _remember_tracked(self, tracked: list[tuple[Any, ...]]) -> None:
-        by_step = {w.step: w.index for w in self._windows} if tracked else {}
-        for group, collective, nbytes, _, step, _, _, _, _ in tracked:
-            index = by_step.get(step)
-            if index is not None and group not in self.owned and collective in COLLECTIVES:
-                self._signatures.tracked.setdefault((index, group), []).append((collective, nbytes))
-        self._signatures.trim(self._index - WINDOWS)
+        if tracked:
+            by_step = {w.step: w.index for w in self._windows}
+            for group, collective, nbytes, _, step, _, _, _, _ in tracked:
+                index = by_step.get(step)
+                if index is not None and group not in self.owned and collective in COLLECTIVES:
+                    self._signatures.tracked.setdefault((index, group), []).append((collective, nbytes))
+        if self._signatures.tracked or self._signatures.profiled:  # empty once every group is NCCL's
+            self._signatures.trim(self._index - WINDOWS)
 
     def _match(self) -> None:
         """Match the communicators NCCL initialised since the last time, then any still unmatched by call order."""
@@ -651,7 +653,7 @@ class NcclCalls:
                 if comm_hash not in self.matches or self.matches[comm_hash].group is None:
                     self._adopt(comm_hash, match)
             self._sizes = {g.name: g.size for g in groups}
-        if any(m.group is None for m in self.matches.values()):
+        if None in [m.group for m in self.matches.values()]:
             self._match_by_order()
 
     def _match_by_order(self) -> None:
