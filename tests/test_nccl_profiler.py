@@ -694,9 +694,13 @@ def test_the_recorder_takes_a_groups_transfers_once_nccl_reports_them_and_an_all
         assert step(1, *both) == tapped + tp_tapped  # the communicators appear and are matched at this step's end
         assert step(2, *both) == tapped + tp_tapped  # pp's reported its transfers: NCCL's records from the next
         assert step(3, *both) == tp_tapped + ours  # the tap's rows come first, then the profiler's
+        assert rec.track("pp", "send_recv", 64, work := object()) is work and rec.track("pp", "recv", 64) is None
+        assert rec.pending == 0  # the adapters' calls of pp's transfers are left at once too
         assert step(4, both[0], all_to_all, *both) == [("pp/all_to_all/8192", 1e-3), *tapped, *tp_tapped, *ours[:1],
                                                       ("pp/recv/4096", 2e-6)]
         assert step(5, *both) == tapped + tp_tapped
+        rec.track("pp", "send_recv", 64)
+        assert rec.pending == 1  # handed back: the adapters' calls are timed again
     assert calls.owned_p2p == {"pp": 3} and set(calls.p2p_to_tap) == {"pp"}
     assert calls.matches[41] == profiler.GroupMatch("tp", "rank_count")
     said = [r.getMessage() for r in caplog.records if "sends and receives" in r.getMessage()]
