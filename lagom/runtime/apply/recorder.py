@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lagom.runtime.apply.nccl_calls import COLLECTIVES, ORDER, P2P, NcclCalls, NcclRows, Seconds
+from lagom.runtime.apply.nccl_calls import COLLECTIVES, ORDER, NcclCalls, NcclRows, Seconds
 from lagom.runtime.apply.step_clock import device_now
 from lagom.step.calls import CallRecord, TuningKey
 
@@ -131,10 +131,8 @@ class Recorder:
         work without a completion future, a proxy that takes the end time when it is waited on.
         """
         nccl = self.nccl  # ``from_nccl`` inline: on every collective's calling thread
-        if nccl is not None and not by_lagom and (  # ``takes``, its collectives' and transfers' cases inline
-                group in nccl.owned and collective in COLLECTIVES
-                or group in nccl.owned_p2p and collective in P2P and group not in nccl.p2p_to_tap
-                or nccl.takes(group, collective)):
+        if nccl is not None and not by_lagom and (group in nccl.owned and collective in COLLECTIVES
+                                                  or nccl.takes(group, collective)):  # ``takes``' first case inline
             return work
         if self._t0 is None:
             self._t0 = self._now()
