@@ -131,7 +131,7 @@ class Recorder:
         work without a completion future, a proxy that takes the end time when it is waited on.
         """
         nccl = self.nccl  # ``from_nccl`` inline: on every collective's calling thread
-        if nccl is not None and not by_lagom and (group in nccl.owned and collective in COLLECTIVES
+        if nccl is not None and not by_lagom and (collective in COLLECTIVES and group in nccl.owned
                                                   or nccl.takes(group, collective)):  # ``takes``' first case inline
             return work
         if self._t0 is None:
