@@ -1,9 +1,10 @@
 """Reads the profiler's ring from Python: one C call per step, no Python work on NCCL's path.
 
 ``ProfilerDrain`` talks to the library instance NCCL loaded (ctypes opens the same file, which the dynamic
-loader maps once per process). ``drain()`` copies every finished record into a buffer allocated once and
-returns them as a NumPy structured array (cheap to aggregate per step); ``Drained.collectives()`` turns them
-into ``CollectiveRecord`` objects for reports. Records the ring dropped before a drain are counted, and said
+loader maps once per process). ``drain()`` has the library copy every finished record, and its counters after
+them, into buffers allocated once (one C call, lagom_profiler_read), and returns the records as a read-only NumPy
+structured array of their own (cheap to aggregate per step); ``Drained.collectives()`` turns them into
+``CollectiveRecord`` objects for reports. Records the ring dropped before a drain are counted, and said
 once in the log. ``group_names`` maps NCCL's communicator hashes to Lagom's group names.
 
 The recorder's use of it (one drain per step, on the thread that ends the step, the groups matched as
