@@ -1,4 +1,4 @@
-"""Incremental runs: a Simulator resumes a run from an earlier one's checkpoint when the configs differ
+"""Incremental runs, on both loops: a Simulator resumes a run from an earlier one's checkpoint when the configs differ
 only in keys whose first collective started later, and reuses a phase none of the changed keys is in.
 Both must give exactly what a fresh simulator gives."""
 
@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 
 from lagom.hardware import load_hardware
+from lagom.model import compiled
 from lagom.model.cost_model import CostModel
 from lagom.model.simulator import Simulator
 from lagom.search.base import nccl_configs
@@ -21,10 +22,13 @@ def job(name: str, micro_batches: int | None = None):
     return problem_for(wl, load_hardware(wl.hardware))
 
 
-@pytest.fixture(autouse=True)
-def python_loop(monkeypatch):
-    """Checkpoints and resumed runs are the Python loop's: the compiled loop simulates every task and has none."""
-    monkeypatch.setenv("LAGOM_SIMULATOR", "python")
+@pytest.fixture(autouse=True, params=["python", "compiled"])
+def loop(request, monkeypatch):
+    """Both loops keep checkpoints and resume from them (the compiled one in C, at its own interval)."""
+    monkeypatch.setenv("LAGOM_SIMULATOR", request.param)
+    if request.param == "compiled" and not compiled.enabled():
+        pytest.skip("the compiled simulator is not built")
+    return request.param
 
 
 def same(a, b) -> None:
@@ -121,6 +125,7 @@ def test_a_model_whose_settings_changed_is_not_reused():
     same(second, Simulator(problem.graph).run(base, model))
 
 
+@pytest.mark.parametrize("loop", ["python"], indirect=True)  # the compiled loop runs on arrays, not shapes
 def test_memoised_shapes_stay_bounded_and_change_nothing(monkeypatch):
     """Each run lands its steady-state jumps elsewhere, so a long search would memoise ever more task
     shapes; past SHAPES_KEPT a Simulator drops them all and works them out again, with the same steps."""

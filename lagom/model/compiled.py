@@ -10,8 +10,9 @@ model stays the one in ``lagom.model.cost_model`` and the two loops compute the 
 and the fallback: where the library was not built (no C compiler at install) Lagom says so once and plans on
 the Python loop; ``LAGOM_SIMULATOR=python`` chooses it on purpose. The steady-state jumps are the reference's
 too: the C loop pauses at the band's period boundaries (``LoopRun``), the reference's logic decides from the
-state it reads there whether and how far to jump, and the C side moves the state and runs the probes. There
-are no checkpoints: a run resumes none (a phase none of the changed keys ran in is still reused whole).
+state it reads there whether and how far to jump, and the C side moves the state and runs the probes. A run
+that keeps no records saves checkpoints where it watches no boundary (``Checkpoint``, held in C), and a later run
+whose changed keys had not started by one resumes from it, as the reference's runs do.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import ctypes
 import logging
 import math
 import os
+import weakref
 from dataclasses import dataclass, field, fields
 from functools import cache, cached_property
 from pathlib import Path
@@ -41,9 +43,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ENV = "LAGOM_SIMULATOR"  # "compiled" (the default where built) or "python"
-ABI = 3  # LAGOM_EVENT_LOOP_ABI in event_loop.h
-OK, NOMEM, CALLBACK, DEADLOCK, STALLED, PAUSED = range(6)
+ABI = 4  # LAGOM_EVENT_LOOP_ABI in event_loop.h
+OK, NOMEM, CALLBACK, DEADLOCK, STALLED, PAUSED, CHECKPOINT = range(7)
 TILE_BLOCK = 64  # periods a lowering tests for copying at once (numpy over the block, not a call per period)
+# Tasks a compiled run starts between checkpoints: ten times the Python loop's (simulator.CHECKPOINT_EVERY), as
+# the loop is fifty times faster; a resumed run redoes at most a millisecond, and a run keeps a few hundred.
+CHECKPOINT_EVERY = 4096
 
 _i32, _u8, _f64 = ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_uint8), ctypes.POINTER(ctypes.c_double)
 _i64 = ctypes.POINTER(ctypes.c_int64)
@@ -104,6 +109,14 @@ def _library() -> Any:
     lib.lagom_sim_probe.restype = sim
     lib.lagom_sim_close.argtypes = [sim]
     lib.lagom_sim_close.restype = None
+    lib.lagom_sim_checkpoints.argtypes = [sim, ctypes.c_int64]
+    lib.lagom_sim_checkpoints.restype = None
+    lib.lagom_sim_save.argtypes = [sim]
+    lib.lagom_sim_save.restype = ctypes.c_void_p
+    lib.lagom_sim_resume.argtypes = [ctypes.POINTER(_Phase), COST_FN, ctypes.POINTER(_Result), _u8, ctypes.c_void_p]
+    lib.lagom_sim_resume.restype = sim
+    lib.lagom_checkpoint_free.argtypes = [ctypes.c_void_p]
+    lib.lagom_checkpoint_free.restype = None
     return lib
 
 
@@ -498,6 +511,23 @@ class Outcome:
         return out
 
 
+@dataclass(eq=False)
+class Checkpoint:
+    """A compiled run's state at the top of its loop (held in C until this is dropped), with its per-key sums
+    by then and its steady-state jumps: what a later run whose changed keys had not started yet resumes from."""
+
+    now: float
+    queues: int
+    totals: np.ndarray
+    touched: np.ndarray
+    first_start: np.ndarray
+    handle: int
+    jumps: list = field(default_factory=list)  # the run's, final once it keeps checkpoints (set by its owner)
+
+    def __post_init__(self) -> None:
+        weakref.finalize(self, _library().lagom_checkpoint_free, self.handle)
+
+
 class LoopRun:
     """One run of a phase on the compiled loop, kept between calls: it pauses at the band's period boundaries
     while ``watch``ed (``check``: per task, 1 where starting it is one), so that the reference's steady-state
@@ -508,10 +538,12 @@ class LoopRun:
     heads' ``remaining``) keeps no per-collective records and shares its parent's boundaries, callback and memo
     of durations; close it before its parent. ``records=False``: no run keeps them either (a search reads sums,
     and a step's records at cluster scale are tens of MB a run). ``check`` is the arrays' (``PhaseArrays.boundaries``), which keep
-    it alive as long as the C run reads it."""
+    it alive as long as the C run reads it. ``checkpoint_every`` tasks started while it watches nothing, a run
+    without records keeps a ``Checkpoint`` (in ``checkpoints``); ``resume`` starts a run from one."""
 
     def __init__(self, arrays: PhaseArrays, run: Any, model: CostModel | None, check: np.ndarray | None,
-                 parent: LoopRun | None = None, remaining: np.ndarray | None = None, records: bool = True) -> None:
+                 parent: LoopRun | None = None, remaining: np.ndarray | None = None, records: bool = True,
+                 resume: Checkpoint | None = None, checkpoint_every: int = 0) -> None:
         lib = _library()
         if lib is None:
             raise LagomError("the compiled simulator is not built")
@@ -519,7 +551,17 @@ class LoopRun:
         self.failed: list[BaseException] = []
         recorded = parent is None and records
         keys, kept = len(arrays.keys), arrays.records if recorded else 0
-        if parent is None:
+        if resume is not None and (recorded or resume.queues != len(arrays.positions)):
+            raise LagomError(f"a compiled run of phase {arrays.lowering.ix.phase.name} cannot resume this checkpoint "
+                             "(one of another lowering, or a run that keeps records)")
+        if checkpoint_every and recorded:
+            raise LagomError("a compiled run that keeps records keeps no checkpoints (it could not resume them)")
+        self.checkpoints: list[Checkpoint] = []
+        if resume is not None:
+            self.totals, self.touched = resume.totals.copy(), resume.touched.copy()
+            self.first_start = resume.first_start.copy()
+            self.start = self.end = self.solo = self.exposed = np.zeros(0)
+        elif parent is None:
             self.totals, self.touched = np.zeros(4 * keys), np.zeros(keys, dtype=np.int32)
             self.first_start = np.full(keys, np.inf)
             self.start = np.full(kept, np.nan)  # NaN: a record the run skipped (a jump) or never reached
@@ -544,10 +586,15 @@ class LoopRun:
         else:
             assert model is not None
             self._callback = COST_FN(_answer(arrays, run, model, self.failed))
-            self._sim = lib.lagom_sim_open(ctypes.byref(_struct(arrays, run, model)), self._callback,
-                                           ctypes.byref(self._result), None if check is None else _ptr(check, _u8))
+            phase, check_ptr = ctypes.byref(_struct(arrays, run, model)), None if check is None else _ptr(check, _u8)
+            if resume is not None:
+                self._sim = lib.lagom_sim_resume(phase, self._callback, ctypes.byref(self._result), check_ptr, resume.handle)
+            else:
+                self._sim = lib.lagom_sim_open(phase, self._callback, ctypes.byref(self._result), check_ptr)
         if not self._sim:
             raise MemoryError(f"the compiled simulator ran out of memory in phase {arrays.lowering.ix.phase.name}")
+        if checkpoint_every:
+            lib.lagom_sim_checkpoints(self._sim, checkpoint_every)
 
     def watch(self, watching: bool) -> None:
         self.lib.lagom_sim_watch(self._sim, int(watching))
@@ -555,6 +602,9 @@ class LoopRun:
     def run(self) -> bool:
         """Go on until the phase is done (True) or a watched boundary (False); errors raise as the reference's."""
         rc = self.lib.lagom_sim_run(self._sim)
+        while rc == CHECKPOINT:
+            self.checkpoints.append(self._save())
+            rc = self.lib.lagom_sim_run(self._sim)
         self.state()
         if rc == PAUSED:
             return False
@@ -574,6 +624,14 @@ class LoopRun:
         if rc != OK:
             raise LagomError(f"the compiled simulator failed in phase {phase} (code {rc})")
         return True
+
+    def _save(self) -> Checkpoint:
+        handle = self.lib.lagom_sim_save(self._sim)
+        if not handle:
+            raise MemoryError(f"the compiled simulator ran out of memory in phase {self.arrays.lowering.ix.phase.name}")
+        self.state()
+        return Checkpoint(self.now, len(self.arrays.positions), self.totals.copy(), self.touched.copy(),
+                          self.first_start.copy(), handle)
 
     def state(self) -> None:
         """Refresh ``now``, ``exposed_total``, ``heads`` and per queue ``remaining`` (NaN: not running) and ``seq``."""

@@ -272,6 +272,7 @@ struct lagom_sim {
     const uint8_t *check; /* per task: starting it is a period boundary to pause at while watching */
     int watching, at_boundary; /* at_boundary: paused there; the run goes on from its exposed-time step */
     int every_boundary;        /* a probe pauses at every boundary; a run only at those inside the band */
+    int64_t checkpoint_every, since_checkpoint; /* tasks started between checkpoints (0: none kept) */
     memo_t *memo;         /* a clone shares its parent's */
     memo_t own_memo;
     int owns_memo;
@@ -407,7 +408,8 @@ static sim_t *sim_alloc(const lagom_phase_t *ph) {
     return s;
 }
 
-EXPORT sim_t *lagom_sim_open(const lagom_phase_t *ph, lagom_cost_fn cost, lagom_result_t *out, const uint8_t *check) {
+/* A run of ph with its own memo, nothing started yet. */
+static sim_t *sim_new(const lagom_phase_t *ph, lagom_cost_fn cost, lagom_result_t *out, const uint8_t *check) {
     sim_t *s = sim_alloc(ph);
     if (!s)
         return NULL;
@@ -421,6 +423,13 @@ EXPORT sim_t *lagom_sim_open(const lagom_phase_t *ph, lagom_cost_fn cost, lagom_
     s->cost = cost;
     s->out = out;
     s->check = check;
+    return s;
+}
+
+EXPORT sim_t *lagom_sim_open(const lagom_phase_t *ph, lagom_cost_fn cost, lagom_result_t *out, const uint8_t *check) {
+    sim_t *s = sim_new(ph, cost, out, check);
+    if (!s)
+        return NULL;
     for (int32_t q = 0; q < ph->n_queues; q++) {
         s->head[q] = ph->queue_first[q];
         s->state[q].version = -1;
@@ -436,6 +445,8 @@ EXPORT sim_t *lagom_sim_open(const lagom_phase_t *ph, lagom_cost_fn cost, lagom_
 
 EXPORT void lagom_sim_watch(sim_t *s, int watching) { s->watching = watching; }
 
+EXPORT void lagom_sim_checkpoints(sim_t *s, int64_t every) { s->checkpoint_every = every; }
+
 /* The run goes on from where it paused (or starts); LAGOM_SIM_PAUSED at a watched period boundary. */
 EXPORT int lagom_sim_run(sim_t *s) {
     const lagom_phase_t *ph = s->ph;
@@ -447,6 +458,10 @@ EXPORT int lagom_sim_run(sim_t *s) {
             s->at_boundary = 0;
             goto exposed;
         }
+        if (!s->watching && s->checkpoint_every && s->since_checkpoint >= s->checkpoint_every) {
+            s->since_checkpoint = 0; /* the caller saves this state and calls again: the loop goes on from here */
+            return LAGOM_SIM_CHECKPOINT;
+        }
         /* Start every stream head whose dependencies are done, in queue order. */
         int check = 0;
         idset_sort(&s->woken);
@@ -457,6 +472,7 @@ EXPORT int lagom_sim_run(sim_t *s) {
                 continue;
             st->start = st->since = s->now;
             st->seq = ++s->seq;
+            s->since_checkpoint++;
             int32_t c = ph->task[t].cost;
             if (ph->task[t].comm) {
                 int busy = 0;
@@ -743,41 +759,32 @@ EXPORT int lagom_sim_jump(sim_t *s, double later, double exposed, double delta, 
     return LAGOM_SIM_OK;
 }
 
-/* A copy of the run that records into out (records may be NULL: none kept) and shares the memo. Its running
-   heads restart from its clock with the given remaining fractions, pushed in the order they started, with
-   nothing woken or dirty: the reference's probe resumes a checkpoint so. */
-EXPORT sim_t *lagom_sim_probe(const sim_t *src, lagom_result_t *out, const double *remaining) {
-    const lagom_phase_t *ph = src->ph;
-    const int32_t nq = ph->n_queues, nd = ph->n_devices;
-    sim_t *s = sim_alloc(ph);
-    if (!s)
-        return NULL;
-    s->cost = src->cost;
-    s->memo = src->memo;
-    s->out = out;
-    s->check = src->check;
-    s->watching = 1;
-    s->every_boundary = 1;
-    memcpy(s->head, src->head, (size_t)nq * sizeof *s->head);
-    memcpy(s->state, src->state, (size_t)nq * sizeof *s->state);
-    memcpy(s->compute_on, src->compute_on, (size_t)nd * sizeof *s->compute_on);
-    memcpy(s->comms_on, src->comms_on, (size_t)nd * (size_t)nq * sizeof *s->comms_on);
-    memcpy(s->comms_len, src->comms_len, (size_t)nd * sizeof *s->comms_len);
-    s->now = src->now;
-    s->exposed_total = src->exposed_total;
-    s->longest = src->longest;
-    s->event = src->event;
-    s->seq = src->seq;
-    s->touches = src->touches;
-    s->live = src->live;
-    out->tasks = src->out->tasks;
-    /* running heads by their start's number: an insertion sort of a few dozen */
-    int32_t *order = s->finished, n = 0;
-    for (int32_t q = 0; q < nq; q++) {
+/* The state of a run at the top of its loop, from src into dst (a run or a checkpoint of ph's sizes). */
+static void copy_state(sim_t *dst, const sim_t *src, int32_t nq, int32_t nd) {
+    memcpy(dst->head, src->head, (size_t)nq * sizeof *dst->head);
+    memcpy(dst->state, src->state, (size_t)nq * sizeof *dst->state);
+    memcpy(dst->compute_on, src->compute_on, (size_t)nd * sizeof *dst->compute_on);
+    memcpy(dst->comms_on, src->comms_on, (size_t)nd * (size_t)nq * sizeof *dst->comms_on);
+    memcpy(dst->comms_len, src->comms_len, (size_t)nd * sizeof *dst->comms_len);
+    dst->now = src->now;
+    dst->exposed_total = src->exposed_total;
+    dst->longest = src->longest;
+    dst->event = src->event;
+    dst->seq = src->seq;
+    dst->touches = src->touches;
+    dst->live = src->live;
+}
+
+/* Running heads restart from the clock with their remaining fractions (NULL: what is left of each at the
+   clock), pushed in the order they started: the reference resumes a checkpoint so. 0, or -1 out of memory. */
+static int restart(sim_t *s, const double *remaining) {
+    const lagom_phase_t *ph = s->ph;
+    int32_t *order = s->finished, n = 0; /* running heads by their start's number: an insertion sort of a few dozen */
+    for (int32_t q = 0; q < ph->n_queues; q++) {
         head_t *st = &s->state[q];
         if (s->head[q] >= ph->queue_first[q + 1] || st->start < 0)
             continue;
-        st->rem = remaining[q];
+        st->rem = remaining ? remaining[q] : st->rem - (s->now - st->since) / st->dur;
         st->since = s->now;
         int32_t j = n++;
         while (j > 0 && s->state[order[j - 1]].seq > st->seq) {
@@ -787,9 +794,82 @@ EXPORT sim_t *lagom_sim_probe(const sim_t *src, lagom_result_t *out, const doubl
         order[j] = q;
     }
     for (int32_t i = 0; i < n; i++)
-        if (push_end(s, order[i])) {
-            lagom_sim_close(s);
-            return NULL;
-        }
+        if (push_end(s, order[i]))
+            return -1;
+    return 0;
+}
+
+/* A copy of the run that records into out (records may be NULL: none kept) and shares the memo. Its running
+   heads restart from its clock with the given remaining fractions, with nothing woken or dirty: the
+   reference's probe resumes a checkpoint so. */
+EXPORT sim_t *lagom_sim_probe(const sim_t *src, lagom_result_t *out, const double *remaining) {
+    sim_t *s = sim_alloc(src->ph);
+    if (!s)
+        return NULL;
+    s->cost = src->cost;
+    s->memo = src->memo;
+    s->out = out;
+    s->check = src->check;
+    s->watching = 1;
+    s->every_boundary = 1;
+    copy_state(s, src, src->ph->n_queues, src->ph->n_devices);
+    out->tasks = src->out->tasks;
+    if (restart(s, remaining)) {
+        lagom_sim_close(s);
+        return NULL;
+    }
     return s;
+}
+
+/* A checkpoint holds a run's state in a run of its own that never runs (no heap, no memo), so one copy
+   serves probes, saves and resumes; with the tasks started by then (the results' count). */
+struct lagom_checkpoint {
+    sim_t *state;
+    int64_t tasks;
+};
+
+EXPORT lagom_checkpoint_t *lagom_sim_save(const sim_t *s) {
+    lagom_checkpoint_t *cp = malloc(sizeof *cp);
+    if (!cp)
+        return NULL;
+    cp->state = sim_alloc(s->ph);
+    if (!cp->state) {
+        free(cp);
+        return NULL;
+    }
+    copy_state(cp->state, s, s->ph->n_queues, s->ph->n_devices);
+    for (int32_t i = 0; i < s->woken.len; i++)
+        idset_add(&cp->state->woken, s->woken.ids[i]);
+    for (int32_t i = 0; i < s->dirty.len; i++)
+        idset_add(&cp->state->dirty, s->dirty.ids[i]);
+    cp->state->ph = NULL; /* a checkpoint outlives the arrays it was saved from: it keeps only the state */
+    cp->tasks = s->out->tasks;
+    return cp;
+}
+
+/* A new run of ph (the phase the checkpoint was saved from, lowered alike) from the checkpoint, watching no
+   boundary, with its own memo: the reference's resume (running heads pushed anew, woken and dirty as saved). */
+EXPORT sim_t *lagom_sim_resume(const lagom_phase_t *ph, lagom_cost_fn cost, lagom_result_t *out, const uint8_t *check,
+                               const lagom_checkpoint_t *from) {
+    sim_t *s = sim_new(ph, cost, out, check);
+    if (!s)
+        return NULL;
+    copy_state(s, from->state, ph->n_queues, ph->n_devices);
+    for (int32_t i = 0; i < from->state->woken.len; i++)
+        idset_add(&s->woken, from->state->woken.ids[i]);
+    for (int32_t i = 0; i < from->state->dirty.len; i++)
+        idset_add(&s->dirty, from->state->dirty.ids[i]);
+    out->tasks = from->tasks;
+    if (restart(s, NULL)) {
+        lagom_sim_close(s);
+        return NULL;
+    }
+    return s;
+}
+
+EXPORT void lagom_checkpoint_free(lagom_checkpoint_t *cp) {
+    if (!cp)
+        return;
+    lagom_sim_close(cp->state);
+    free(cp);
 }

@@ -6,10 +6,10 @@
 
 #include <stdint.h>
 
-#define LAGOM_EVENT_LOOP_ABI 3 /* bumped whenever a struct below changes */
+#define LAGOM_EVENT_LOOP_ABI 4 /* bumped whenever a struct below changes */
 
 enum { LAGOM_SIM_OK = 0, LAGOM_SIM_NOMEM = 1, LAGOM_SIM_CALLBACK = 2, LAGOM_SIM_DEADLOCK = 3, LAGOM_SIM_STALLED = 4,
-       LAGOM_SIM_PAUSED = 5 };
+       LAGOM_SIM_PAUSED = 5, LAGOM_SIM_CHECKPOINT = 6 };
 
 /* What the callback is asked; the key holds (cost, util, share), (cost, duration) or (cost, then a
  * (comm cost, HBM rate) pair per collective running beside it). It returns NaN when Python failed. */
@@ -72,5 +72,17 @@ int lagom_sim_jump(lagom_sim_t *sim, double later, double exposed, double delta,
                    const double *remaining);
 lagom_sim_t *lagom_sim_probe(const lagom_sim_t *sim, lagom_result_t *out, const double *remaining);
 void lagom_sim_close(lagom_sim_t *sim);
+
+/* Checkpoints: a run told to keep them (every > 0) returns LAGOM_SIM_CHECKPOINT, once every `every` tasks
+ * started while it watches no boundary, at the top of its loop; the caller saves the state there and calls run
+ * again. A later run whose configs differ only in keys none of whose collectives had started by then resumes
+ * from it: nothing before it can depend on those keys. The results' per-key sums are the caller's to keep
+ * and hand back (they live in its arrays). */
+typedef struct lagom_checkpoint lagom_checkpoint_t;
+void lagom_sim_checkpoints(lagom_sim_t *sim, int64_t every);
+lagom_checkpoint_t *lagom_sim_save(const lagom_sim_t *sim);
+lagom_sim_t *lagom_sim_resume(const lagom_phase_t *phase, lagom_cost_fn cost, lagom_result_t *out, const uint8_t *check,
+                              const lagom_checkpoint_t *from);
+void lagom_checkpoint_free(lagom_checkpoint_t *checkpoint);
 
 #endif

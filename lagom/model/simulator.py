@@ -36,9 +36,10 @@ Two loops. This module's event loop is the reference, and the fallback where the
 runs phases on the compiled loop by default (``_CompiledPhaseRun``): the loop runs in C and pauses at the
 band's period boundaries, where the steady-state logic here reads its state and decides the jumps, which C
 then applies and probes. The two agree to 1e-9 with and without jumps (to the bit, today: same operations in
-the same order). The compiled loop keeps no checkpoints (a phase no changed key is in is still reused whole):
-they are what keeps the Python loop's searches within minutes without a compiler. This is the largest module
-(about 1,100 lines) because the steady-state logic is here once for both loops.
+the same order). Both keep checkpoints and resume from them the same way (the compiled loop's live in C,
+``compiled.Checkpoint``, at its own interval): a search changes one key at a time, and many keys' first
+collective starts late in the step (gradient buckets), so many runs simulate only their last part. This is the
+largest module (about 1,100 lines) because the steady-state logic is here once for both loops.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from operator import attrgetter
+from typing import Any
 
 import numpy as np
 
@@ -189,7 +191,8 @@ class _Checkpoint:
     seq: int
 
 
-_PhaseTrail = tuple["PhaseResult", dict[str, float], list[_Checkpoint], list[tuple]]
+# checkpoints: _Checkpoint of the Python loop or compiled.Checkpoint (a Simulator runs one loop or the other)
+_PhaseTrail = tuple["PhaseResult", dict[str, float], list[Any], list[tuple]]
 
 
 @dataclass
@@ -280,9 +283,10 @@ class Simulator:
                 left.append(reuse)
                 continue
             if self.compiled_loop and not keep_spans:
-                result, first_start = self._compiled(i, split, configs, model, default, extrapolate, timings)
+                result, first_start, saved = self._compiled(i, split, configs, model, default, extrapolate, timings,
+                                                            start)
                 phases.append(result)
-                left.append((result, first_start, [], []))  # no checkpoints: a later run reuses it whole or not at all
+                left.append((result, first_start, saved, []))
                 continue
             run = _PhaseRun(self._lowering(i, split, extrapolate), configs, model, default, keep_spans)
             run.shared_compute = self._compute_durations(model)
@@ -316,13 +320,18 @@ class Simulator:
         return out
 
     def _compiled(self, i: int, split: frozenset, configs: Configs, model: CostModel, default: CommConfig,
-                  extrapolate: bool, timings: bool) -> tuple[PhaseResult, dict[str, float]]:
+                  extrapolate: bool, timings: bool, resume: tuple[compiled.Checkpoint, list, list] | None = None,
+                  ) -> tuple[PhaseResult, dict[str, float], list[compiled.Checkpoint]]:
         """One phase on the compiled loop, from arrays lowered once per choice of decompositions, with the
-        steady-state jumps where ``extrapolate``; with when each key's first collective started (what tells a
-        later run whether it may reuse this phase). The result's ``points`` hold on to neither the arrays nor,
-        without ``timings``, the records: a search's results outlive both (its trails and bests), and pinning
-        them for timings that are rarely asked for held gigabytes."""
-        run = _CompiledPhaseRun(self._lowered(i, split), configs, model, default, extrapolate, timings)
+        steady-state jumps where ``extrapolate``, from an earlier run's checkpoint where ``resume`` (a run with
+        ``timings`` keeps records, so it neither resumes nor keeps checkpoints); with when each key's first
+        collective started (what tells a later run whether it may reuse this phase) and its checkpoints. The
+        result's ``points`` hold on to neither the arrays nor, without ``timings``, the records: a search's
+        results outlive both (its trails and bests), and pinning them for timings that are rarely asked for held
+        gigabytes."""
+        resume = None if timings else resume
+        run = _CompiledPhaseRun(self._lowered(i, split), configs, model, default, extrapolate, timings,
+                                None if resume is None else resume[0], [] if resume is None else resume[2])
         run.shared_compute = self._compute_durations(model)
         outcome = run.simulate_loop()
         simulator, graph = weakref.ref(self), self.graph
@@ -343,8 +352,9 @@ class Simulator:
 
         phase = graph.phases[i]
         return PhaseResult(phase.name, phase.repeat, outcome.now, outcome.exposed, *self._static(i, model),
-                           outcome.key_totals, [], outcome.tasks, sum(j.periods for j in run.jumps), None,
-                           recorded if timings else again), outcome.first_start
+                           outcome.key_totals, [], outcome.tasks, sum(j.periods for j in run.jumps),
+                           None if resume is None else resume[0].now, recorded if timings else again), \
+            outcome.first_start, run.saved
 
     def _lowered(self, i: int, split: frozenset) -> compiled.PhaseArrays:
         """Phase ``i`` lowered to arrays under ``split``: kept from an earlier run, or lowered now."""
@@ -1167,22 +1177,32 @@ class _CompiledPhaseRun(_PhaseRun):
     """A phase on the compiled loop (``compiled.LoopRun``), under this module's steady-state logic: the loop
     pauses at the band's period boundaries, and the states it reports there are compared, probed and jumped
     over exactly as the Python loop's are (``_steady``, ``_converging``, ``_landing`` are shared; only reading
-    the state, probing and moving it run in C). No checkpoints: a run resumes none."""
+    the state, probing and moving it run in C). A run without records keeps checkpoints where it watches no
+    boundary, as the Python loop does, and ``resume`` starts one from an earlier run's (``earlier``: those
+    before it, which this run's own follow)."""
 
     def __init__(self, arrays: compiled.PhaseArrays, configs: Configs, model: CostModel, default: CommConfig,
-                 extrapolate: bool, records: bool) -> None:
+                 extrapolate: bool, records: bool, resume: compiled.Checkpoint | None = None,
+                 earlier: list[compiled.Checkpoint] | None = None) -> None:
         super().__init__(arrays.lowering, configs, model, default, False)
         self.arrays = arrays
         queues = arrays.lowering.queues
         self.band_ref = next((q for q, queue in enumerate(queues) if queue.kind == COMPUTE and queue.shift), None) \
             if extrapolate else None
+        self.resumed = resume is not None
+        if resume is not None:
+            self.jumps = list(resume.jumps)
         self.loop = compiled.LoopRun(arrays, self, model, None if self.band_ref is None else arrays.boundaries(self.band_ref),
-                                     records=records)
+                                     records=records, resume=resume,
+                                     checkpoint_every=0 if records else compiled.CHECKPOINT_EVERY)
+        self.loop.checkpoints = list(earlier or [])
+        self.saved = self.loop.checkpoints  # the run's checkpoints: those it resumed from, then its own
+        self.inherited = len(self.saved)
 
     def simulate_loop(self) -> compiled.Outcome:
         loop, ref = self.loop, self.band_ref
         try:
-            loop.watch(ref is not None)
+            loop.watch(ref is not None and not self.resumed)  # a checkpoint is where the run watches nothing
             while not loop.run():
                 self.heads = loop.positions()
                 seen = self._seen_of(loop, self.heads)
@@ -1193,6 +1213,9 @@ class _CompiledPhaseRun(_PhaseRun):
                     self._jump(*decided, loop.now, totals, loop.exposed_total, None, None)
                     loop.set_totals(totals)
                     self.history = []
+            jumps = list(self.jumps)  # over once it keeps checkpoints: theirs are the run's
+            for checkpoint in loop.checkpoints[self.inherited:]:
+                checkpoint.jumps = jumps
             return loop.outcome()
         finally:
             loop.close()
