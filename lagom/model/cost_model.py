@@ -75,6 +75,7 @@ class CostModel:
         self.capability = capability or Capability()
         self._comm = lru_cache(maxsize=200_000)(self._comm_time)
         self._lost = lru_cache(maxsize=1024)(self._slots_lost)
+        self._p2p = lru_cache(maxsize=65_536)(self._p2p_channels)
 
     @cached_property
     def as_nccl_tunes(self) -> CostModel:
@@ -173,6 +174,10 @@ class CostModel:
         return channels, threads
 
     def p2p_channels(self, group: Group, nbytes: int, cfg: CommConfig) -> int:
+        """Channels NCCL splits one send over inside a node (``_p2p_channels``), cached: the simulator asks per task."""
+        return self._p2p(group, int(nbytes), cfg)
+
+    def _p2p_channels(self, group: Group, nbytes: int, cfg: CommConfig) -> int:
         """Channels NCCL splits one send (and its matching receive) over inside a node (``addP2pToPlan`` in
         enqueue.cc, NCCL 2.22 on; ``calcP2pChunkSize`` from 2.13 cuts the same parts).
 
