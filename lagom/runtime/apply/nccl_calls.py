@@ -437,11 +437,11 @@ class NcclCalls:
         usually shares (its window, its communicator, its function) stays one value, as there."""
         columns = _listed(records)
         launch = columns[2]
-        earliest = min(launch)
+        earliest, latest = min(launch), max(launch)
         windows = self._windows_from(earliest)
         ends = [NEVER if w.end_ns is None else w.end_ns for w in windows]
         at: list[int] | None = None  # each record's window in ``windows``; None: all in the first (the usual drain)
-        if len(windows) > 1 or not (windows[0].begin_ns <= earliest and max(launch) <= ends[0]):
+        if len(windows) > 1 or not (windows[0].begin_ns <= earliest and latest <= ends[0]):
             begins = [w.begin_ns for w in windows]
             at = [bisect.bisect_right(begins, t) - 1 for t in launch]
             inside = [i for i, (w, t) in enumerate(zip(at, launch)) if w >= 0 and t <= ends[w]]
@@ -450,6 +450,7 @@ class NcclCalls:
                     return NcclRows()
                 records, at = records[inside], [at[i] for i in inside]
                 columns = _listed(records)
+                latest = max(columns[2])
         self._keep(records)
         comm, count, launch, stop, gpu_start, gpu_stop, func, size, events = columns
         n = len(launch)
@@ -469,7 +470,7 @@ class NcclCalls:
             took = [b - a if g else max(p - t, 0) for g, a, b, t, p in zip(gpu, gpu_start, gpu_stop, launch, stop)]
         # what decides whether a record is taken: its communicator, window and function (its function alone where
         # the drain has one communicator and one window); per such key, 1: taken, 2: taken where launched before the
-        # tap took the group's transfers back, 0: not taken
+        # tap took the group's transfers back (1 where every record of the drain was), 0: not taken
         simple = of_hash is None and at is None
         keys: Sequence[Hashable] = func if simple else list(zip(_ZEROS if of_hash is None else of_hash,
                                                                 _ZEROS if at is None else at, func))
@@ -479,7 +480,7 @@ class NcclCalls:
             k, w, f = (0, 0, key) if simple else cast(tuple[int, int, int], key)
             if IS_P2P_OF[f]:
                 reporting.add(k)
-                verdict[key] = 2 if indices[w] >= since_p2p[k] else 0
+                verdict[key] = (1 if until_p2p[k] > latest else 2) if indices[w] >= since_p2p[k] else 0
             else:
                 verdict[key] = int(TAKEN_OF[f] and indices[w] >= since[k])
                 if TAKEN_OF[f] and groups[k] is None:
