@@ -179,7 +179,8 @@ class CostModel:
 
     def _p2p_channels(self, group: Group, nbytes: int, cfg: CommConfig) -> int:
         """Channels NCCL splits one send (and its matching receive) over inside a node (``addP2pToPlan`` in
-        enqueue.cc, NCCL 2.22 on; ``calcP2pChunkSize`` from 2.13 cuts the same parts).
+        enqueue.cc, NCCL 2.22 on; ``calcP2pChunkSize`` from 2.13 cuts the same parts, where up to 2.18 a send also
+        used at most 4 x the P2P channels over the ranks).
 
         The communicator has ``cfg.channels`` channels, rounded up to a power of two for P2P; a peer may use all
         of them over NVLink (two per NVLink, more than any node has channels) but 2 over PCIe. An operation
