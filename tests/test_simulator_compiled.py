@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from lagom.errors import LagomError
 from lagom.hardware import load_hardware
-from lagom.model import compiled
+from lagom.model import compiled, simulator
 from lagom.model.calibrated import CalibratedModel
 from lagom.model.cost_model import CostModel
 from lagom.model.simulator import Simulator, StepResult
@@ -210,6 +210,35 @@ def test_random_steps_agree_with_the_python_loop(case):
             Simulator(graph, compiled_loop=True).run(configs, model)
         return
     _both_ways(graph, configs, model)
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(pipelines(), st.data())
+def test_random_runs_resumed_from_a_checkpoint_agree_with_fresh_ones(monkeypatch, case, data):
+    """With a checkpoint after every task, a run that changes one key resumes from the last state before that
+    key's first collective, on either loop, and gives what a fresh run gives."""
+    monkeypatch.setattr(compiled, "CHECKPOINT_EVERY", 1)
+    monkeypatch.setattr(simulator, "CHECKPOINT_EVERY", 1)
+    graph, configs = case
+    model = CostModel(HW)
+    key = data.draw(st.sampled_from(sorted(configs)))
+    changed = {**configs, key: replace(configs[key], channels=data.draw(st.sampled_from([2, 8, 64])))}
+    try:
+        fresh = Simulator(graph, compiled_loop=False).run(changed, model)
+    except LagomError:  # a drawn graph the lowering refuses
+        return
+    for loop in (True, False):
+        sim = Simulator(graph, compiled_loop=loop)
+        sim.run(configs, model)
+        again = sim.run(changed, model)
+        assert again.step_s == pytest.approx(fresh.step_s, rel=REL, abs=1e-15), loop
+        assert again.exposed_comm_s == pytest.approx(fresh.exposed_comm_s, rel=REL, abs=1e-15), loop
+        ours, theirs = again.per_key(), fresh.per_key()
+        assert list(ours) == list(theirs), loop
+        for k, row in theirs.items():
+            for field, value in row.items():
+                assert ours[k][field] == pytest.approx(value, rel=REL, abs=1e-15), (loop, k, field)
 
 
 def test_a_cost_model_fault_inside_the_compiled_loop_is_raised_as_in_python():
