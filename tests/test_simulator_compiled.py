@@ -241,6 +241,30 @@ def test_random_runs_resumed_from_a_checkpoint_agree_with_fresh_ones(monkeypatch
                 assert ours[k][field] == pytest.approx(value, rel=REL, abs=1e-15), (loop, k, field)
 
 
+def test_a_run_keeps_a_bounded_number_of_checkpoints_and_resumes_from_them(monkeypatch):
+    """Each holds every queue's state: a larger phase spaces them further apart instead of keeping more."""
+    monkeypatch.setattr(compiled, "CHECKPOINT_EVERY", 1)
+    wl = load_workload("gpt3-13b-pp4")
+    wl = replace(wl, training=replace(wl.training, global_batch=32 * wl.training.micro_batch * wl.parallel.dp))
+    problem = problem_for(wl, load_hardware(wl.hardware))
+    base = nccl_configs(problem)
+    counts = []
+    for most in (10**9, 64):
+        monkeypatch.setattr(compiled, "CHECKPOINTS_PER_RUN", most)
+        sim = Simulator(problem.graph, compiled_loop=True)
+        sim.run(base, problem.model)
+        counts.append(len(sim._trails[0].phases[0][2]))
+    assert 64 < counts[0] and 1 <= counts[1] <= 64
+    late = next(k for k in base if k.startswith("dp/reduce_scatter/"))
+    configs = {**base, late: replace(base[late], channels=2)}
+    resumed = sim.run(configs, problem.model)
+    assert resumed.phases[0].resumed_at is not None
+    fresh = Simulator(problem.graph, compiled_loop=True).run(configs, problem.model)
+    assert resumed.step_s == pytest.approx(fresh.step_s, rel=1e-12)
+    for key, row in fresh.per_key().items():
+        assert resumed.per_key()[key] == pytest.approx(row, rel=1e-12, abs=1e-15), key
+
+
 def test_a_cost_model_fault_inside_the_compiled_loop_is_raised_as_in_python():
     """The callback's exception crosses the C loop and is raised, naming the task, as the Python loop names it."""
     wl = load_workload("gpt2-tp8")

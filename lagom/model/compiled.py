@@ -47,8 +47,15 @@ ABI = 4  # LAGOM_EVENT_LOOP_ABI in event_loop.h
 OK, NOMEM, CALLBACK, DEADLOCK, STALLED, PAUSED, CHECKPOINT = range(7)
 TILE_BLOCK = 64  # periods a lowering tests for copying at once (numpy over the block, not a call per period)
 # Tasks a compiled run starts between checkpoints: ten times the Python loop's (simulator.CHECKPOINT_EVERY), as
-# the loop is fifty times faster; a resumed run redoes at most a millisecond, and a run keeps a few hundred.
+# the loop is fifty times faster (a resumed run redoes about a millisecond); and at most so many checkpoints a
+# run, further apart in a larger phase (each holds every queue's state, a few kB to a few hundred).
 CHECKPOINT_EVERY = 4096
+CHECKPOINTS_PER_RUN = 128
+
+
+def checkpoint_interval(arrays: PhaseArrays) -> int:
+    """Tasks started between a run's checkpoints on these arrays."""
+    return max(CHECKPOINT_EVERY, -(-arrays.tasks // CHECKPOINTS_PER_RUN))
 
 _i32, _u8, _f64 = ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_uint8), ctypes.POINTER(ctypes.c_double)
 _i64 = ctypes.POINTER(ctypes.c_int64)

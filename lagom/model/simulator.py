@@ -1194,7 +1194,7 @@ class _CompiledPhaseRun(_PhaseRun):
             self.jumps = list(resume.jumps)
         self.loop = compiled.LoopRun(arrays, self, model, None if self.band_ref is None else arrays.boundaries(self.band_ref),
                                      records=records, resume=resume,
-                                     checkpoint_every=0 if records else compiled.CHECKPOINT_EVERY)
+                                     checkpoint_every=0 if records else compiled.checkpoint_interval(arrays))
         self.loop.checkpoints = list(earlier or [])
         self.saved = self.loop.checkpoints  # the run's checkpoints: those it resumed from, then its own
         self.inherited = len(self.saved)
