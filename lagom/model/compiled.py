@@ -48,9 +48,10 @@ OK, NOMEM, CALLBACK, DEADLOCK, STALLED, PAUSED, CHECKPOINT = range(7)
 TILE_BLOCK = 64  # periods a lowering tests for copying at once (numpy over the block, not a call per period)
 # Tasks a compiled run starts between checkpoints: ten times the Python loop's (simulator.CHECKPOINT_EVERY), as
 # the loop is fifty times faster (a resumed run redoes about a millisecond); and at most so many checkpoints a
-# run, further apart in a larger phase (each holds every queue's state, a few kB to a few hundred).
+# run, further apart in a larger phase (each holds every queue's state: 15 kB at 94 queues, so 15 MB at most).
+# Only the part of a run past the pipeline's steady band keeps any, so a run keeps far fewer than the cap.
 CHECKPOINT_EVERY = 4096
-CHECKPOINTS_PER_RUN = 128
+CHECKPOINTS_PER_RUN = 1024
 
 
 def checkpoint_interval(arrays: PhaseArrays) -> int:
