@@ -21,7 +21,7 @@ from lagom.plan.emit import nccl_env
 from lagom.plan.plan import Plan, PlanEntry
 from lagom.runtime import Recorder, init, nccl_options
 from lagom.runtime.apply.recorder import STALE_STEPS
-from lagom.step.calls import CallRecord, KeyIndex
+from lagom.step.calls import CallRecord, KeyIndex, TuningKey
 from tests.distributed import run_ranks
 
 HW = "a100-8x-100g"
@@ -242,6 +242,31 @@ def test_key_index_matches_padded_sizes_only():
     assert index.match("dp/all_reduce/2000000") is None
     assert index.match("dp/reduce_scatter/4096") is None
     assert CallRecord("a/b", "all_gather", 5, 0, 0, 0.0, 1.0).key == "a/b/all_gather/5"
+
+
+
+def test_a_call_record_is_made_read_compared_and_shown_as_the_dataclass_was():
+    r = CallRecord("a/b", "all_gather", 5, 2, 7, 0.25, 1.0)
+    assert r == CallRecord(group="a/b", collective="all_gather", nbytes=5, seq=2, step=7, start_s=0.25, end_s=1.0,
+                           exact=True, tensors=1)  # the defaults
+    assert r != CallRecord("a/b", "all_gather", 5, 2, 7, 0.25, 1.0, exact=False)
+    assert r != CallRecord("a/b", "all_gather", 5, 2, 7, 0.25, 1.0, tensors=2)
+    assert repr(r) == ("CallRecord(group='a/b', collective='all_gather', nbytes=5, seq=2, step=7, start_s=0.25, "
+                       "end_s=1.0, exact=True, tensors=1)")
+    assert (r.group, r.collective, r.nbytes, r.seq, r.step, r.start_s, r.end_s, r.exact, r.tensors) == (
+        "a/b", "all_gather", 5, 2, 7, 0.25, 1.0, True, 1)
+    assert (r.duration_s, r.key, r.tuning_key) == (0.75, "a/b/all_gather/5", TuningKey("a/b", "all_gather", 5))
+    with pytest.raises(AttributeError):
+        r.end_s = 2.0  # type: ignore[misc]  # read-only: nothing may change a record others hold
+    rec = Recorder(cuda=False)
+    rec.begin_step(3)
+    rec.track("dp", "all_reduce", 200)
+    rec.ended("dp", "all_gather", 100, 0.5, 0.25, tensors=2)
+    got = rec.end_step()
+    assert all(type(g) is CallRecord for g in got + rec.records)
+    assert [(g.key, g.seq, g.step, g.exact, g.tensors) for g in got] == [("dp/all_reduce/200", 0, 3, True, 1),
+                                                                        ("dp/all_gather/100", 1, 3, True, 2)]
+    assert got == rec.records and got[1].duration_s == 0.0  # an end before the start: the start
 
 
 # -- init: options, env, wrapper

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from lagom.errors import ConfigError
 
@@ -43,13 +44,17 @@ class TuningKey:
         return abs(self.nbytes - nbytes) <= tolerance * max(self.nbytes, 1)
 
 
-@dataclass(slots=True)
-class CallRecord:
+class CallRecord(NamedTuple):
     """One collective call: times in seconds from the start of the step it was issued in.
 
     ``exact`` is False when the work had no completion callback, so ``end_s`` is when its caller
     waited for it or the step ended: an upper bound. ``tensors``: how many tensors of one coalesced
     operation NCCL runs as this one call (``nccl_aggregates``); ``nbytes`` is their total.
+
+    A named tuple: the recorder makes one per call of the job, every step, and a tuple of the recorder's row is made
+    in one C call (``tuple.__new__(CallRecord, row)``), where a dataclass ran a Python ``__init__`` (about 0.1 us
+    more a call). Fields, their order, keyword construction, equality of two records and the repr are a dataclass's;
+    a record is also a tuple of its fields (iterable, comparable, hashable, read-only).
     """
 
     group: str

@@ -31,7 +31,6 @@ bytes) equals that of exactly one group of its size, as the tap recorded it in t
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import itertools
 import logging
 import struct
@@ -71,7 +70,7 @@ ORDER_LAG = 2  # steps between a step's end and its use for call-order matching
 KEPT_RECORDS = 1 << 16  # records kept for the report's what-ran table (the most recent)
 NEVER = int(np.iinfo(np.int64).max)
 Seconds = np.ndarray | list[float]  # a key's row durations
-_NAMES = [f.name for f in dataclasses.fields(CallRecord)]  # a row's fields, in the order CallRecord takes them
+_NAMES = list(CallRecord._fields)  # a row's fields, in the order CallRecord takes them
 ORDER = itemgetter(_NAMES.index("step"), _NAMES.index("seq"))  # a row's fields -> the recorder's order of rows
 
 

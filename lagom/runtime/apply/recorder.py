@@ -25,6 +25,7 @@ log = logging.getLogger("lagom.runtime")
 
 CALLBACK_GRACE_S = 0.01  # a completed future runs its callbacks right after waking its waiters
 STALE_STEPS = 100  # a call still open this many steps after its own was never completed: dropped
+_record = tuple.__new__  # (CallRecord, a row's fields) -> the record: a named tuple made in C from the row
 
 
 class _Open:
@@ -104,7 +105,7 @@ class Recorder:
     @property
     def records(self) -> list[CallRecord]:
         """The kept records, oldest first: made anew at each read (read it once, not per step)."""
-        return [CallRecord(*fields) for fields in self._kept]
+        return list(map(_record, itertools.repeat(CallRecord), self._kept))
 
     @property
     def pending(self) -> int:
@@ -204,7 +205,7 @@ class Recorder:
         self._kept += done
         if len(self._kept) > self.max_records + self.max_records // 4:
             del self._kept[: len(self._kept) - self.max_records]
-        return list(itertools.starmap(CallRecord, done))
+        return list(map(_record, itertools.repeat(CallRecord), done))  # each a C copy of its row, no Python call
 
     def _add_up(self, rows: list[tuple[Any, ...]]) -> None:
         totals = self._totals  # keyed by tuple: a key's text is made once, in ``summary``, not per call
