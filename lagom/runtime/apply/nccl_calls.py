@@ -436,7 +436,8 @@ class NcclCalls:
         usually shares (its window, its communicator, its function) stays one value, as there."""
         columns = _listed(records)
         launch = columns[2]
-        earliest, latest = min(launch), max(launch)
+        ordered: bool | None = all(map(le, launch, launch[1:]))  # in launch order (usually): None, not known
+        earliest, latest = (launch[0], launch[-1]) if ordered else (min(launch), max(launch))
         windows = self._windows_from(earliest)
         ends = [NEVER if w.end_ns is None else w.end_ns for w in windows]
         at: list[int] | None = None  # each record's window in ``windows``; None: all in the first (the usual drain)
@@ -449,16 +450,19 @@ class NcclCalls:
                     return NcclRows()
                 records, at = records[inside], [at[i] for i in inside]
                 columns = _listed(records)
-                latest = max(columns[2])
+                latest, ordered = max(columns[2]), None
         self._keep(records)
         comm, count, launch, stop, gpu_start, gpu_stop, func, size, events = columns
         n = len(launch)
-        hashes = sorted(set(comm))
+        hashes = [comm[0]] if comm.count(comm[0]) == n else sorted(set(comm))  # one, usually
         of_hash = None if len(hashes) == 1 else list(map({h: k for k, h in enumerate(hashes)}.__getitem__, comm))
         groups, trusted, since, since_p2p, until_p2p = self._owners(hashes)
         indices = [w.index for w in windows]
-        functions_run = set(func)
-        nbytes = [c * z for c, z in zip(count, size)]
+        functions_run = {func[0]} if func.count(func[0]) == n else set(func)
+        if count.count(count[0]) == n and size.count(size[0]) == n:  # every record of one size, usually
+            nbytes = [count[0] * size[0]] * n
+        else:
+            nbytes = [c * z for c, z in zip(count, size)]
         if not PER_RANK_IDS.isdisjoint(functions_run):
             nbytes = [b * r if PER_RANK_OF[f] else b for b, r, f in zip(nbytes, records["n_ranks"].tolist(), func)]
         took: list[int] | None = None  # each record's time, ns; None: its GPU time, every record's (the usual drain)
@@ -498,7 +502,7 @@ class NcclCalls:
                 return NcclRows()
         launched = launch if every else [launch[i] for i in taken]
         later = launched[1:]
-        in_order = all(map(le, launched, later))
+        in_order = ordered if every and ordered is not None else all(map(le, launched, later))
         colls = [i for i in taken if not IS_P2P_OF[func[i]]] if reporting else taken  # a transfer is its own
         if len(colls) > 1 and (any(map(le, later, stop if every else [stop[i] for i in taken]))
                                if of_hash is None and in_order and colls is taken
