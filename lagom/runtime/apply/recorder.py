@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lagom.runtime.apply.nccl_calls import COLLECTIVES, ORDER, NcclCalls, NcclRows, Seconds
+from lagom.runtime.apply.nccl_calls import COLLECTIVES, ORDER, P2P, NcclCalls, NcclRows, Seconds
 from lagom.runtime.apply.step_clock import device_now
 from lagom.step.calls import CallRecord, TuningKey
 
@@ -132,9 +132,15 @@ class Recorder:
         work without a completion future, a proxy that takes the end time when it is waited on.
         """
         nccl = self.nccl  # ``from_nccl`` inline: on every collective's calling thread
-        if nccl is not None and not by_lagom and (collective in COLLECTIVES and group in nccl.owned
-                                                  or nccl.takes(group, collective)):  # ``takes``' first case inline
-            return work
+        if nccl is not None and not by_lagom:  # ``takes``' collectives' and transfers' cases inline
+            if collective in COLLECTIVES:
+                if group in nccl.owned:
+                    return work
+            elif collective in P2P:
+                if group in nccl.owned_p2p and group not in nccl.p2p_to_tap:
+                    return work
+            elif nccl.takes(group, collective):
+                return work
         if self._t0 is None:
             self._t0 = self._now()
         op = _Open(group, collective, int(nbytes), self._seq, self.step, self._t0, self._now(), tensors)
