@@ -25,6 +25,7 @@ log = logging.getLogger("lagom.runtime")
 
 CALLBACK_GRACE_S = 0.01  # a completed future runs its callbacks right after waking its waiters
 STALE_STEPS = 100  # a call still open this many steps after its own was never completed: dropped
+FIELDS = len(CallRecord._fields)  # a record's fields, as the kept list holds them
 _record = tuple.__new__  # (CallRecord, a row's fields) -> the record: a named tuple made in C from the row
 
 
@@ -80,9 +81,10 @@ class Recorder:
     done) stays open and comes out of a later ``end_step`` with its own step number.
     ``records`` keeps at least the last ``max_records`` records (at most a quarter more: trimming the list's
     front moves every record left, so it is done once per quarter, not every step); ``summary`` covers every step.
-    They are kept as tuples of their fields, which Python's garbage collector stops tracking (their fields are
-    strings and numbers): kept as objects, every step's records added to what each full collection of the process
-    walks, and a long job paid more per call for those collections than for recording it.
+    They are kept as their fields, ``FIELDS`` a record one after another in one list: kept as objects, every step's
+    records added to what each full collection of the process walks, and a long job paid more per call for those
+    collections than for recording it; kept as a tuple each (which a collection stops tracking), every step's rows
+    stayed young objects until one, which set off the garbage collector's young collection every few dozen steps.
     ``in_step`` is True between ``begin_step`` and ``end_step``: the torch.distributed tap records
     only then, so Lagom's own calls between steps are not taken for the job's.
     """
@@ -92,7 +94,7 @@ class Recorder:
         self.max_records = max_records
         self.step = 0
         self.in_step = False
-        self._kept: list[tuple[Any, ...]] = []  # the kept records' fields (what CallRecord takes), oldest first
+        self._kept: list[Any] = []  # the kept records' fields (what CallRecord takes), FIELDS a record, oldest first
         self._seq = 0
         self._t0: Any = None
         self._open: list[_Open] = []
@@ -105,7 +107,7 @@ class Recorder:
     @property
     def records(self) -> list[CallRecord]:
         """The kept records, oldest first: made anew at each read (read it once, not per step)."""
-        return list(map(_record, itertools.repeat(CallRecord), self._kept))
+        return list(map(_record, itertools.repeat(CallRecord), zip(*[iter(self._kept)] * FIELDS)))
 
     @property
     def pending(self) -> int:
@@ -208,9 +210,12 @@ class Recorder:
             else:
                 self._add_up_durations(nccl.durations)
             done += nccl.fields
-        self._kept += done
-        if len(self._kept) > self.max_records + self.max_records // 4:
-            del self._kept[: len(self._kept) - self.max_records]
+        kept = self._kept
+        extend = kept.extend
+        for row in done:  # its fields, not the row: the rows die with the step (a tuple copied in C each)
+            extend(row)
+        if len(kept) > (self.max_records + self.max_records // 4) * FIELDS:
+            del kept[: len(kept) - self.max_records * FIELDS]
         return list(map(_record, itertools.repeat(CallRecord), done))  # each a C copy of its row, no Python call
 
     def _add_up(self, rows: list[tuple[Any, ...]]) -> None:
