@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from lagom.hardware import load_hardware, preset_names
+from lagom.hardware import load_hardware, preset_names, with_cluster
 from lagom.model.choices import nccl_choice
 from lagom.model.cost_model import CostModel, RunningComm
 from lagom.plan.comm_config import Algorithm, CommConfig, CTAPolicy, Protocol
@@ -242,6 +242,29 @@ def test_nccls_pick_does_not_see_the_ring_fill():
     picked = nccl_choice(point, hw, CommConfig(channels=32), model)
     assert (picked.algorithm, picked.protocol) == (Algorithm.RING, Protocol.LL)
     assert model.as_nccl_tunes.hw.nccl.ring_fill_us == 0 < model.hw.nccl.ring_fill_us
+
+
+def test_nccls_pick_prices_a_tree_beyond_two_nodes_at_the_network_rate():
+    """NCCL's tuning (tuning.cc) takes a tree's bus bandwidth from its graph's network rate beyond two nodes (at 0.92,
+    halved into the algorithm's), so it prices the buffer twice over the NICs where a ring moves 2 (n - 1) / n of it:
+    on 3 A100 nodes it runs ring at 128 MiB though the tree, as it runs, is priced faster (NVIDIA/nccl-tests #119
+    measured 96 GB/s, the NICs' rate). On two nodes, where its search raises the tree's rate to the NVLink side, it
+    keeps the tree."""
+    hw = with_cluster(A100X2, 8, 3)
+    model = CostModel(hw)
+    three, two = Group("dp", 24, 8, 3), Group("dp", 16, 8, 2)
+    for group, want in ((three, Algorithm.RING), (two, Algorithm.TREE)):
+        point = OverlapPoint("ar", AR, group, 128 << 20, None, None)
+        tree = CommConfig(algorithm=Algorithm.TREE, channels=16)
+        ring = CommConfig(algorithm=Algorithm.RING, channels=16)
+        assert model.comm_time(AR, group, point.bytes, tree) < model.comm_time(AR, group, point.bytes, ring)
+        assert nccl_choice(point, hw, CommConfig(channels=16), model).algorithm == want
+    nic = hw.cluster.inter.gbps * 1e9
+    tunes = model.as_nccl_tunes
+    assert tunes._tree_time(three, 1 << 30, CommConfig(algorithm=Algorithm.TREE, channels=16), math.inf, 1.0) == \
+        pytest.approx(2 * 2**30 / (0.92 * nic), rel=1e-12)
+    assert model._tree_time(three, 1 << 30, CommConfig(algorithm=Algorithm.TREE, channels=16), math.inf, 1.0) == \
+        pytest.approx(2 * 2**30 * 2 / 3 / nic, rel=1e-12)  # as it runs: 2 (N - 1) / N of it over the NICs
 
 
 def test_copy_engines_take_no_sms_but_still_move_hbm():

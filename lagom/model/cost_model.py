@@ -77,14 +77,21 @@ class CostModel:
         self._lost = lru_cache(maxsize=1024)(self._slots_lost)
         self._p2p = lru_cache(maxsize=65_536)(self._p2p_channels)
 
+    #: this model prices collectives as NCCL's own tuning does (``as_nccl_tunes``), not as they run
+    nccl_tuning = False
+
     @cached_property
     def as_nccl_tunes(self) -> CostModel:
-        """This model without what NCCL's own tuning leaves out and a fit added (the NVLS and ring fills): NCCL
-        picks its algorithm and protocol by its latency and bandwidth tables, so a fitted fill must not move its
-        pick (8 H100s run NVLS from 2 MiB, NVIDIA/nccl-tests #309, where NVLS with the fill is priced slower than ring)."""
-        if self.hw.nccl.nvls_fill_us == 0 and self.hw.nccl.ring_fill_us == 0:
-            return self
-        return CostModel(replace(self.hw, nccl=replace(self.hw.nccl, nvls_fill_us=0.0, ring_fill_us=0.0)), self.capability)
+        """This model as NCCL's own tuning prices a call, to pick its algorithm and protocol: without a fitted fill
+        (NVLS, ring), which its latency and bandwidth tables do not have (8 H100s run NVLS from 2 MiB, NVIDIA/nccl-tests
+        #309, where NVLS with the fill is priced slower than ring), and with a tree across more than two nodes at its
+        bus bandwidth over the network (``_tree_time``)."""
+        nccl = self.hw.nccl
+        hw = self.hw if nccl.nvls_fill_us == 0 and nccl.ring_fill_us == 0 else replace(
+            self.hw, nccl=replace(nccl, nvls_fill_us=0.0, ring_fill_us=0.0))
+        model = CostModel(hw, self.capability)
+        model.nccl_tuning = True
+        return model
 
     # -- communication: links
     def _within_bw(self, group: Group, transport: str) -> float:
@@ -306,6 +313,12 @@ class CostModel:
         nic = c.inter.gbps * GB * group.ranks_per_node / c.gpus_per_node * nic_share
         chain = 2 * nbytes / within if group.ranks_per_node > 1 else 0.0
         across = 2 * nbytes * (nodes - 1) / nodes / nic
+        if self.nccl_tuning and nodes > 2:
+            # NCCL's tuning (tuning.cc) takes a tree's bus bandwidth from the graph's network rate beyond two nodes
+            # (its intra-node rate, which its search raises up to twice the network's for trees, on one or two) at
+            # 0.92, and halves it into the algorithm's: the buffer twice over the NICs, where a ring's
+            # 2 (n - 1) / n is less, so it prices no tree above a ring once bandwidth rules
+            across = 2 * nbytes / (nccl.tree_efficiency * nic)
         per_channel = min(ch_bw * nccl.tree_efficiency, _by_nodes(nccl.tree_channel_max_gbps, nodes) * GB)
         channels = 2 * nbytes / self._protocol_bandwidth(cfg.channels * per_channel, cfg, cfg.channels, nodes)
         return max(chain, across, channels)
