@@ -174,7 +174,7 @@ class Recorder:
     def end_step(self) -> list[CallRecord]:
         """Resolve what has completed; return those records (this step's and late earlier ones)."""
         self.in_step = False
-        done: list[tuple[Any, ...]] = []  # the rows' fields: kept as they are, objects made once for the caller
+        done: list[tuple[Any, ...]] = []  # the rows' fields: kept field by field, records made once for the caller
         still: list[_Open] = []
         step_end = None
         stale = [op for op in self._open if op.step < self.step - STALE_STEPS] if self._open else None
