@@ -267,6 +267,18 @@ def test_nccls_pick_prices_a_tree_beyond_two_nodes_at_the_network_rate():
         pytest.approx(2 * 2**30 * 2 / 3 / nic, rel=1e-12)  # as it runs: 2 (N - 1) / N of it over the NICs
 
 
+def test_a_tree_pays_its_protocols_payload_efficiency_on_the_network_as_a_ring_does():
+    """LL sends a flag with each 4 bytes of payload, on the NIC as on NVLink: a NIC-bound tree on LL takes twice
+    Simple's time, as a NIC-bound ring does, so NCCL's pick for T5's 156 MiB data-parallel all-reduce (2 ranks, one a
+    node, 8 sharing the node's 100 Gb/s) is not LL, which the tree used to price as Simple less its latency."""
+    model, group, nbytes = CostModel(A100X2), Group("dp", 2, 1, 2), 163790848
+    for algo in (Algorithm.RING, Algorithm.TREE):
+        t = {p: model.comm_time(AR, group, nbytes, CommConfig(algorithm=algo, protocol=p, channels=24)) for p in Protocol}
+        assert t[Protocol.LL] == pytest.approx(2 * t[Protocol.SIMPLE], rel=0.01)
+    point = OverlapPoint("ar", AR, group, nbytes, None, None)
+    assert nccl_choice(point, A100X2, CommConfig(channels=24), model).protocol == Protocol.SIMPLE
+
+
 def test_copy_engines_take_no_sms_but_still_move_hbm():
     model, group, nbytes = CostModel(H100), Group("tp", 8, 8, 1), GIB
     cfg = CommConfig(cta_policy=CTAPolicy.ZERO, channels=16)

@@ -311,14 +311,16 @@ class CostModel:
         nodes = group.nodes
         within = self._within_bw(group, cfg.transport)
         nic = c.inter.gbps * GB * group.ranks_per_node / c.gpus_per_node * nic_share
-        chain = 2 * nbytes / within if group.ranks_per_node > 1 else 0.0
-        across = 2 * nbytes * (nodes - 1) / nodes / nic
+        # the protocol's payload efficiency on every link, as a ring's (LL: half of each 8-byte line is its flag)
+        efficiency = self._protocol(cfg).efficiency
+        chain = 2 * nbytes / (within * efficiency) if group.ranks_per_node > 1 else 0.0
+        across = 2 * nbytes * (nodes - 1) / nodes / (nic * efficiency)
         if self.nccl_tuning and nodes > 2:
             # NCCL's tuning (tuning.cc) takes a tree's bus bandwidth from the graph's network rate beyond two nodes
             # (its intra-node rate, which its search raises up to twice the network's for trees, on one or two) at
             # 0.92, and halves it into the algorithm's: the buffer twice over the NICs, where a ring's
             # 2 (n - 1) / n is less, so it prices no tree above a ring once bandwidth rules
-            across = 2 * nbytes / (nccl.tree_efficiency * nic)
+            across = 2 * nbytes / (nccl.tree_efficiency * nic * efficiency)
         per_channel = min(ch_bw * nccl.tree_efficiency, _by_nodes(nccl.tree_channel_max_gbps, nodes) * GB)
         channels = 2 * nbytes / self._protocol_bandwidth(cfg.channels * per_channel, cfg, cfg.channels, nodes)
         return max(chain, across, channels)
