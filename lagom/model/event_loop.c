@@ -257,6 +257,11 @@ static void idset_sort(idset_t *s) {
     }
 }
 
+static void idset_copy(idset_t *dst, const idset_t *src) {
+    for (int32_t i = 0; i < src->len; i++)
+        idset_add(dst, src->ids[i]);
+}
+
 static void idset_clear(idset_t *s) {
     for (int32_t i = 0; i < s->len; i++)
         s->in[s->ids[i]] = 0;
@@ -838,10 +843,8 @@ EXPORT lagom_checkpoint_t *lagom_sim_save(const sim_t *s) {
         return NULL;
     }
     copy_state(cp->state, s, s->ph->n_queues, s->ph->n_devices);
-    for (int32_t i = 0; i < s->woken.len; i++)
-        idset_add(&cp->state->woken, s->woken.ids[i]);
-    for (int32_t i = 0; i < s->dirty.len; i++)
-        idset_add(&cp->state->dirty, s->dirty.ids[i]);
+    idset_copy(&cp->state->woken, &s->woken);
+    idset_copy(&cp->state->dirty, &s->dirty);
     cp->state->ph = NULL; /* a checkpoint outlives the arrays it was saved from: it keeps only the state */
     cp->tasks = s->out->tasks;
     return cp;
@@ -855,10 +858,8 @@ EXPORT sim_t *lagom_sim_resume(const lagom_phase_t *ph, lagom_cost_fn cost, lago
     if (!s)
         return NULL;
     copy_state(s, from->state, ph->n_queues, ph->n_devices);
-    for (int32_t i = 0; i < from->state->woken.len; i++)
-        idset_add(&s->woken, from->state->woken.ids[i]);
-    for (int32_t i = 0; i < from->state->dirty.len; i++)
-        idset_add(&s->dirty, from->state->dirty.ids[i]);
+    idset_copy(&s->woken, &from->state->woken);
+    idset_copy(&s->dirty, &from->state->dirty);
     out->tasks = from->tasks;
     if (restart(s, NULL)) {
         lagom_sim_close(s);

@@ -288,8 +288,8 @@ class Simulator:
                 phases.append(result)
                 left.append((result, first_start, saved, []))
                 continue
-            run = _PhaseRun(self._lowering(i, split, extrapolate), configs, model, default, keep_spans)
-            run.shared_compute = self._compute_durations(model)
+            run = _PhaseRun(self._lowering(i, split, extrapolate), configs, model, default, keep_spans,
+                            self._compute_durations(model))
             phases.append(run.simulate(*self._static(i, model), resume=start))
             left.append(None if keep_spans else (phases[-1], run.first_start, run.checkpoints, run.records))
         if not keep_spans:
@@ -331,8 +331,8 @@ class Simulator:
         gigabytes."""
         resume = None if timings else resume
         run = _CompiledPhaseRun(self._lowered(i, split), configs, model, default, extrapolate, timings,
-                                None if resume is None else resume[0], [] if resume is None else resume[2])
-        run.shared_compute = self._compute_durations(model)
+                                self._compute_durations(model), None if resume is None else resume[0],
+                                [] if resume is None else resume[2])
         outcome = run.simulate_loop()
         simulator, graph = weakref.ref(self), self.graph
 
@@ -524,7 +524,8 @@ class _Plan:
 
 
 class _PhaseRun:
-    def __init__(self, lowering: Lowering, configs: Configs, model: CostModel, default: CommConfig, keep_spans: bool) -> None:
+    def __init__(self, lowering: Lowering, configs: Configs, model: CostModel, default: CommConfig, keep_spans: bool,
+                 shared_compute: dict[tuple, float] | None = None) -> None:
         self.lw, self.ix = lowering, lowering.ix
         self.configs, self.model, self.default = configs, model, default
         self.keep_spans = keep_spans
@@ -533,7 +534,8 @@ class _PhaseRun:
         self.comm_memo: dict[tuple, float] = {}
         self.rate_memo: dict[tuple, float] = {}
         self.compute_memo: dict[tuple, float] = {}
-        self.shared_compute: dict[tuple, float] = {}  # the Simulator's, across runs (Simulator._compute_durations)
+        # compute durations kept across runs (the Simulator's, ``Simulator._compute_durations``), else this run's
+        self.shared_compute: dict[tuple, float] = {} if shared_compute is None else shared_compute
         self.solo_memo: dict[tuple, float] = {}
         self.util_memo: dict[tuple, float] = {}
         self.config_memo: dict[str, CommConfig] = {}
@@ -1065,8 +1067,7 @@ class _PhaseRun:
                            t.rate, t.exposed, t.solo) for t in running],
                          set(), set(), now.totals, now.exposed, len(self.records), longest, dict(self.first_start),
                          list(self.jumps), self.simulated, max((t.seq for t in running), default=0))
-        probe = _PhaseRun(self.lw, self.configs, self.model, self.default, False)
-        probe.shared_compute = self.shared_compute
+        probe = _PhaseRun(self.lw, self.configs, self.model, self.default, False, self.shared_compute)
         probe.probe_unit = now.unit + units
         try:
             seen = probe.simulate(0.0, 0.0, resume=(cp, self.records, []))
@@ -1182,9 +1183,9 @@ class _CompiledPhaseRun(_PhaseRun):
     before it, which this run's own follow)."""
 
     def __init__(self, arrays: compiled.PhaseArrays, configs: Configs, model: CostModel, default: CommConfig,
-                 extrapolate: bool, records: bool, resume: compiled.Checkpoint | None = None,
-                 earlier: list[compiled.Checkpoint] | None = None) -> None:
-        super().__init__(arrays.lowering, configs, model, default, False)
+                 extrapolate: bool, records: bool, shared_compute: dict[tuple, float],
+                 resume: compiled.Checkpoint | None = None, earlier: list[compiled.Checkpoint] | None = None) -> None:
+        super().__init__(arrays.lowering, configs, model, default, False, shared_compute)
         self.arrays = arrays
         queues = arrays.lowering.queues
         self.band_ref = next((q for q, queue in enumerate(queues) if queue.kind == COMPUTE and queue.shift), None) \
@@ -1195,9 +1196,7 @@ class _CompiledPhaseRun(_PhaseRun):
         self.loop = compiled.LoopRun(arrays, self, model, None if self.band_ref is None else arrays.boundaries(self.band_ref),
                                      records=records, resume=resume,
                                      checkpoint_every=0 if records else compiled.checkpoint_interval(arrays))
-        self.loop.checkpoints = list(earlier or [])
-        self.saved = self.loop.checkpoints  # the run's checkpoints: those it resumed from, then its own
-        self.inherited = len(self.saved)
+        self.saved = list(earlier or [])  # the run's checkpoints: those it resumed from, then its own (at the end)
 
     def simulate_loop(self) -> compiled.Outcome:
         loop, ref = self.loop, self.band_ref
@@ -1214,8 +1213,9 @@ class _CompiledPhaseRun(_PhaseRun):
                     loop.set_totals(totals)
                     self.history = []
             jumps = list(self.jumps)  # over once it keeps checkpoints: theirs are the run's
-            for checkpoint in loop.checkpoints[self.inherited:]:
+            for checkpoint in loop.checkpoints:
                 checkpoint.jumps = jumps
+            self.saved += loop.checkpoints
             return loop.outcome()
         finally:
             loop.close()
