@@ -220,14 +220,14 @@ def test_the_ring_fill_is_paid_per_step_at_a_known_size():
 
 
 def test_the_a100_ring_fill_levels_off_at_its_fitted_value():
-    """The A100's published fit: 5.925 us per step once the slice is large (83 us on an 8-rank all-reduce of 1 GiB,
-    14 steps of 128 MiB slices), half of it where the slice is 0.1308 MiB (a 1.05 MiB buffer on 8 ranks)."""
+    """The A100's published fit: 5.626 us per step once the slice is large (79 us on an 8-rank all-reduce of 1 GiB,
+    14 steps of 128 MiB slices), half of it where the slice is 0.119 MiB (a 0.95 MiB buffer on 8 ranks)."""
     group, cfg = Group("tp", 8, 8, 1), CommConfig(channels=16)
     bare = CostModel(replace(A100, nccl=replace(A100.nccl, ring_fill_us=0.0)))
     added = {n: CostModel(A100).comm_time(AR, group, n, cfg) - bare.comm_time(AR, group, n, cfg)
-             for n in (GIB, int(8 * 0.1308 * 2**20))}
-    assert added[GIB] == pytest.approx(14 * 5.925e-6 * 128 / (128 + 0.1308), rel=1e-9)
-    assert added[int(8 * 0.1308 * 2**20)] == pytest.approx(14 * 5.925e-6 / 2, rel=1e-5)
+             for n in (GIB, int(8 * 0.119 * 2**20))}
+    assert added[GIB] == pytest.approx(14 * 5.626e-6 * 128 / (128 + 0.119), rel=1e-9)
+    assert added[int(8 * 0.119 * 2**20)] == pytest.approx(14 * 5.626e-6 / 2, rel=1e-5)
 
 
 def test_nccls_pick_does_not_see_the_ring_fill():
@@ -301,17 +301,18 @@ def test_chunks_after_the_first_of_each_step_pay_the_step_overhead():
 
 
 def test_a_link_bound_channel_still_pays_its_waits():
-    """8 A100 on NVSwitch, 1 GiB ring Simple all-reduce on 16 channels: 16 x 20 GB/s would exceed the 240 GB/s link,
-    so each channel copies its 117 MiB share at 15 GB/s, and still waits after each of its 2 MiB chunks but the
-    first of each of the 14 steps (the fitted 4.094 us): the link no longer hides them. The ring fill is on top."""
+    """8 A100 on NVSwitch, 1 GiB ring Simple all-reduce on NCCL's 24 channels: 24 x 20 GB/s would exceed the 240 GB/s
+    link, so each channel copies its 78 MiB share at 10 GB/s, and still waits after each of its 2 MiB chunks but the
+    first of each of the 14 steps (the fitted 3.033 us): the link no longer hides them. The ring fill is on top."""
     model, group, nbytes = CostModel(A100), Group("tp", 8, 8, 1), GIB
-    share = nbytes * 14 / 8 / 16
+    assert A100.nccl.default_channels == 24
+    share = nbytes * 14 / 8 / 24
     waits = (math.ceil(share / 2**20 / 2) - 14) * A100.nccl.step_overhead_us * 1e-6
-    expected = (8.4 + 14 * 3.4) * 1e-6 + share / 15e9 + waits + _ring_fill(14, nbytes, 8)
-    assert A100.nccl.step_overhead_us == 4.094
-    assert model.comm_time(AR, group, nbytes, CommConfig(channels=16)) == pytest.approx(expected, rel=1e-12)
+    expected = (8.4 + 14 * 3.4) * 1e-6 + share / 10e9 + waits + _ring_fill(14, nbytes, 8)
+    assert A100.nccl.step_overhead_us == 3.033
+    assert model.comm_time(AR, group, nbytes, CommConfig(channels=24)) == pytest.approx(expected, rel=1e-12)
     # across nodes the link still bounds the channels together after their waits (the proxy forwards meanwhile)
-    assert model.channel_bandwidth(group, CommConfig(channels=16), 2**21, share * 16, 14) > 15e9
+    assert model.channel_bandwidth(group, CommConfig(channels=24), 2**21, share * 24, 14) > 10e9
 
 
 def test_chunk_size_costs_both_ways():
