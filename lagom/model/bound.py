@@ -25,7 +25,7 @@ from operator import attrgetter
 
 from lagom.errors import LagomError
 from lagom.model.cost_model import CostModel
-from lagom.model.phase_index import NONE, PhaseIndex
+from lagom.model.phase_index import NONE, PhaseIndex, index_of
 from lagom.step.graph import Collective, ComputeSegment, Phase, StepGraph
 
 _SIGNATURE = attrgetter("flops", "bytes", "ctas")
@@ -39,7 +39,7 @@ def step_bound(graph: StepGraph, model: CostModel, decompose: bool = True) -> fl
 
 def phase_bound(phase: Phase, model: CostModel, decompose: bool = True) -> float:
     """The critical path of one phase (one repeat)."""
-    return _CriticalPath(PhaseIndex(phase), model, decompose).length()
+    return _CriticalPath(index_of(phase), model, decompose).length()
 
 
 class _CriticalPath:

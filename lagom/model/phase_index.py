@@ -67,6 +67,30 @@ class Band:
     slots: list[tuple[int, list[tuple[int, int]]]]  # per stream: (points per period, [lo, hi) slot spans)
 
 
+@dataclass(frozen=True)
+class PointColumns:
+    """Per point of a phase, in phase order, what a pass over every point reads, as arrays: the search's windows
+    and its sets of keys (``lagom.model.windows``, ``lagom.search.priority``) are worked out on these, not by a
+    Python loop over hundreds of thousands of points."""
+
+    device: np.ndarray
+    peer: np.ndarray  # the receiving device of a send/recv, NONE for a collective
+    key: np.ndarray  # the tuning key (group name, collective, bytes), numbered by first appearance
+    key_first: np.ndarray  # each key number's first point
+    group: np.ndarray  # the group, equal groups (by value) equal numbers
+    collective: np.ndarray  # place in ``Collective``
+    bytes: np.ndarray
+    first_segment: np.ndarray  # the global segment id of its device's first segment (``kind_arrays`` in one array)
+    count: np.ndarray  # its device's number of segments
+    # The span of compute it can hide under on its device's stream, [lo, hi): from the segment after the one
+    # releasing it (0: released at the start) to the one that waits for it (that segment's index on its own
+    # device; the device's count where the phase's end waits)
+    lo: np.ndarray
+    hi: np.ndarray
+    fuse: np.ndarray  # the segment a decomposition may split, its index on the point's device (NONE: none)
+    before: np.ndarray  # the segment that waits for it, a number per segment name (NONE: the phase end)
+
+
 class SegmentTable(Mapping[tuple[int, int], list[int]]):
     """Points grouped by a segment, each group in a given order of the points: segment (device, index) ->
     points, one of the index's tables. Kept as arrays (what the band search reads); a segment's list is made
@@ -193,7 +217,7 @@ class PhaseIndex:
         self.first_candidate: dict[int, dict[str, tuple[int, str]]] = {}  # device -> key -> (first segment, group)
         if not len(js):
             return
-        what, firsts = _first_seen(self._device[js], self._group_name[js], self._collective[js], self._bytes[js])
+        what, firsts = first_seen(self._device[js], self._group_name[js], self._collective[js], self._bytes[js])
         lowest = np.full(len(firsts), np.iinfo(_I64).max)
         np.minimum.at(lowest, what, self._seg_index[fused[js]])
         for j, i in zip(js[firsts].tolist(), lowest.tolist()):
@@ -210,7 +234,7 @@ class PhaseIndex:
         issue_rank[order] = np.arange(n, dtype=_I64)
         self.issue_rank: list[int] = issue_rank.tolist()
         # Streams: a device's communicator, or its P2P stream to one peer; numbered by their first point.
-        kind, firsts = _first_seen(has_peer[order], self._device[order],
+        kind, firsts = first_seen(has_peer[order], self._device[order],
                                    np.where(has_peer, self._peer, self._group_name)[order])
         found: dict[tuple[int, str], int] = {}
         stream_of_kind = []
@@ -251,7 +275,7 @@ class PhaseIndex:
         return {d: (self._seg_index[keys[self._seg_device[keys] == d]]).tolist() for d in self.devices}
 
     @cached_property
-    def _kind_arrays(self) -> tuple[dict[int, np.ndarray], list[tuple]]:
+    def kind_arrays(self) -> tuple[dict[int, np.ndarray], list[tuple]]:
         sigs = [list(map(_SIGNATURE, segs)) for segs in self.segments.values()]
         ids = dict(zip(dict.fromkeys(s for of in sigs for s in of), count()))
         out = {d: np.fromiter(map(ids.__getitem__, of), dtype=_I64, count=len(of)) for d, of in zip(self.devices, sigs)}
@@ -261,8 +285,27 @@ class PhaseIndex:
     def kinds(self) -> tuple[dict[int, list[int]], list[tuple]]:
         """(per device each segment's kind, each kind's (flops, bytes, ctas)): segments with the same
         signature share a small int, so finding periods and counting segments compare ints, not tuples."""
-        arrays, signatures = self._kind_arrays
+        arrays, signatures = self.kind_arrays
         return {d: kinds.tolist() for d, kinds in arrays.items()}, signatures
+
+    @cached_property
+    def columns(self) -> PointColumns:
+        key, key_first = first_seen(self._group_name, self._collective, self._bytes)
+        devices = np.asarray(self.devices, dtype=_I64)
+        by = np.argsort(devices)
+        place = by[np.searchsorted(devices[by], self._device)]  # each point's device, its place in self.devices
+        first = np.asarray([self._offset[d] for d in self.devices], dtype=_I64)[place]
+        count = np.asarray([self._size[d] for d in self.devices], dtype=_I64)[place]
+        return PointColumns(
+            self._device, self._peer, key, key_first, self._group, self._collective, self._bytes, first, count,
+            np.where(self._after >= 0, self._seg_index[self._after] + 1, 0),
+            np.where(self._before >= 0, self._seg_index[self._before], count), self._seg_index[self._fused], self._before)
+
+    @cached_property
+    def all_kinds(self) -> np.ndarray:
+        """Every segment's kind (``kinds``) by global segment id: devices one after the other."""
+        per_device = self.kind_arrays[0]
+        return np.concatenate([per_device[d] for d in self.devices]) if self.devices else np.zeros(0, dtype=_I64)
 
     def key(self, j: int) -> str:
         """The tuning key of point j (cached: OverlapPoint.key builds a string each time)."""
@@ -277,6 +320,15 @@ class PhaseIndex:
             with collector_paused():
                 self._band = _find_band(self)
         return self._band  # type: ignore[return-value]
+
+
+def index_of(phase: Phase) -> PhaseIndex:
+    """The phase's index, built on first use and kept with the phase: the simulator, the bound and the search's
+    windows and sets of keys all read it."""
+    found = phase.derived.get("index")
+    if found is None:
+        found = phase.derived["index"] = PhaseIndex(phase)
+    return found
 
 
 def _ids(values: list) -> np.ndarray:
@@ -304,7 +356,7 @@ def _group_ids(groups: list) -> tuple[np.ndarray, list[str]]:
             [g.name for g in numbers])
 
 
-def _first_seen(*columns: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def first_seen(*columns: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per row, the number of its distinct combination of the columns (numbered by first appearance), and
     each number's first row."""
     n = len(columns[0])
@@ -400,7 +452,7 @@ def _find_band(ix: PhaseIndex) -> Band | None:
     released = ix._after >= 0
     if (ix._seg_device[ix._after[released]] != ix._device[released]).any():
         return None  # a point released by another device's segment: positions would not shift together
-    kinds = ix._kind_arrays[0]
+    kinds = ix.kind_arrays[0]
     runs = {d: run for d, of in kinds.items() if (run := _periodic_run(of))}
     if not runs:
         return None
@@ -480,7 +532,7 @@ def _irregular(ix: PhaseIndex, runs: dict[int, tuple[int, int, int]], image: np.
     waits, cands = ix.waits.sizes, ix.candidates.sizes
     for d, (p, lo, hi) in runs.items():
         first = ix._offset[d]
-        kinds, i = ix._kind_arrays[0][d], np.arange(first + lo, first + hi - p)
+        kinds, i = ix.kind_arrays[0][d], np.arange(first + lo, first + hi - p)
         bad[i] |= (kinds[lo:hi - p] != kinds[lo + p:hi]) | (waits[i] != waits[i + p]) | (cands[i] != cands[i + p])
     released = ix._after >= 0
     bad[ix._after[released & domain[ix._after] & (image < 0)]] = True  # what it releases has no matching image

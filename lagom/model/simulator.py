@@ -62,7 +62,7 @@ from lagom.errors import LagomError
 from lagom.model import compiled
 from lagom.model.cost_model import CostModel, RunningComm
 from lagom.model.lowering import COMPUTE, END, Lowering, Shape, split_of
-from lagom.model.phase_index import SLOT, PhaseIndex
+from lagom.model.phase_index import SLOT, PhaseIndex, index_of
 from lagom.plan.comm_config import CommConfig, default_config
 from lagom.step.graph import Collective, ComputeSegment, StepGraph
 
@@ -224,7 +224,6 @@ class Simulator:
         say python). The Python loop is the reference, with steady-state jumps and resumable checkpoints."""
         self.graph = graph
         self.compiled_loop = compiled.enabled() if compiled_loop is None else compiled_loop
-        self._indexes: list[PhaseIndex | None] = [None] * len(graph.phases)
         self._lowerings: dict[tuple[int, frozenset, bool], Lowering] = {}
         self._owner = next(_OWNERS)  # its arrays' key in _KEPT, dropped with it
         weakref.finalize(self, _KEPT.drop, self._owner)
@@ -244,10 +243,7 @@ class Simulator:
         return kept[2]
 
     def index(self, i: int) -> PhaseIndex:
-        idx = self._indexes[i]
-        if idx is None:
-            idx = self._indexes[i] = PhaseIndex(self.graph.phases[i])
-        return idx
+        return index_of(self.graph.phases[i])
 
     def run(self, configs: Configs, model: CostModel, *, keep_spans: bool = False, extrapolate: bool = True,
             timings: bool = False) -> StepResult:

@@ -8,13 +8,13 @@ adds to the compute beside it, what is left exposed). The priority search ranks 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from operator import attrgetter
+
+import numpy as np
 
 from lagom.model.cost_model import CostModel, RunningComm
-from lagom.plan.comm_config import CommConfig, can_decompose
-from lagom.step.graph import Collective, ComputeSegment, OverlapPoint, StepGraph
-
-SEGMENT_SIGNATURE = attrgetter("flops", "bytes", "ctas")  # compute segments that cost alike
+from lagom.model.phase_index import NONE, first_seen, index_of
+from lagom.plan.comm_config import CommConfig
+from lagom.step.graph import Collective, ComputeSegment, Group, OverlapPoint, StepGraph
 
 
 @dataclass
@@ -61,12 +61,6 @@ class _WindowCost:
         return _WindowCost(distinct, kinds, alone, max((model.hbm_util(s) for s in segments), default=0.0), sum(alone))
 
 
-def point_span(point: OverlapPoint, pos: dict[str, int], count: int) -> tuple[int, int]:
-    """The positions of the compute segments a collective can hide under on its device's stream: from
-    the one after its release to the one before its need."""
-    return pos[point.after] + 1 if point.after else 0, pos[point.before] if point.before else count
-
-
 class KeyOf(dict):
     """(group, collective, bytes) -> tuning key: ``OverlapPoint.key`` formatted once per distinct collective,
     not once per point (a cluster step has hundreds of thousands). One search builds one and shares it."""
@@ -82,33 +76,52 @@ class KeyOf(dict):
 def windows(graph: StepGraph, key_of: KeyOf | None = None) -> dict[str, list[Window]]:
     """Per key, the distinct windows its instances hide under, each weighted by how often it occurs.
 
-    Identical layers give identical windows, so a 48-layer model has a handful per key, not hundreds.
+    Identical layers give identical windows, so a 48-layer model has a handful per key, not hundreds. A
+    window is told apart by its collective, group and size, the kinds of the segments it spans and the kind
+    of the one it may split (none for a send: another stage waits for it, nothing here hides it). Worked out
+    on the phase index's arrays: windows span a segment or none nearly always, so only the few longer ones
+    make a tuple of their kinds.
     """
     key_of = KeyOf() if key_of is None else key_of
-    out: dict[str, dict[tuple, Window]] = {}
-    ids: dict[tuple, int] = {}  # equal segments, equal ids
-    for phase in graph.phases:
-        pos: dict[str, int] = {}
-        kinds: dict[int, list[int]] = {}
-        for d, segs in phase.segments.items():
-            pos.update(zip([s.name for s in segs], range(len(segs))))
-            kinds[d] = [ids.setdefault(sig, len(ids)) for sig in map(SEGMENT_SIGNATURE, segs)]
-        for p in phase.points:
-            segs, kind = phase.segments[p.device], kinds[p.device]
-            if p.peer_device is not None:  # a pipeline send: another stage waits for it, nothing here hides it
-                lo = hi = f_lo = f_hi = 0
-            else:
-                lo, hi = point_span(p, pos, len(segs))
-                f_lo = pos[p.fuse_with] if p.fuse_with and can_decompose(p) else 0
-                f_hi = f_lo + 1 if p.fuse_with and can_decompose(p) else 0
-            key = key_of(p)
-            sig = (p.collective, p.group, p.bytes, tuple(kind[lo:hi]), tuple(kind[f_lo:f_hi]))
-            known = out.setdefault(key, {})
-            if sig in known:
-                known[sig].repeat += phase.repeat
-            else:
-                known[sig] = Window(p, phase.repeat, segs[lo:hi], segs[f_lo:f_hi])
-    return {key: list(wins.values()) for key, wins in out.items()}
+    kind_ids: dict[tuple, int] = {}  # segment signature -> number, across phases
+    long_ids: dict[tuple, int] = {}  # the kinds of a window of two segments or more -> number
+    group_ids: dict[Group, int] = {}
+    columns, rows = [], []
+    for n, phase in enumerate(graph.phases):
+        ix = index_of(phase)
+        c = ix.columns
+        signatures = ix.kind_arrays[1]
+        to_global = np.asarray([kind_ids.setdefault(sig, len(kind_ids)) for sig in signatures], dtype=np.int64)
+        kinds = to_global[ix.all_kinds] if len(to_global) else ix.all_kinds
+        send = c.peer != NONE
+        lo, hi = np.minimum(c.lo, c.count), np.minimum(c.hi, c.count)
+        lo[send] = hi[send] = 0
+        length = np.maximum(hi - lo, 0)
+        one, longer, fused = (np.full(len(lo), NONE, dtype=np.int64) for _ in range(3))
+        single = length == 1
+        one[single] = kinds[c.first_segment[single] + lo[single]]
+        for j in np.flatnonzero(length > 1).tolist():
+            at = c.first_segment[j]
+            longer[j] = long_ids.setdefault(tuple(kinds[at + lo[j]:at + hi[j]].tolist()), len(long_ids))
+        splits = c.fuse != NONE  # a decomposable collective's own segment (never a send's)
+        fused[splits] = kinds[c.first_segment[splits] + c.fuse[splits]]
+        _, group_first = np.unique(c.group, return_index=True)
+        to_group = np.asarray([group_ids.setdefault(phase.points[j].group, len(group_ids)) for j in group_first.tolist()],
+                              dtype=np.int64)
+        columns.append((to_group[c.group], c.collective, c.bytes, one, longer, fused))
+        rows.append((np.full(len(lo), n, dtype=np.int64), np.arange(len(lo), dtype=np.int64), lo, hi, c.fuse))
+    if not any(len(col[0]) for col in columns):
+        return {}
+    what, firsts = first_seen(*(np.concatenate(col) for col in zip(*columns)))
+    phase_of, point_of, lo, hi, fuse = (np.concatenate(col)[firsts].tolist() for col in zip(*rows))
+    repeat = np.zeros(len(firsts), dtype=np.int64)
+    np.add.at(repeat, what, np.repeat([phase.repeat for phase in graph.phases], [len(phase.points) for phase in graph.phases]))
+    out: dict[str, list[Window]] = {}
+    for n, j, a, b, f, times in zip(phase_of, point_of, lo, hi, fuse, repeat.tolist()):
+        p = graph.phases[n].points[j]
+        segs = graph.phases[n].segments[p.device]
+        out.setdefault(key_of(p), []).append(Window(p, times, segs[a:b], segs[f:f + 1] if f != NONE else []))
+    return out
 
 
 @dataclass

@@ -22,25 +22,25 @@ key: linear in the number of keys.
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from dataclasses import dataclass, field, replace
+
+import numpy as np
 
 from lagom.model.choices import candidates
 from lagom.model.cost_model import CostModel
+from lagom.model.phase_index import NONE, first_seen, index_of
 from lagom.model.simulator import Configs, StepResult
 from lagom.model.windows import (
-    SEGMENT_SIGNATURE,
     Estimate,
     KeyOf,
     Window,
     estimate,
-    point_span,
     running_instance,
     windows,
 )
 from lagom.plan.comm_config import CommConfig, channel_choices, with_communicator_value
 from lagom.search.base import Evaluator, Problem, SearchResult, nccl_configs
-from lagom.step.graph import ComputeSegment, OverlapPoint
+from lagom.step.graph import ComputeSegment
 from lagom.step.points import collector_paused
 
 CHECKED_PER_KEY = 4  # candidates per collective confirmed with the evaluator
@@ -343,36 +343,45 @@ Shared = list[tuple[ComputeSegment, frozenset[str], int]]  # a segment, the keys
 def shared_segments(problem: Problem, key_of: KeyOf | None = None) -> dict[frozenset[str], tuple[float, Shared]]:
     """The largest sets of ``sharing_compute``, each with the compute seconds it covers and every segment
     that two or more of its keys run beside (distinct segments, with those keys and the occurrences per
-    step): a move of the set frees SMs on all of them."""
+    step): a move of the set frees SMs on all of them.
+
+    On each device a key runs beside the segments of its collectives' spans (``PointColumns.lo`` to ``hi``;
+    sends run beside nothing here): counting, between consecutive span ends, how many of each key's spans are open
+    gives the set of keys beside each stretch of segments, on the phase index's arrays."""
     key_of = KeyOf() if key_of is None else key_of
-    beside_segments: dict[frozenset[str], dict[tuple, list]] = defaultdict(dict)  # signature -> [segment, count]
+    beside_segments: dict[frozenset[str], dict[tuple, list]] = {}  # signature -> [segment, count]
     for phase in problem.graph.phases:
-        on_device: dict[int, list[OverlapPoint]] = defaultdict(list)
-        for p in phase.points:
-            if p.peer_device is None:
-                on_device[p.device].append(p)
+        ix = index_of(phase)
+        c = ix.columns
+        keys = [key_of(phase.points[j]) for j in c.key_first.tolist()]
+        kinds, signatures = ix.kind_arrays
         for device, segs in phase.segments.items():
-            pos = {seg.name: n for n, seg in enumerate(segs)}
-            changes: dict[int, list[tuple[str, int]]] = defaultdict(list)  # position -> (key, +1 opens / -1 closes)
-            for p in on_device.get(device, ()):
-                key = key_of(p)
-                lo, hi = point_span(p, pos, len(segs))
-                changes[lo].append((key, 1))
-                changes[hi].append((key, -1))
-            running: dict[str, int] = defaultdict(int)
-            beside: frozenset[str] = frozenset()
-            bounds = sorted(changes)
-            for lo, hi in zip(bounds, [*bounds[1:], len(segs)]):  # the set changes only where a span opens or closes
-                moved = False
-                for key, step in changes[lo]:
-                    running[key] += step
-                    moved |= running[key] == (1 if step > 0 else 0)  # a key starts or stops running
-                if moved:
-                    beside = frozenset(key for key, count in running.items() if count > 0)
-                if len(beside) > 1:
-                    found = beside_segments[beside]
-                    for seg in segs[lo:hi]:
-                        found.setdefault(SEGMENT_SIGNATURE(seg), [seg, 0])[1] += phase.repeat
+            mine = np.flatnonzero((c.device == device) & (c.peer == NONE))
+            if not len(mine):
+                continue
+            where = np.concatenate([c.lo[mine], c.hi[mine]])
+            bounds, stretch = np.unique(where, return_inverse=True)  # stretch i: [bounds[i], bounds[i + 1])
+            present, local = np.unique(c.key[mine], return_inverse=True)
+            opened = np.zeros((len(bounds), len(present)), dtype=np.int64)
+            np.add.at(opened, (stretch, np.concatenate([local, local])), np.repeat([1, -1], len(mine)))
+            running = np.cumsum(opened, axis=0) > 0
+            shared = np.flatnonzero(running.sum(axis=1) > 1)
+            if not len(shared):
+                continue
+            which, firsts = first_seen(*running[shared].T)
+            sets = [frozenset(keys[k] for k in present[running[shared[f]]].tolist()) for f in firsts.tolist()]
+            for keyset in sets:  # in the order they first run, stretches without a segment included
+                beside_segments.setdefault(keyset, {})
+            ends = np.minimum(np.append(bounds[1:], len(segs))[shared], len(segs))
+            starts = np.minimum(bounds[shared], ends)
+            lengths = ends - starts
+            at = np.repeat(starts, lengths) + np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+            of = np.repeat(which, lengths)  # each segment beside two keys or more, in order, and its set
+            pair, pair_first = first_seen(of, kinds[device][at])
+            times = np.bincount(pair, minlength=len(pair_first)) * phase.repeat
+            for f, n in zip(pair_first.tolist(), times.tolist()):
+                seg = segs[at[f]]
+                beside_segments[sets[of[f]]].setdefault(signatures[kinds[device][at[f]]], [seg, 0])[1] += n
     covered = {beside: sum(problem.model.compute_solo(seg) * n for seg, n in found.values())  # once per distinct segment
                for beside, found in beside_segments.items()}
     return {keys: (seconds, [(seg, within, n) for within, found in beside_segments.items() if within <= keys
@@ -384,16 +393,23 @@ Blocking = tuple[list[set[str]], dict[str, str]]  # key sets blocking one segmen
 
 
 def blocked_together(problem: Problem, key_of: KeyOf | None = None) -> Blocking:
-    """The sets of keys whose collectives block one compute segment (or one phase's end) of one device, and
-    each key's communicator."""
+    """The distinct sets of keys whose collectives block one compute segment (or one phase's end) of one
+    device (a send blocks its receiver), and each key's communicator."""
     key_of = KeyOf() if key_of is None else key_of
-    blocked: dict[tuple, set[str]] = defaultdict(set)
-    for n, phase in enumerate(problem.graph.phases):
-        for p in phase.points:
-            key = key_of(p)
-            blocked[(n, p.device if p.peer_device is None else p.peer_device, p.before)].add(key)
-    sets = [keys for keys in blocked.values() if len(keys) > 1]
-    return sets, {key: points[0].group.name for key, points in problem.keys.items()}
+    sets: dict[frozenset[str], None] = {}
+    for phase in problem.graph.phases:
+        ix = index_of(phase)
+        c = ix.columns
+        keys = [key_of(phase.points[j]) for j in c.key_first.tolist()]
+        blocked, _ = first_seen(np.where(c.peer != NONE, c.peer, c.device), c.before)
+        pair, firsts = first_seen(blocked, c.key)
+        several = np.flatnonzero(np.bincount(blocked[firsts]) > 1)
+        members = np.isin(blocked[firsts], several)
+        found: dict[int, set[str]] = {}
+        for b, k in zip(blocked[firsts[members]].tolist(), c.key[firsts[members]].tolist()):
+            found.setdefault(b, set()).add(keys[k])
+        sets.update(dict.fromkeys(frozenset(keyset) for keyset in found.values()))
+    return [set(keys) for keys in sets], {key: points[0].group.name for key, points in problem.keys.items()}
 
 
 def revisits(blocking: Blocking, order: list[str], changed: set[str]) -> list[str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from lagom.hardware import Hardware
 from lagom.step.calls import TuningKey
@@ -75,6 +76,9 @@ class Phase:
     repeat: int
     segments: dict[int, list[ComputeSegment]]  # device -> compute-stream order
     points: list[OverlapPoint]
+    # what the model works out from the phase alone, kept with it (its index: ``lagom.model.phase_index.index_of``);
+    # a phase is not changed once built
+    derived: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
 
 @dataclass
