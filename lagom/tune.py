@@ -15,6 +15,7 @@ from typing import Any
 
 from lagom.hardware import Hardware
 from lagom.model.choices import under_process
+from lagom.model.phase_index import drop_index
 from lagom.model.simulator import Simulator, StepResult
 from lagom.plan.capability import Capability, capability_for
 from lagom.plan.comm_config import CTAPolicy, ProcessSettings
@@ -115,12 +116,14 @@ class _Planner:
         self._problems.pop(_with_buckets(wl, 1.0).fingerprint(), None)
 
     def rest(self, wl: Workload) -> None:
-        """Drop what a workload's simulator keeps for runs to come (prepared phases, earlier runs: hundreds
+        """Drop what a workload's simulator keeps for runs to come (its phases' index, prepared phases, earlier runs: hundreds
         of MB at cluster scale) while other graphs are searched; its problem and results stay, and a run
         not among them prepares the graph again."""
         key = _with_buckets(wl, 1.0).fingerprint()
         if key in self._problems:
             problem, _, seen = self._problems[key]
+            for phase in problem.graph.phases:
+                drop_index(phase)
             self._problems[key] = (problem, Simulator(problem.graph), seen)
 
     def evaluator(self, wl: Workload, strategy: str) -> SimulatedEvaluator:

@@ -120,5 +120,5 @@ class _CriticalPath:
                 if incoming[v] == 0:
                     ready.append(v)
         if done != len(incoming):
-            raise LagomError(f"phase {self.ix.phase.name}: the step graph's waits form a cycle")
+            raise LagomError(f"phase {self.ix.name}: the step graph's waits form a cycle")
         return max((start[u] + self.duration[u] for u in self.duration), default=0.0)

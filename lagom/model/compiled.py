@@ -429,7 +429,7 @@ def _arrays(lowering: Lowering, per_queue: list[_Rows], devices: list[int], dens
     at = 0
     for r in per_queue:  # the dependencies' (queue, position) pairs as task numbers, a queue's at a time
         dep_queue, dep_pos = r.take("dep_queue"), r.take("dep_pos")
-        dep_list[at:at + len(dep_queue)] = _task_numbers(positions, queue_first, dep_queue, dep_pos, ix.phase.name)
+        dep_list[at:at + len(dep_queue)] = _task_numbers(positions, queue_first, dep_queue, dep_pos, ix.name)
         at += len(dep_queue)
     for name in ("comm", "first", "last", "device", "cost"):
         task[name][:-1] = _join(per_queue, name)
@@ -508,7 +508,7 @@ class Outcome:
         """The reference's records: (queue, position, start, end, solo, exposed) per comm task simulated (those of
         periods a jump skipped take their images' timings, as the reference's do)."""
         if len(self.start) != arrays.records:
-            raise LagomError(f"a compiled run of phase {arrays.lowering.ix.phase.name} kept no records")
+            raise LagomError(f"a compiled run of phase {arrays.lowering.ix.name} kept no records")
         out = []
         for r, task in enumerate(np.flatnonzero(arrays.task["comm"]).tolist()):
             if math.isnan(self.start[r]):
@@ -560,7 +560,7 @@ class LoopRun:
         recorded = parent is None and records
         keys, kept = len(arrays.keys), arrays.records if recorded else 0
         if resume is not None and (recorded or resume.queues != len(arrays.positions)):
-            raise LagomError(f"a compiled run of phase {arrays.lowering.ix.phase.name} cannot resume this checkpoint "
+            raise LagomError(f"a compiled run of phase {arrays.lowering.ix.name} cannot resume this checkpoint "
                              "(one of another lowering, or a run that keeps records)")
         if checkpoint_every and recorded:
             raise LagomError("a compiled run that keeps records keeps no checkpoints (it could not resume them)")
@@ -600,7 +600,7 @@ class LoopRun:
             else:
                 self._sim = lib.lagom_sim_open(phase, self._callback, ctypes.byref(self._result), check_ptr)
         if not self._sim:
-            raise MemoryError(f"the compiled simulator ran out of memory in phase {arrays.lowering.ix.phase.name}")
+            raise MemoryError(f"the compiled simulator ran out of memory in phase {arrays.lowering.ix.name}")
         if checkpoint_every:
             lib.lagom_sim_checkpoints(self._sim, checkpoint_every)
 
@@ -616,7 +616,7 @@ class LoopRun:
         self.state()
         if rc == PAUSED:
             return False
-        lw, phase = self.arrays.lowering, self.arrays.lowering.ix.phase.name
+        lw, phase = self.arrays.lowering, self.arrays.lowering.ix.name
         if rc == CALLBACK and self.failed:
             err = self.failed[0]
             self.failed.clear()  # a probe's failure (shared list) is not its parent's
@@ -636,7 +636,7 @@ class LoopRun:
     def _save(self) -> Checkpoint:
         handle = self.lib.lagom_sim_save(self._sim)
         if not handle:
-            raise MemoryError(f"the compiled simulator ran out of memory in phase {self.arrays.lowering.ix.phase.name}")
+            raise MemoryError(f"the compiled simulator ran out of memory in phase {self.arrays.lowering.ix.name}")
         self.state()
         return Checkpoint(self.now, len(self.arrays.positions), self.totals.copy(), self.touched.copy(),
                           self.first_start.copy(), handle)
@@ -679,7 +679,7 @@ class LoopRun:
         """Skip periods: the clock to ``later``, each queue's head to ``heads`` (task numbers), running heads to
         ``remaining`` where not NaN (event_loop.c: lagom_sim_jump)."""
         if self.lib.lagom_sim_jump(self._sim, later, exposed, delta, _ptr(heads, _i32), _ptr(remaining, _f64)):
-            raise MemoryError(f"the compiled simulator ran out of memory in phase {self.arrays.lowering.ix.phase.name}")
+            raise MemoryError(f"the compiled simulator ran out of memory in phase {self.arrays.lowering.ix.name}")
         self.state()
 
     def probe(self, remaining: np.ndarray) -> LoopRun:

@@ -159,7 +159,9 @@ class PhaseIndex:
             self._build(phase)
 
     def _build(self, phase: Phase) -> None:
-        self.phase = phase
+        # the phase's parts, not the phase: a phase keeps its index (``index_of``), and a reference back would make
+        # a cycle that holds a whole step graph until the garbage collector's next full pass
+        self.name, self.repeat = phase.name, phase.repeat
         self.devices = list(phase.segments)
         self.rank = {d: r for r, d in enumerate(self.devices)}
         self.segments = phase.segments
@@ -329,6 +331,12 @@ def index_of(phase: Phase) -> PhaseIndex:
     if found is None:
         found = phase.derived["index"] = PhaseIndex(phase)
     return found
+
+
+def drop_index(phase: Phase) -> None:
+    """Let the phase's index go (hundreds of MB at cluster scale) while other graphs are searched; it is built
+    again where it is needed again."""
+    phase.derived.pop("index", None)
 
 
 def _ids(values: list) -> np.ndarray:

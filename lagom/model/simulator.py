@@ -600,7 +600,7 @@ class _PhaseRun:
         faults to name, never a step to report."""
         if not (math.isfinite(raw) and raw >= 0.0):
             raise LagomError(f"cost model gave duration {raw!r} for {self.lw.name(t.queue, t.pos)} "
-                             f"in phase {self.ix.phase.name}")
+                             f"in phase {self.ix.name}")
 
     def solo(self, t: _Task) -> float:
         """Alone on the GPU: comm with no compute beside it, compute with no comm."""
@@ -785,7 +785,7 @@ class _PhaseRun:
                 heapq.heappop(heap)
             if not heap:
                 stuck = [lw.name(q, heads[q]) for q in range(nq) if heads[q] < END]
-                raise LagomError(f"simulation deadlock in phase {ix.phase.name}: {stuck[:4]}")
+                raise LagomError(f"simulation deadlock in phase {ix.name}: {stuck[:4]}")
             # The steady state: compare with the state whole periods ago and skip the periods that repeat it.
             if check:
                 seen = self._observe(now, totals, exposed_total, band_ref)  # type: ignore[arg-type]
@@ -856,7 +856,7 @@ class _PhaseRun:
                 else:
                     later.append(entry)
             if not finished:  # the clock reached the earliest end and nothing ended: it would never move again
-                raise LagomError(f"simulation made no progress in phase {ix.phase.name} at {now!r} s: "
+                raise LagomError(f"simulation made no progress in phase {ix.name} at {now!r} s: "
                                  f"{[lw.name(e[3].queue, e[3].pos) for e in later[:4]]}")
             for entry in later:
                 heapq.heappush(heap, entry)
@@ -882,7 +882,7 @@ class _PhaseRun:
                 if nxt >= END:
                     live -= 1
         self.history = []  # the run is kept for its timings: not the states it compared
-        return PhaseResult(ix.phase.name, ix.phase.repeat, now, exposed_total, compute_solo, comm_peak,
+        return PhaseResult(ix.name, ix.repeat, now, exposed_total, compute_solo, comm_peak,
                            {k: dict(zip(("time", "solo", "exposed", "count"), row)) for k, row in totals.items()},
                            [span for _, span in sorted(self.spans, key=lambda s: s[0])], self.simulated,
                            sum(j.periods for j in self.jumps), resume[0].now if resume else None, self._point_timings)
@@ -1152,7 +1152,7 @@ class _PhaseRun:
                 back = -(-(pos - head + 1) // per)
                 start, end, solo, exposed = record(q, pos - back * per)
                 return start + jump.shift(back * jump.units), end + jump.shift(back * jump.units), solo, exposed
-            raise LagomError(f"no timing for task {pos} of stream {lw.stream_name(q)} in phase {ix.phase.name}")
+            raise LagomError(f"no timing for task {pos} of stream {lw.stream_name(q)} in phase {ix.name}")
 
         split = sorted((ix.rank[ix.points[j].device], ix.fuse[j], j) for j in range(len(ix.points)) if lw.decomposed(j))
         for _, i, j in split:
