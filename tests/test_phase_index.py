@@ -9,14 +9,16 @@ peers, and irregularities sprinkled into a repeating pattern so that bands are c
 
 from __future__ import annotations
 
+import gc
 import random
+import weakref
 from dataclasses import replace
 
 import pytest
 
 from lagom.errors import LagomError
 from lagom.hardware import load_hardware
-from lagom.model.phase_index import MAX_CANDIDATES, MIN_PERIODS, NONE, PROBES, Band, PhaseIndex, Stream
+from lagom.model.phase_index import MAX_CANDIDATES, MIN_PERIODS, NONE, PROBES, Band, PhaseIndex, Stream, index_of
 from lagom.plan.comm_config import can_decompose
 from lagom.step.graph import Collective, ComputeSegment, Group, OverlapPoint, Phase
 from lagom.step.workload import load_workload
@@ -289,3 +291,21 @@ def test_a_point_fusing_with_another_devices_segment_is_refused():
     point = OverlapPoint("ag", Collective.ALL_GATHER, TP, 1 << 20, after="a", before=None, device=0, fuse_with="b")
     with pytest.raises(LagomError, match="fuses with b, a segment of another device"):
         PhaseIndex(Phase("step", 1, segments, [point]))
+
+
+def test_a_phase_and_its_index_go_with_their_last_reference():
+    """A phase keeps its index (``index_of``); the index must not refer back to the phase, or a forgotten step
+    graph (a bucket scale a tune is done with: hundreds of MB at cluster scale) stays until the collector's next
+    full pass. With the collector off, the last reference going frees both."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        phase = random_phase(3)
+        index = index_of(phase)
+        index.columns, index.band  # noqa: B018 - what the search and the lowering build on it
+        phase_gone, index_gone = weakref.ref(phase), weakref.ref(index)
+        del phase, index
+        assert phase_gone() is None and index_gone() is None
+    finally:
+        if enabled:
+            gc.enable()
