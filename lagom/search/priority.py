@@ -262,10 +262,10 @@ class _Tuning:
     def group_moves(self, keys: frozenset[str], segments: Shared) -> list[tuple[float, Configs]]:
         """The moves of a set of keys that run beside the same compute, each with the seconds the cost
         model says it saves (``group_cost``), best first; only those it says save some. A move takes every key
-        to its best-ranked candidate, or all of them to one channel count below the most any has. None
-        for a set whose collectives are all exposed: they hold the step up, and fewer channels only slow
-        them."""
-        per_key, cap = self.best.per_key(), self.problem.cap
+        to its best-ranked candidate, or all of them to one channel count below the most any has
+        (``_on_channels``). None for a set whose collectives are all exposed: they hold the step up, and fewer
+        channels only slow them."""
+        per_key = self.best.per_key()
         if all(per_key[key]["exposed"] > 0 for key in keys):
             return []
         ranked = {key: self.checks(key, per_key)[1] for key in keys}
@@ -273,12 +273,20 @@ class _Tuning:
         most = max(self.configs[key].channels for key in keys)
         for channels in channel_choices(self.problem.hw, self.problem.space):
             if channels < most:
-                moves.append({key: with_communicator_value("channels", channels, self.problem.keys[key][0],
-                                                           self.configs[key], cap) for key in keys})
+                moves.append({key: self._on_channels(key, channels) for key in keys})
         now = self.group_cost(keys, {}, segments)
         scored = [(now - self.group_cost(keys, move, segments), n, move) for n, move in enumerate(moves)
                   if any(self.configs[key] != cfg for key, cfg in move.items())]
         return [(gain, move) for gain, _, move in sorted(scored, key=lambda g: (-g[0], g[1])) if gain > GAIN_FLOOR * now]
+
+    def _on_channels(self, key: str, channels: int) -> CommConfig:
+        """The key's setting on ``channels`` channels for a group move: its current one on that many, unless the
+        window estimate ranks another of its candidates on that many better (a tree chosen on 8 channels
+        across nodes may be slower than a ring on 2, where the ring was not)."""
+        point = self.problem.keys[key][0]
+        now = with_communicator_value("channels", channels, point, self.configs[key], self.problem.cap)
+        alike = [cfg for cfg in candidates(point, self.problem.hw, self.problem.space) if cfg.channels == channels]
+        return min([now, *alike], key=lambda cfg: (self.estimate(key, cfg).added, self.estimate(key, cfg).comm))
 
     def group_gain(self, keys: frozenset[str], segments: Shared) -> float:
         """The most seconds the cost model says a move of the set saves (0: none)."""
