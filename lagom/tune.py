@@ -24,7 +24,7 @@ from lagom.search import Problem, SearchResult, exhaustive
 from lagom.search.base import Seen, SimulatedEvaluator
 from lagom.search.driver import Budget, drive
 from lagom.search.exhaustive import MAX_EVALUATIONS
-from lagom.step.points import points_for
+from lagom.step.points import collector_paused_for_search, points_for
 from lagom.step.workload import Workload, validate
 
 MAX_POINT_NAMES = 12
@@ -141,7 +141,8 @@ class _Planner:
         """Strategy ``strategy`` over every dimension of the plan (``lagom.search.driver``); the bucket sizes
         around the workload's own unless ``search_buckets`` is off (the user pinned them); within ``budget``."""
         space = _BucketSpace(self, wl, strategy, BUCKET_SCALES if search_buckets else (1.0,))
-        found = drive(strategy, space, budget)
+        with collector_paused_for_search():
+            found = drive(strategy, space, budget)
         return Tuned(space.at(found.scale), found.problem, found.result)
 
 
@@ -253,6 +254,7 @@ def compare_strategies(wl: Workload, hw: Hardware, exhaustive_limit: int = MAX_E
     planner = _Planner(hw, progress, capability)
     out: dict[str, Tuned | None] = {s: planner.search(wl, s) for s in ("nccl", "autoccl", "lagom")}
     problem = planner.problem(wl)
-    out["exhaustive"] = (Tuned(wl, problem, exhaustive.search(problem, planner.evaluator(wl, "exhaustive"), exhaustive_limit))
-                         if exhaustive.feasible(problem, exhaustive_limit) else None)
+    with collector_paused_for_search():
+        out["exhaustive"] = (Tuned(wl, problem, exhaustive.search(problem, planner.evaluator(wl, "exhaustive"), exhaustive_limit))
+                             if exhaustive.feasible(problem, exhaustive_limit) else None)
     return out

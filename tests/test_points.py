@@ -1,5 +1,7 @@
 """Overlap points derived from workloads: which collectives, on which groups, with how many bytes."""
 
+import gc
+import threading
 from collections import Counter
 from dataclasses import replace
 
@@ -206,3 +208,30 @@ def test_stamped_pipeline_graph_is_the_graph_built_block_by_block(tmp_path):
             if m == 2 * pp + 3 and overrides is PIPELINES[0][1]:
                 model = CostModel(hw)
                 assert simulate(stamped, {}, model).step_s == simulate(built, {}, model).step_s
+
+
+def test_a_search_pauses_the_collector_on_the_main_thread_only(monkeypatch):
+    """A search on the main thread (``lagom tune``, ``compare``) runs with the cyclic collector paused and gives it
+    back; one on another thread (a search beside a training job) leaves the process's collector alone."""
+    from lagom.step.points import collector_paused_for_search
+    from lagom.tune import make_plan
+
+    seen: dict[str, bool] = {}
+
+    def during(where: str) -> None:
+        with collector_paused_for_search():
+            seen[where] = gc.isenabled()
+
+    assert gc.isenabled()
+    during("main")
+    thread = threading.Thread(target=during, args=("thread",))
+    thread.start()
+    thread.join()
+    assert seen == {"main": False, "thread": True} and gc.isenabled()
+
+    import lagom.search.driver as driver
+    drive = driver.drive
+    monkeypatch.setattr("lagom.tune.drive", lambda *a, **k: (seen.setdefault("tune", gc.isenabled()), drive(*a, **k))[1])
+    wl = load_workload("gpt2-tp8")
+    make_plan(wl, load_hardware(wl.hardware), "nccl")
+    assert seen["tune"] is False and gc.isenabled()

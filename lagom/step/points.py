@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import math
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -553,6 +554,21 @@ def collector_paused() -> Iterator[None]:
         yield
     finally:
         gc.enable()
+
+
+@contextmanager
+def collector_paused_for_search() -> Iterator[None]:
+    """A search allocates millions of short-lived objects (settings, estimates, step results) that reference
+    counting frees, and each collector pass they trigger rescans the step graphs and indexes the search
+    holds (millions of objects at cluster scale): 16% of a 1,024-GPU tune, for the same peak memory. So the
+    collector is paused for the whole search, but only on the main thread: it is the whole process's, and a
+    search beside a training job (a thread of its own) must not hold back the job's cyclic garbage, tensors
+    among it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    with collector_paused():
+        yield
 
 
 def _points_for(wl: Workload, hw: Hardware, stamped: bool) -> StepGraph:
