@@ -80,9 +80,10 @@ def _distinct(ranked: list[tuple[Estimate, CommConfig]], k: int, seen: set) -> l
     return out
 
 
-def _checks(key: str, current: CommConfig, cur: Estimate, exposed: float, problem: Problem,
-            graph: _Graph) -> list[tuple[Estimate, CommConfig]]:
-    """The candidates to evaluate for one key (now at ``current``, estimated ``cur``), best first.
+def _checks(key: str, current: CommConfig, cur: Estimate, exposed: float, problem: Problem, graph: _Graph,
+            options: list[CommConfig]) -> list[tuple[Estimate, CommConfig]]:
+    """The candidates to evaluate for one key (now at ``current``, estimated ``cur``), best first, of its
+    ``options``.
 
     Compute-bound: the smallest time the windows add (exposed comm plus slowdown). Comm-bound
     (``exposed`` > 0, the step's exposed comm): first the cheapest speed-ups, ranked by the exposed comm a
@@ -90,7 +91,7 @@ def _checks(key: str, current: CommConfig, cur: Estimate, exposed: float, proble
     window alone shows; then the best of the window ranking (e.g. a decomposition, whose comm is longer
     but hidden). Last, ``current`` on the fewest channels the windows predict alike (``_fewest_channels``).
     """
-    scored = [(graph.estimate(key, c, problem.model), c) for c in candidates(problem.keys[key][0], problem.hw, problem.space)]
+    scored = [(graph.estimate(key, c, problem.model), c) for c in options]
     by_window = sorted(scored, key=lambda ec: (ec[0].added, ec[0].comm))
     seen = {_predicted(cur)}
     if exposed <= 0:
@@ -197,16 +198,24 @@ class _Tuning:
     notes: dict[str, str]
     best: StepResult
     graph: _Graph
+    _candidates: dict[str, list[CommConfig]] = field(default_factory=dict)
 
     def estimate(self, key: str, cfg: CommConfig) -> Estimate:
         return self.graph.estimate(key, cfg, self.problem.model)
+
+    def candidates(self, key: str) -> list[CommConfig]:
+        """The key's candidates in this search's space, worked out once: every check and group move asks."""
+        found = self._candidates.get(key)
+        if found is None:
+            found = self._candidates[key] = candidates(self.problem.keys[key][0], self.problem.hw, self.problem.space)
+        return found
 
     def checks(self, key: str, per_key: dict[str, dict[str, float]]) -> tuple[Estimate, list[tuple[Estimate, CommConfig]], bool]:
         """The key's estimate under its config now, its candidates best first, and whether it is comm-bound."""
         cur = self.estimate(key, self.configs[key])
         exposed = per_key[key]["exposed"]
         return cur, _checks(key, self.configs[key], cur, self.best.exposed_comm_s if exposed > 0 else 0.0, self.problem,
-                            self.graph), exposed > 0
+                            self.graph, self.candidates(key)), exposed > 0
 
     def apply(self, key: str, cur: Estimate, checks: list[tuple[Estimate, CommConfig]], comm_bound: bool,
               why: str = "") -> bool:
@@ -285,7 +294,7 @@ class _Tuning:
         across nodes may be slower than a ring on 2, where the ring was not)."""
         point = self.problem.keys[key][0]
         now = with_communicator_value("channels", channels, point, self.configs[key], self.problem.cap)
-        alike = [cfg for cfg in candidates(point, self.problem.hw, self.problem.space) if cfg.channels == channels]
+        alike = [cfg for cfg in self.candidates(key) if cfg.channels == channels]
         return min([now, *alike], key=lambda cfg: (self.estimate(key, cfg).added, self.estimate(key, cfg).comm))
 
     def group_gain(self, keys: frozenset[str], segments: Shared) -> float:
