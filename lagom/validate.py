@@ -160,7 +160,7 @@ def pair_beside(model: CostModel, point: OverlapPoint, cfg: CommConfig, seg: Com
     the collective adds), the sequential time both alone."""
     alone = model.comm_time(point.collective, point.group, point.bytes, cfg)
     seconds = model.comm_time(point.collective, point.group, point.bytes, cfg, model.hbm_util(seg))
-    rate = model.comm_hbm_rate(point.collective, point.group, point.bytes, seconds)
+    rate = model.comm_hbm_rate(point.collective, point.group, point.bytes, seconds, cfg)
     ctas = model.launch_shape(point.collective, point.group, point.bytes, cfg)[0]
     solo = model.compute_solo(seg)
     window = Window(point, 1, [seg], [])

@@ -286,10 +286,39 @@ def test_copy_engines_take_no_sms_but_still_move_hbm():
     t = model.comm_time(AG, group, nbytes, cfg)
     assert t == pytest.approx(7 * 2e-6 + nbytes * 7 / 8 / 360e9, rel=1e-12)
     assert model.sm_taken(cfg, model.launch_shape(AG, group, nbytes, cfg)[0]) == 0.0
-    assert model.comm_hbm_rate(AG, group, nbytes, t) == pytest.approx(nbytes * 7 / 8 * 2 / t)
+    # copy engines read each byte from its source and write it to its peer: 2 HBM bytes per payload byte, where an
+    # all-gather on SMs moves 3 (its FIFO written and read, the output written)
+    assert model.comm_hbm_rate(AG, group, nbytes, t, cfg) == pytest.approx(nbytes * 7 / 8 * 2 / t)
+    assert model.comm_hbm_rate(AG, group, nbytes, t, CommConfig(channels=16)) == pytest.approx(nbytes * 7 / 8 * 3 / t)
+    assert model.comm_hbm_rate(AG, group, nbytes, t) == pytest.approx(nbytes * 7 / 8 * 3 / t)
+    # a reduce-scatter under the same policy still runs on SMs and reduces: 3
+    assert model.comm_hbm_rate(Collective.REDUCE_SCATTER, group, nbytes, t, cfg) == pytest.approx(nbytes * 7 / 8 * 3 / t)
     # reduce-scatter has no copy-engine version: it runs on SMs as under the default policy
     assert model.launch_shape(Collective.REDUCE_SCATTER, group, nbytes, cfg) == (16, 512)
     assert model.sm_taken(cfg, model.launch_shape(Collective.REDUCE_SCATTER, group, nbytes, cfg)[0]) > 0
+
+
+def test_the_simulator_and_the_window_estimate_price_a_copy_engine_all_gather_at_two_hbm_bytes():
+    """The step simulator and the search's window estimate pass the setting to the HBM rate: a GEMM beside a
+    copy-engine all-gather is slowed by 2 HBM bytes per payload byte, not by an SM all-gather's 3."""
+    from lagom.model.simulator import simulate
+    from lagom.model.windows import running_instance
+    from tests.helpers import synthetic_problem
+
+    problem = synthetic_problem([(0.5, 10, 840), (0.5, 8000, 840)],
+                                [{"collective": "all_gather", "mb": 500, "after": 0, "size": 8}], "h100-sxm-8x-400g")
+    model, pt = CostModel(problem.hw), problem.graph.points[0]
+    cfg = CommConfig(cta_policy=CTAPolicy.ZERO, priority=1)
+    a, b = problem.graph.phases[0].segments[0]
+    d_comm = model.comm_time(pt.collective, pt.group, pt.bytes, cfg, model.hbm_util(b))
+    rate = {k: pt.bytes * 7 / 8 * k / d_comm for k in (2, 3)}
+    d_b = {k: model.compute_time(b, (RunningComm(cfg, r, 0),)) for k, r in rate.items()}
+    assert d_b[3] > d_b[2] * 1.01  # the rate shows in the GEMM's time
+    assert d_comm < d_b[2]
+    step = simulate(problem.graph, {pt.key: cfg}, model).step_s
+    assert step == pytest.approx(model.compute_solo(a) + d_comm + (1 - d_comm / d_b[2]) * model.compute_solo(b), rel=1e-9)
+    _, _, running = running_instance(cfg, pt, False, model.hbm_util(b), True, model)
+    assert running.hbm_rate == pytest.approx(rate[2], rel=1e-12)
 
 
 def test_chunks_after_the_first_of_each_step_pay_the_step_overhead():
@@ -403,6 +432,19 @@ def test_on_every_preset_a_comm_cta_and_a_gemm_cta_never_share_an_sm(preset):
     assert {model.footprint_slots_lost(t) for t in (64, 128, 288, 544, 640)} == {1}
 
 
+def test_a_gemms_pipeline_fills_pay_the_l2_term_of_chunk_staging():
+    """A GEMM's fills are HBM reads with no math to hide them, as a memory-bound kernel's bytes are: NCCL's chunks
+    staged beside it (CTAs x chunk x buffers, against the L2) slow them by the same L2 term, and nothing else of it."""
+    model, seg = CostModel(A100), ComputeSegment("gemm", 1e12, 1e8, 4096)
+    fill = 4096 * (4 * 256 * 64 + 128 * 128) * 2 / (2039e9 * 0.85)
+    staged = {chunk: model.compute_time(seg, (RunningComm(CommConfig(channels=24, chunk_bytes=chunk), 0.0, 24),))
+              for chunk in (1 << 21, 1 << 12)}
+    l2 = A100.contention.l2_interference
+    small = min(1.0, 24 * (1 << 12) * 2 / (40.0 * 2**20))
+    assert l2 > 0
+    assert staged[1 << 21] - staged[1 << 12] == pytest.approx(fill * l2 * (1 - small), rel=1e-9)
+
+
 def test_a_persistent_gemm_beside_24_ctas_takes_two_rounds():
     model = CostModel(H100)
     seg = ComputeSegment("gemm", 1e12, 1e8, 4096)  # 4096 tiles: the persistent grid is 132 CTAs
@@ -410,7 +452,8 @@ def test_a_persistent_gemm_beside_24_ctas_takes_two_rounds():
     slowed = model.compute_time(seg, (RunningComm(CommConfig(channels=24), 0.0, 24),))
     fill = 132 * (6 * 256 * 64 + 128 * 128) * 2 / (3350e9 * 0.85)
     solo = 1e12 / (989e12 * 0.65)
-    assert slowed == pytest.approx((solo - fill) * 2 + fill, rel=1e-12)  # 108 SMs left: 2 rounds
+    # 108 SMs left: 2 rounds; the fills pay the L2 term of 24 x 2 x 2 MiB staged (more than the 50 MB L2: x 1.3)
+    assert slowed == pytest.approx((solo - fill) * 2 + fill * 1.3, rel=1e-12)
     assert slowed / model.compute_solo(seg) > 1.98
     tiled = CostModel(A100).compute_time(ComputeSegment("gemm", 1e12, 1e8, 4096), (RunningComm(CommConfig(channels=24), 0.0, 24),))
     assert tiled / CostModel(A100).compute_solo(ComputeSegment("gemm", 1e12, 1e8, 4096)) < 1.3  # tiles: 47 vs 38 waves
@@ -420,13 +463,15 @@ def test_a_persistent_gemm_beside_24_ctas_takes_two_rounds():
 def test_a_tiled_gemms_last_wave_spills_when_comm_ctas_take_sms(tiles, ctas, waves):
     # A100: one 128x128 GEMM CTA per SM, 108 SMs; a comm CTA leaves no room for one. 108 tiles are one wave
     # alone and two beside a single comm CTA (107 SMs); 216 tiles three beside 8 (100 SMs), 200 tiles two
-    # either way. The math stretches by the waves, the tiles' pipeline fills (HBM, no traffic here) do not.
+    # either way. The math stretches by the waves, the tiles' pipeline fills (HBM, no traffic here) do not; they pay
+    # only the L2 term of the comm's staged chunks (ctas x 2 x 2 MiB of the 40 MB L2).
     model = CostModel(A100)
     seg = ComputeSegment("gemm", 1e11, 1e7, tiles)
     fill = tiles * (4 * 256 * 64 + 128 * 128) * 2 / (2039e9 * 0.85)
     solo = 1e11 / (312e12 * 0.7)
+    l2 = 1 + 0.3 * min(1.0, ctas * 2 * 2**21 / (40.0 * 2**20))
     got = model.compute_time(seg, (RunningComm(CommConfig(channels=max(1, ctas)), 0.0, ctas),))
-    assert got == pytest.approx((solo - fill) * waves[0] / waves[1] + fill, rel=1e-12)
+    assert got == pytest.approx((solo - fill) * waves[0] / waves[1] + fill * l2, rel=1e-12)
 
 
 def test_hbm_traffic_slows_a_compute_bound_gemm_through_its_pipeline_fills():

@@ -87,7 +87,10 @@ def test_a_preset_built_on_another_keeps_the_fitted_constants_its_own_points_do_
 PAIR_COMM = {"collective": "all_gather", "ranks": 8, "bytes": 1 << 28, "channels": 16}
 PAIR_KERNELS = [{"gemm": [8192, 4096, 4096]}, {"gemm": [4096, 2048, 2048]}, {"elements": 1 << 23},
                 {"elements": 1 << 25}]
-TRUTH = {"hbm_interference": 2.0, "l2_interference": 0.1, "comm_slowdown_per_hbm_util": 0.5,
+# HBM share 1.3: about the HBM 2.0 took when an all-gather was priced at 2 HBM bytes per payload byte (3 since its
+# FIFO is counted with the user buffers); at 2.0 x 3 the GEMMs sit on the 10% floor and the fit cannot tell the
+# constants apart (4.9% off one point)
+TRUTH = {"hbm_interference": 1.3, "l2_interference": 0.1, "comm_slowdown_per_hbm_util": 0.5,
          "gemm_slots_per_comm_cta": 1.0}
 
 

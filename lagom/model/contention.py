@@ -127,7 +127,7 @@ def predict(model: CostModel, s: ContentionSample) -> tuple[float, float]:
     The collective's HBM traffic is taken at its measured rate beside the kernel, so the link constants
     (a separate calibration) do not leak into the contention terms."""
     seg = s.kernel.segment(model.hw)
-    rate = model.comm_hbm_rate(s.collective, s.group, s.bytes, s.comm_beside_s)
+    rate = model.comm_hbm_rate(s.collective, s.group, s.bytes, s.comm_beside_s, s.config)
     ctas = model.launch_shape(s.collective, s.group, s.bytes, s.config)[0]
     kernel = model.compute_time(seg, (RunningComm(s.config, rate, ctas),)) / model.compute_solo(seg)
     alone = model.comm_time(s.collective, s.group, s.bytes, s.config)

@@ -398,12 +398,16 @@ class CostModel:
             peak = min(peak, max(chain, 2 * nbytes * (group.nodes - 1) / group.nodes / nic))
         return peak
 
-    def comm_hbm_rate(self, coll: Collective, group: Group, nbytes: int, seconds: float) -> float:
-        """HBM traffic (B/s) one GPU sees while the collective runs: payload times reads and writes."""
+    def comm_hbm_rate(self, coll: Collective, group: Group, nbytes: int, seconds: float, cfg: CommConfig | None = None) -> float:
+        """HBM traffic (B/s) one GPU sees while the collective runs: payload times reads and writes per payload
+        byte (``contention.hbm_bytes_per_comm_byte``): ``reduce`` for a reduction, ``copy`` for a collective that
+        moves data through NCCL's FIFO buffers on SMs, ``copy_engine`` for one ``cfg`` runs on copy engines (CTA
+        policy ZERO: no FIFO, each byte read from its source and written to its destination)."""
         if seconds <= 0 or group.size <= 1:
             return 0.0
         _, factor = ring_shape(coll, group.size, "ring")
-        kind = "reduce" if coll in (Collective.ALL_REDUCE, Collective.REDUCE_SCATTER) else "copy"
+        kind = ("reduce" if coll in (Collective.ALL_REDUCE, Collective.REDUCE_SCATTER)
+                else "copy_engine" if cfg is not None and self.uses_copy_engines(coll, cfg) else "copy")
         return nbytes * factor * self.hw.contention.hbm_bytes_per_comm_byte[kind] / seconds
 
     # -- computation
@@ -492,7 +496,7 @@ class CostModel:
         exposed = fills * self.tile_fill_bytes() / hbm
         flop_t = seg.flops / (g.peak_tflops * 1e12 * g.gemm_efficiency)
         math_t = max(0.0, flop_t - exposed)
-        return max(math_t * rounds + min(flop_t, exposed) * hbm / hbm_left, memory)
+        return max(math_t * rounds + min(flop_t, exposed) * hbm / hbm_left * l2, memory)
 
     def launch_wait(self, cfg: CommConfig) -> float:
         """Delay before a comm kernel gets SMs while compute holds them (none on a high-priority stream)."""

@@ -578,7 +578,7 @@ class _PhaseRun:
         rate = self.rate_memo.get(key)
         if rate is None:
             rate = self.rate_memo[key] = self.model.comm_hbm_rate(
-                t.shape.coll, self.ix.points[t.shape.point].group, int(t.shape.nbytes), t.dur)  # type: ignore[arg-type]
+                t.shape.coll, self.ix.points[t.shape.point].group, int(t.shape.nbytes), t.dur, t.config)  # type: ignore[arg-type]
         return rate
 
     def compute_duration(self, t: _Task, beside: list[_Task]) -> float:

@@ -195,5 +195,5 @@ def running_instance(cfg: CommConfig, p: OverlapPoint, decomposed: bool, util: f
         x = model.comm_time(p.collective, p.group, p.bytes, cfg, util)
         x, first = _waited(x, model.comm_time(p.collective, p.group, p.bytes, cfg), wait), 0.0
         ctas = model.launch_shape(p.collective, p.group, int(p.bytes), cfg)[0]
-    rate = model.comm_hbm_rate(p.collective, p.group, p.bytes, x) if x > 0 else 0.0
+    rate = model.comm_hbm_rate(p.collective, p.group, p.bytes, x, None if decomposed else cfg) if x > 0 else 0.0
     return x, first, RunningComm(cfg, rate, ctas)
