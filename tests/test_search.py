@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 
 from lagom.errors import LagomError
 from lagom.hardware import load_hardware
+from lagom.plan.capability import capability_for
 from lagom.plan.comm_config import CommConfig
 from lagom.search import Problem, run_strategy
 from lagom.search.base import settle_bound
@@ -72,6 +73,22 @@ def test_lagom_within_two_percent_of_exhaustive_on_random_small_problems(problem
     assert r["lagom"].result.step_s <= r["nccl"].result.step_s
     assert r["lagom"].result.step_s <= r["autoccl"].result.step_s * (1 + 1e-9)
 
+
+
+def test_lagom_tries_the_step_wide_values_on_nccls_own_settings_too():
+    """bert-pp4 without the tuner plugin, where NCCL_BUFFSIZE (per process) is the only chunk setting: Lagom's pass
+    moves the pipeline send from NCCL's 4 channels to 2 under the 2 MiB buffer (a step 0.1% shorter), and 2 channels
+    are slower than 4 at every buffer that beats 2 MiB there (their best, 512 KiB, 1.2393 s; 4 channels at 128 KiB,
+    AutoCCL's pick, 1.2384 s). Descending the buffer from the pass's settings alone stopped at 2 channels and 512 KiB,
+    behind AutoCCL; from NCCL's own settings as well, it finds AutoCCL's step or better."""
+    wl = load_workload("bert-pp4")
+    hw = load_hardware(wl.hardware)
+    problem = problem_for(wl, hw, capability_for(hw, tuner_plugin=False))
+    assert "chunk_bytes" in problem.cap.process_fields()
+    r = run_all(problem)
+    assert r["lagom"].result.step_s <= r["autoccl"].result.step_s * (1 + 1e-12)
+    assert r["lagom"].result.step_s < r["nccl"].result.step_s
+    assert r["lagom"].process.chunk_bytes < problem.settings.chunk_bytes
 
 
 @st.composite

@@ -201,8 +201,8 @@ def many_blocking(n: int) -> Problem:
 def test_joint_revisit_keeps_the_evaluations_linear_in_the_number_of_keys():
     """The priority search alone: at most 1 + max_checks_per_key evaluations per key, joint revisit and
     group moves included. ``run_strategy`` adds the per-process decision around it (two runs of it, the
-    settling of communicators after each, one evaluation per value tried step-wide): linear in the keys
-    too."""
+    settling of communicators after each, one or two evaluations per value tried step-wide: from the search's
+    keys and from NCCL's own settings): linear in the keys too."""
     searched, strategy = {}, {}
     for n in (2, 4, 8, 16):
         problem = many_blocking(n)

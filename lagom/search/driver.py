@@ -6,13 +6,14 @@ A plan has three kinds of decision, and ``drive`` takes them in one pass, in thi
    communicator for what NCCL reads per communicator (``settle_communicators``);
 2. **step-wide values**: each per-process knob (threads, transport, the chunk where NCCL_BUFFSIZE is its only
    setting) and the chunk set on every collective at once, one evaluation per value, the best kept (one pass of
-   coordinate descent); where a value moved, or the chunk is set per size, the keys once more under them;
+   coordinate descent from the strategy's keys and, where the objective is the step, one from NCCL's own
+   settings); where a value moved, or the chunk is set per size, the keys once more under them;
 3. **bucket sizes** (the lagom strategy, where the step has framework buckets): the framework's bucket size at
    each other scale of ``Space.scales``, with the strategy run again only on the keys that size changes, the
    rest keeping the first choice, under the per-process values step 2 chose.
 
-Evaluations stay linear in the keys: the strategy's own twice, plus one per step-wide value, plus the changed
-keys' per other bucket scale. NCCL's baseline and the exhaustive search enumerate their whole space themselves
+Evaluations stay linear in the keys: the strategy's own twice, plus one or two per step-wide value, plus the
+changed keys' per other bucket scale. NCCL's baseline and the exhaustive search enumerate their whole space themselves
 and skip 2 and 3. The objective is the step, except for AutoCCL, whose objective is its collectives' own time.
 
 **A budget** (``Budget``) stops a search between two evaluations: after ``seconds`` of wall clock, or when its
@@ -241,25 +242,39 @@ def _settled(run: Strategy, problem: Problem, evaluator: Evaluator, objective: O
 
 
 def _keys_and_step_wide(run: Strategy, problem: Problem, evaluator: Evaluator, objective: Objective) -> SearchResult:
-    """Dimensions 1 and 2: the keys, the step-wide values one at a time, and the keys again where they moved."""
+    """Dimensions 1 and 2: the keys, the step-wide values one at a time, and the keys again where they moved.
+
+    The step-wide values are tried on the strategy's keys and, where the objective is the step, on NCCL's own
+    settings as well: a key's choice made under NCCL's per-process values may suit none of the others (a
+    pipeline send that runs as well on 2 channels as on 4 under a 2 MiB buffer is slower on 2 at every buffer
+    that beats 2 MiB on 4), so one descent from it alone can stop where the other would have gone on. A value is
+    kept where it beats every step evaluated so far."""
     fields = problem.cap.process_fields()
     first = _settled(run, problem, evaluator, objective)
     best, process, uniform = first, problem.settings, dict[str, Any]()
-    for knob, values in problem.step_wide_choices().items():
-        for value in values:
-            trial_process = replace(process, **{knob: value}) if knob in fields else process
-            trial_uniform = uniform if knob in fields else {**uniform, knob: value}
-            if trial_process == process and trial_uniform == uniform:
-                continue
-            configs = {k: _step_wide(cfg, problem.keys[k][0], problem, trial_process, trial_uniform)
-                       for k, cfg in first.configs.items()}
-            result = evaluator.evaluate(configs)
-            if objective(result) < objective(best.result):
-                scope = "per-process" if knob in fields else "step-wide"
-                notes = {k: f"{first.notes.get(k, '')}; {scope} {knob}={value} (one value for every collective)"
-                         .lstrip("; ") for k in configs}
-                best = SearchResult(first.strategy, configs, result, evaluator.evaluations, notes, trial_process)
-                process, uniform = trial_process, trial_uniform
+    starts = [first]
+    nccl_own = nccl_configs(problem)
+    if objective is step_time and nccl_own != first.configs:
+        starts.append(SearchResult(first.strategy, nccl_own, first.result, first.evaluations,
+                                   {k: "NCCL's own settings" for k in nccl_own}))
+    for start in starts:
+        here, here_uniform = problem.settings, dict[str, Any]()
+        for knob, values in problem.step_wide_choices().items():
+            for value in values:
+                trial_process = replace(here, **{knob: value}) if knob in fields else here
+                trial_uniform = here_uniform if knob in fields else {**here_uniform, knob: value}
+                if trial_process == here and trial_uniform == here_uniform:
+                    continue
+                configs = {k: _step_wide(cfg, problem.keys[k][0], problem, trial_process, trial_uniform)
+                           for k, cfg in start.configs.items()}
+                result = evaluator.evaluate(configs)
+                if objective(result) < objective(best.result):
+                    scope = "per-process" if knob in fields else "step-wide"
+                    notes = {k: f"{start.notes.get(k, '')}; {scope} {knob}={value} (one value for every collective)"
+                             .lstrip("; ") for k in configs}
+                    best = SearchResult(first.strategy, configs, result, evaluator.evaluations, notes, trial_process)
+                    process, uniform = trial_process, trial_uniform
+                    here, here_uniform = trial_process, trial_uniform
     per_size_chunk = "chunk_bytes" not in fields
     if process != problem.settings or per_size_chunk:
         # where the chunk is set per size, the second run searches the step with one chunk (a subset of
