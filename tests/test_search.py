@@ -130,9 +130,9 @@ def many_keys(n: int) -> Problem:
 
 @pytest.mark.slow  # searches jobs of growing size: CI's slower tier (benchmarks/planning_scale.py --quality too)
 def test_lagom_evaluations_grow_linearly_with_the_number_of_collectives():
-    """Per run of the priority search a fixed number of checks per key; the per-process decision adds one
-    evaluation per value tried on every collective at once and at most one more run, settling communicators
-    a bounded number."""
+    """Per run of the priority search a fixed number of checks per key; the per-process decision adds one or two
+    evaluations per value tried on every collective at once (from the search's keys and from NCCL's own settings) and
+    at most one more run, settling communicators a bounded number."""
     counts = {}
     for n in (2, 4, 8, 16, 32, 64):
         problem = many_keys(n)
