@@ -14,7 +14,7 @@ import numpy as np
 from lagom.model.cost_model import CostModel, RunningComm
 from lagom.model.phase_index import NONE, first_seen, index_of
 from lagom.plan.comm_config import CommConfig
-from lagom.step.graph import Collective, ComputeSegment, Group, OverlapPoint, StepGraph
+from lagom.step.graph import Collective, ComputeSegment, Group, OverlapPoint, Phase, StepGraph
 
 
 @dataclass
@@ -79,41 +79,15 @@ def windows(graph: StepGraph, key_of: KeyOf | None = None) -> dict[str, list[Win
     Identical layers give identical windows, so a 48-layer model has a handful per key, not hundreds. A
     window is told apart by its collective, group and size, the kinds of the segments it spans and the kind
     of the one it may split (none for a send: another stage waits for it, nothing here hides it). Worked out
-    on the phase index's arrays: windows span a segment or none nearly always, so only the few longer ones
-    make a tuple of their kinds.
+    on the phase index's arrays (``_described``), numbered across phases by a stable sort.
     """
     key_of = KeyOf() if key_of is None else key_of
-    kind_ids: dict[tuple, int] = {}  # segment signature -> number, across phases
-    long_ids: dict[tuple, int] = {}  # the kinds of a window of two segments or more -> number
-    group_ids: dict[Group, int] = {}
-    columns, rows = [], []
-    for n, phase in enumerate(graph.phases):
-        ix = index_of(phase)
-        c = ix.columns
-        signatures = ix.kind_arrays[1]
-        to_global = np.asarray([kind_ids.setdefault(sig, len(kind_ids)) for sig in signatures], dtype=np.int64)
-        kinds = to_global[ix.all_kinds] if len(to_global) else ix.all_kinds
-        send = c.peer != NONE
-        lo, hi = np.minimum(c.lo, c.count), np.minimum(c.hi, c.count)
-        lo[send] = hi[send] = 0
-        length = np.maximum(hi - lo, 0)
-        one, longer, fused = (np.full(len(lo), NONE, dtype=np.int64) for _ in range(3))
-        single = length == 1
-        one[single] = kinds[c.first_segment[single] + lo[single]]
-        for j in np.flatnonzero(length > 1).tolist():
-            at = c.first_segment[j]
-            longer[j] = long_ids.setdefault(tuple(kinds[at + lo[j]:at + hi[j]].tolist()), len(long_ids))
-        splits = c.fuse != NONE  # a decomposable collective's own segment (never a send's)
-        fused[splits] = kinds[c.first_segment[splits] + c.fuse[splits]]
-        _, group_first = np.unique(c.group, return_index=True)
-        to_group = np.asarray([group_ids.setdefault(phase.points[j].group, len(group_ids)) for j in group_first.tolist()],
-                              dtype=np.int64)
-        columns.append((to_group[c.group], c.collective, c.bytes, one, longer, fused))
-        rows.append((np.full(len(lo), n, dtype=np.int64), np.arange(len(lo), dtype=np.int64), lo, hi, c.fuse))
-    if not any(len(col[0]) for col in columns):
+    ids: tuple[dict, dict, dict] = ({}, {}, {})  # segment kinds, longer windows' kinds, groups: numbers across phases
+    described = [_described(phase, n, *ids) for n, phase in enumerate(graph.phases)]
+    if not any(len(columns[0]) for columns, _ in described):
         return {}
-    what, firsts = first_seen(*(np.concatenate(col) for col in zip(*columns)))
-    phase_of, point_of, lo, hi, fuse = (np.concatenate(col)[firsts].tolist() for col in zip(*rows))
+    what, firsts = first_seen(*(np.concatenate(col) for col in zip(*(columns for columns, _ in described))))
+    phase_of, point_of, lo, hi, fuse = (np.concatenate(col)[firsts].tolist() for col in zip(*(rows for _, rows in described)))
     repeat = np.zeros(len(firsts), dtype=np.int64)
     np.add.at(repeat, what, np.repeat([phase.repeat for phase in graph.phases], [len(phase.points) for phase in graph.phases]))
     out: dict[str, list[Window]] = {}
@@ -122,6 +96,37 @@ def windows(graph: StepGraph, key_of: KeyOf | None = None) -> dict[str, list[Win
         segs = graph.phases[n].segments[p.device]
         out.setdefault(key_of(p), []).append(Window(p, times, segs[a:b], segs[f:f + 1] if f != NONE else []))
     return out
+
+
+
+
+def _described(phase: Phase, n: int, kind_ids: dict[tuple, int], long_ids: dict[tuple, int],
+               group_ids: dict[Group, int]) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
+    """Per point of phase ``n``, what tells its window apart (group, collective, bytes, the kind of a
+    one-segment window, the number of a longer one's kinds, the kind of the segment it may split), and where
+    it is (phase, point, span, fused segment). Windows span a segment or none nearly always, so only the few
+    longer ones make a tuple of their kinds."""
+    ix = index_of(phase)
+    c = ix.columns
+    to_global = np.asarray([kind_ids.setdefault(sig, len(kind_ids)) for sig in ix.kind_arrays[1]], dtype=np.int64)
+    kinds = to_global[ix.all_kinds] if len(to_global) else ix.all_kinds
+    send = c.peer != NONE
+    lo, hi = np.minimum(c.lo, c.count), np.minimum(c.hi, c.count)
+    lo[send] = hi[send] = 0
+    length = np.maximum(hi - lo, 0)
+    one, longer, fused = (np.full(len(lo), NONE, dtype=np.int64) for _ in range(3))
+    single = length == 1
+    one[single] = kinds[c.first_segment[single] + lo[single]]
+    for j in np.flatnonzero(length > 1).tolist():
+        at = c.first_segment[j]
+        longer[j] = long_ids.setdefault(tuple(kinds[at + lo[j]:at + hi[j]].tolist()), len(long_ids))
+    splits = c.fuse != NONE  # a decomposable collective's own segment (never a send's)
+    fused[splits] = kinds[c.first_segment[splits] + c.fuse[splits]]
+    _, group_first = np.unique(c.group, return_index=True)
+    to_group = np.asarray([group_ids.setdefault(phase.points[j].group, len(group_ids)) for j in group_first.tolist()],
+                          dtype=np.int64)
+    return ((to_group[c.group], c.collective, c.bytes, one, longer, fused),
+            (np.full(len(lo), n, dtype=np.int64), np.arange(len(lo), dtype=np.int64), lo, hi, c.fuse))
 
 
 @dataclass
