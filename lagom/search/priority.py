@@ -28,7 +28,7 @@ import numpy as np
 
 from lagom.model.choices import candidates
 from lagom.model.cost_model import CostModel
-from lagom.model.phase_index import NONE, first_seen, index_of
+from lagom.model.phase_index import NONE, PointColumns, first_seen, index_of
 from lagom.model.simulator import Configs, StepResult
 from lagom.model.windows import (
     Estimate,
@@ -376,24 +376,10 @@ def shared_segments(problem: Problem, key_of: KeyOf | None = None) -> dict[froze
             mine = np.flatnonzero((c.device == device) & (c.peer == NONE))
             if not len(mine):
                 continue
-            where = np.concatenate([c.lo[mine], c.hi[mine]])
-            bounds, stretch = np.unique(where, return_inverse=True)  # stretch i: [bounds[i], bounds[i + 1])
-            present, local = np.unique(c.key[mine], return_inverse=True)
-            opened = np.zeros((len(bounds), len(present)), dtype=np.int64)
-            np.add.at(opened, (stretch, np.concatenate([local, local])), np.repeat([1, -1], len(mine)))
-            running = np.cumsum(opened, axis=0) > 0
-            shared = np.flatnonzero(running.sum(axis=1) > 1)
-            if not len(shared):
-                continue
-            which, firsts = first_seen(*running[shared].T)
-            sets = [frozenset(keys[k] for k in present[running[shared[f]]].tolist()) for f in firsts.tolist()]
+            numbered, at, of = _beside(c, mine, len(segs))
+            sets = [frozenset(keys[k] for k in numbers.tolist()) for numbers in numbered]
             for keyset in sets:  # in the order they first run, stretches without a segment included
                 beside_segments.setdefault(keyset, {})
-            ends = np.minimum(np.append(bounds[1:], len(segs))[shared], len(segs))
-            starts = np.minimum(bounds[shared], ends)
-            lengths = ends - starts
-            at = np.repeat(starts, lengths) + np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-            of = np.repeat(which, lengths)  # each segment beside two keys or more, in order, and its set
             pair, pair_first = first_seen(of, kinds[device][at])
             times = np.bincount(pair, minlength=len(pair_first)) * phase.repeat
             for f, n in zip(pair_first.tolist(), times.tolist()):
@@ -404,6 +390,24 @@ def shared_segments(problem: Problem, key_of: KeyOf | None = None) -> dict[froze
     return {keys: (seconds, [(seg, within, n) for within, found in beside_segments.items() if within <= keys
                              for seg, n in found.values()])
             for keys, seconds in covered.items() if not any(keys < other for other in covered)}
+
+
+def _beside(c: PointColumns, mine: np.ndarray, count: int) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+    """On one device of ``count`` segments, from its collectives ``mine``: the distinct sets of two keys or more
+    running beside a stretch between two span ends (as key numbers, in the order they first run), and each
+    segment of such a stretch, in order, with its set's place among them."""
+    bounds, stretch = np.unique(np.concatenate([c.lo[mine], c.hi[mine]]), return_inverse=True)  # i: [bounds[i], bounds[i + 1])
+    present, local = np.unique(c.key[mine], return_inverse=True)
+    opened = np.zeros((len(bounds), len(present)), dtype=np.int64)
+    np.add.at(opened, (stretch, np.concatenate([local, local])), np.repeat([1, -1], len(mine)))
+    running = np.cumsum(opened, axis=0) > 0  # per stretch and key: one of the key's spans holds it
+    shared = np.flatnonzero(running.sum(axis=1) > 1)
+    which, firsts = first_seen(*running[shared].T)
+    ends = np.minimum(np.append(bounds[1:], count)[shared], count)
+    starts = np.minimum(bounds[shared], ends)
+    lengths = ends - starts
+    at = np.repeat(starts, lengths) + np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return [present[running[shared[f]]] for f in firsts.tolist()], at, np.repeat(which, lengths)
 
 
 Blocking = tuple[list[set[str]], dict[str, str]]  # key sets blocking one segment each; each key's communicator
