@@ -53,7 +53,6 @@ from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
-from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -62,7 +61,7 @@ from lagom.errors import LagomError
 from lagom.model import compiled
 from lagom.model.cost_model import CostModel, RunningComm
 from lagom.model.lowering import COMPUTE, END, Lowering, Shape, split_of
-from lagom.model.phase_index import SLOT, PhaseIndex, index_of
+from lagom.model.phase_index import SLOT, PhaseIndex, first_seen, index_of
 from lagom.plan.comm_config import CommConfig, default_config
 from lagom.step.graph import Collective, ComputeSegment, StepGraph
 
@@ -87,7 +86,6 @@ ARRAYS_KEPT = 256 << 20  # bytes of arrays lowered for the compiled loop kept, a
 INF = float("inf")
 
 Configs = dict[str, CommConfig]
-_DEVICE, _COLLECTIVE, _BYTES = attrgetter("device"), attrgetter("collective"), attrgetter("bytes")
 
 
 @dataclass
@@ -228,6 +226,7 @@ class Simulator:
         self._owner = next(_OWNERS)  # its arrays' key in _KEPT, dropped with it
         weakref.finalize(self, _KEPT.drop, self._owner)
         self._statics: dict[int, tuple[dict, dict]] = {}
+        self._static_costs: dict[int, tuple[CostModel, tuple, float, float]] = {}
         self._trails: list[_Trail] = []
         self._durations: tuple[CostModel, tuple, dict[tuple, float]] | None = None
 
@@ -370,25 +369,35 @@ class Simulator:
 
     def _static(self, i: int, model: CostModel) -> tuple[float, float]:
         """(uncontended compute of the busiest device, comm at link peak of the busiest stream): counted
-        per distinct segment and collective once, then costed with this run's model."""
+        per distinct segment and collective once (in the order they first appear), then costed with the model,
+        once per model and settings (a search runs one model throughout)."""
         if i not in self._statics:
-            phase = self.graph.phases[i]
-            pts = phase.points
-            kinds, signatures = self.index(i).kinds
-            segs = {d: {signatures[kind]: n for kind, n in Counter(of).items()} for d, of in kinds.items()}
-            groups = {id(p.group): p.group for p in pts}
+            ix = self.index(i)
+            arrays, signatures = ix.kind_arrays
+            segs = {d: _counted([signatures[k] for k in of[firsts].tolist()], what)
+                    for d, of in arrays.items() for what, firsts in [first_seen(of)]}
+            c = ix.columns
+            what, firsts = first_seen(c.device, c.group, c.collective, c.bytes)
             comms: dict = defaultdict(dict)
-            counted = Counter(zip(map(_DEVICE, pts), [p.group.name for p in pts], map(_COLLECTIVE, pts),
-                                  [id(p.group) for p in pts], map(_BYTES, pts)))
-            for (d, name, coll, group, nbytes), n in counted.items():
-                comms[(d, name)][(coll, groups[group], nbytes)] = n
+            for j, n in zip(firsts.tolist(), np.bincount(what, minlength=len(firsts)).tolist()):
+                p = ix.points[j]
+                comms[(p.device, p.group.name)][(p.collective, p.group, p.bytes)] = n
             self._statics[i] = (segs, comms)
-        segs, comms = self._statics[i]
-        compute = max((sum(n * model.compute_solo(ComputeSegment("", *sig)) for sig, n in counts.items())
-                       for counts in segs.values()), default=0.0)
-        peak = max((sum(n * model.comm_peak_time(*what) for what, n in counts.items()) for counts in comms.values()),
-                   default=0.0)
-        return compute, peak
+        state = _model_state(model)
+        costed = self._static_costs.get(i)
+        if costed is None or costed[0] is not model or costed[1] != state:
+            segs, comms = self._statics[i]
+            compute = max((sum(n * model.compute_solo(ComputeSegment("", *sig)) for sig, n in counts.items())
+                           for counts in segs.values()), default=0.0)
+            peak = max((sum(n * model.comm_peak_time(*what) for what, n in counts.items()) for counts in comms.values()),
+                       default=0.0)
+            costed = self._static_costs[i] = (model, state, compute, peak)
+        return costed[2], costed[3]
+
+
+def _counted(distinct: list, which: np.ndarray) -> dict:
+    """Each distinct value with how many times ``which`` (their numbers) holds it."""
+    return dict(zip(distinct, np.bincount(which, minlength=len(distinct)).tolist()))
 
 
 class _KeptArrays:
