@@ -17,7 +17,6 @@ whose changed keys had not started by one resumes from it, as the reference's ru
 
 from __future__ import annotations
 
-import copy
 import ctypes
 import logging
 import math
@@ -713,15 +712,8 @@ def _answer(arrays: PhaseArrays, run: Any, model: CostModel, failed: list[BaseEx
             if kind == 0:
                 return run.comm_duration(t, key[1], key[2])
             if kind == 1:
-                t = copy.copy(t)
-                t.dur = key[1]
-                return run.comm_rate(t)
-            beside = []
-            for i in range(1, count, 2):
-                c = copy.copy(reps[int(key[i])])
-                c.rate = key[i + 1]
-                beside.append(c)
-            return run.compute_duration(t, beside)
+                return run.comm_rate(t, key[1])
+            return run.compute_duration(t, [(reps[int(key[i])], key[i + 1]) for i in range(1, count, 2)])
         except BaseException as err:  # noqa: BLE001 - handed back to Python once the C loop unwinds
             failed.append(err)
             return math.nan

@@ -582,22 +582,24 @@ class _PhaseRun:
             dur = self.comm_memo[key] = max(EPS, raw)
         return dur
 
-    def comm_rate(self, t: _Task) -> float:
-        key = (t.cost, t.dur)
+    def comm_rate(self, t: _Task, dur: float) -> float:
+        """HBM bytes a second a comm task moves when it takes ``dur`` seconds."""
+        key = (t.cost, dur)
         rate = self.rate_memo.get(key)
         if rate is None:
             rate = self.rate_memo[key] = self.model.comm_hbm_rate(
-                t.shape.coll, self.ix.points[t.shape.point].group, int(t.shape.nbytes), t.dur, t.config)  # type: ignore[arg-type]
+                t.shape.coll, self.ix.points[t.shape.point].group, int(t.shape.nbytes), dur, t.config)  # type: ignore[arg-type]
         return rate
 
-    def compute_duration(self, t: _Task, beside: list[_Task]) -> float:
-        key = (t.cost, tuple([(c.cost, c.rate) for c in beside]))
+    def compute_duration(self, t: _Task, beside: list[tuple[_Task, float]]) -> float:
+        """A compute task's seconds beside comm tasks running at the given HBM rates."""
+        key = (t.cost, tuple([(c.cost, rate) for c, rate in beside]))
         dur = self.compute_memo.get(key)
         if dur is None:
-            shared = (t.cost, tuple([(c.cost, c.config, c.rate) for c in beside]))
+            shared = (t.cost, tuple([(c.cost, c.config, rate) for c, rate in beside]))
             dur = self.shared_compute.get(shared)
             if dur is None:
-                running = tuple(RunningComm(c.config, c.rate, self.ctas(c)) for c in beside)  # type: ignore[arg-type]
+                running = tuple(RunningComm(c.config, rate, self.ctas(c)) for c, rate in beside)  # type: ignore[arg-type]
                 raw = self.model.compute_time(_segment(t.cost), running)
                 self._check_duration(t, raw)
                 dur = self.shared_compute[shared] = max(EPS, raw)
@@ -770,7 +772,7 @@ class _PhaseRun:
                             longest = dur
                         rate = rate_memo.get((c.cost, dur))
                         if rate is None:
-                            rate = self.comm_rate(c)
+                            rate = self.comm_rate(c, dur)
                         if rate != c.rate:
                             c.rate = rate
                             rate_dirty.update(c.devices)
@@ -779,7 +781,7 @@ class _PhaseRun:
                 if ct is None:
                     continue
                 beside = comms_on[d]
-                dur = compute_memo.get((ct.cost, tuple([(c.cost, c.rate) for c in beside]))) or self.compute_duration(ct, beside)
+                dur = compute_memo.get((ct.cost, tuple([(c.cost, c.rate) for c in beside]))) or self.compute_duration(ct, [(c, c.rate) for c in beside])
                 if dur != ct.dur:
                     if ct.dur:
                         ct.rem -= (now - ct.since) / ct.dur
