@@ -374,8 +374,7 @@ class Simulator:
         if i not in self._statics:
             ix = self.index(i)
             arrays, signatures = ix.kind_arrays
-            segs = {d: _counted([signatures[k] for k in of[firsts].tolist()], what)
-                    for d, of in arrays.items() for what, firsts in [first_seen(of)]}
+            segs = {d: _counted(of, signatures) for d, of in arrays.items()}
             c = ix.columns
             what, firsts = first_seen(c.device, c.group, c.collective, c.bytes)
             comms: dict = defaultdict(dict)
@@ -395,9 +394,10 @@ class Simulator:
         return costed[2], costed[3]
 
 
-def _counted(distinct: list, which: np.ndarray) -> dict:
-    """Each distinct value with how many times ``which`` (their numbers) holds it."""
-    return dict(zip(distinct, np.bincount(which, minlength=len(distinct)).tolist()))
+def _counted(kinds: np.ndarray, signatures: list[tuple]) -> dict[tuple, int]:
+    """Each segment kind's signature with how often it occurs, in the order the kinds first appear."""
+    which, firsts = first_seen(kinds)
+    return dict(zip([signatures[k] for k in kinds[firsts].tolist()], np.bincount(which, minlength=len(firsts)).tolist()))
 
 
 class _KeptArrays:

@@ -72,6 +72,10 @@ class KeyOf(dict):
             key = self[what] = p.key
         return key
 
+    def numbered(self, phase: Phase) -> list[str]:
+        """The phase's tuning keys by their number in its index (``PointColumns.key``)."""
+        return [self(phase.points[j]) for j in index_of(phase).columns.key_first.tolist()]
+
 
 def windows(graph: StepGraph, key_of: KeyOf | None = None) -> dict[str, list[Window]]:
     """Per key, the distinct windows its instances hide under, each weighted by how often it occurs.
@@ -96,8 +100,6 @@ def windows(graph: StepGraph, key_of: KeyOf | None = None) -> dict[str, list[Win
         segs = graph.phases[n].segments[p.device]
         out.setdefault(key_of(p), []).append(Window(p, times, segs[a:b], segs[f:f + 1] if f != NONE else []))
     return out
-
-
 
 
 def _described(phase: Phase, n: int, kind_ids: dict[tuple, int], long_ids: dict[tuple, int],

@@ -370,7 +370,7 @@ def shared_segments(problem: Problem, key_of: KeyOf | None = None) -> dict[froze
     for phase in problem.graph.phases:
         ix = index_of(phase)
         c = ix.columns
-        keys = [key_of(phase.points[j]) for j in c.key_first.tolist()]
+        keys = key_of.numbered(phase)
         kinds, signatures = ix.kind_arrays
         for device, segs in phase.segments.items():
             mine = np.flatnonzero((c.device == device) & (c.peer == NONE))
@@ -421,9 +421,9 @@ def blocked_together(problem: Problem, key_of: KeyOf | None = None) -> Blocking:
     for phase in problem.graph.phases:
         ix = index_of(phase)
         c = ix.columns
-        keys = [key_of(phase.points[j]) for j in c.key_first.tolist()]
+        keys = key_of.numbered(phase)
         blocked, _ = first_seen(np.where(c.peer != NONE, c.peer, c.device), c.before)
-        pair, firsts = first_seen(blocked, c.key)
+        _, firsts = first_seen(blocked, c.key)  # each (blocked segment, key) once
         several = np.flatnonzero(np.bincount(blocked[firsts]) > 1)
         members = np.isin(blocked[firsts], several)
         found: dict[int, set[str]] = {}
