@@ -101,13 +101,13 @@ class SegmentTable(Mapping[tuple[int, int], list[int]]):
         seq = seq[segment[seq] >= 0]
         of = segment[seq]
         by = np.argsort(of, kind="stable")
-        sizes = np.bincount(of, minlength=len(ix._where) - 1)
+        sizes = np.bincount(of, minlength=len(ix._seg_device) - 1)
         self.start = np.zeros(len(sizes) + 1, dtype=_I64)  # per global segment id, where its points start in flat
         np.cumsum(sizes, out=self.start[1:])
         self.flat = seq[by]  # point indices, by segment, each segment's in the given order
         present = np.flatnonzero(sizes)
         self.present = present[np.argsort(by[self.start[present]])]  # segments with points, by their first point
-        self._where, self._offset, self._size = ix._where, ix._offset, ix._size
+        self._seg_device, self._seg_index, self._offset, self._size = ix._seg_device, ix._seg_index, ix._offset, ix._size
 
     @property
     def sizes(self) -> np.ndarray:
@@ -133,7 +133,7 @@ class SegmentTable(Mapping[tuple[int, int], list[int]]):
         return found
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
-        return map(self._where.__getitem__, self.present.tolist())  # type: ignore[arg-type]
+        return iter(_pairs(self._seg_device, self._seg_index, self.present))  # type: ignore[arg-type]
 
     def __len__(self) -> int:
         return len(self.present)
@@ -167,24 +167,21 @@ class PhaseIndex:
         self.segments = phase.segments
         pts = self.points = phase.points
         n = len(pts)
-        # Global segment ids: ``where`` names them, ``_where`` gives each as (device, index), None at -1.
-        names: dict[str | None, int] = {}
+        # Global segment ids: ``names`` numbers them; ``_seg_device`` and ``_seg_index`` say where each is (one more
+        # entry, NONE, so that -1 reads NONE)
+        names: dict[str | None, int] = {None: NONE}
         sizes = [len(segs) for segs in phase.segments.values()]
         for segs, first in zip(phase.segments.values(), np.cumsum([0, *sizes]).tolist()):
             names.update(zip(map(_NAME, segs), count(first)))
-        names[None] = NONE
-        self._where: list[tuple[int, int] | None] = [
-            pair for d, size in zip(self.devices, sizes) for pair in zip(repeat(d), range(size))]
-        self._where.append(None)
-        self._seg_device = np.repeat(np.asarray(self.devices, dtype=_I64), sizes)
+        self._seg_device = np.append(np.repeat(np.asarray(self.devices, dtype=_I64), sizes), NONE)
         self._seg_index = np.concatenate([np.arange(size, dtype=_I64) for size in sizes] + [np.asarray([NONE])])
         self._offset = dict(zip(self.devices, np.cumsum([0, *sizes]).tolist()))
         self._size = dict(zip(self.devices, sizes))
         after = list(map(names.__getitem__, map(_AFTER, pts)))
         before = list(map(names.__getitem__, map(_BEFORE, pts)))
-        self.after: list[tuple[int, int] | None] = list(map(self._where.__getitem__, after))
-        self.before: list[tuple[int, int] | None] = list(map(self._where.__getitem__, before))
         self._after, self._before = np.asarray(after, dtype=_I64), np.asarray(before, dtype=_I64)
+        self.after = _pairs(self._seg_device, self._seg_index, self._after)
+        self.before = _pairs(self._seg_device, self._seg_index, self._before)
         self._device = np.fromiter(map(_DEVICE, pts), dtype=_I64, count=n)
         self._collective = _collective_ids(list(map(_COLLECTIVE, pts)))
         self._bytes = np.fromiter(map(_BYTES, pts), dtype=_I64, count=n)
@@ -322,6 +319,15 @@ class PhaseIndex:
             with collector_paused():
                 self._band = _find_band(self)
         return self._band  # type: ignore[return-value]
+
+
+def _pairs(seg_device: np.ndarray, seg_index: np.ndarray, ids: np.ndarray) -> list[tuple[int, int] | None]:
+    """Global segment ids as (device, index on it), None for NONE: made from the arrays for the ids asked for, not
+    kept for every segment (a tuple each for a phase's hundreds of thousands)."""
+    pairs: list[tuple[int, int] | None] = list(zip(seg_device[ids].tolist(), seg_index[ids].tolist()))
+    for j in np.flatnonzero(ids < 0).tolist():
+        pairs[j] = None
+    return pairs
 
 
 def index_of(phase: Phase) -> PhaseIndex:
@@ -465,7 +471,7 @@ def _find_band(ix: PhaseIndex) -> Band | None:
     if not runs:
         return None
     # Per global segment: whether it is in its device's domain (i and i + period both in the run), the period.
-    n_segments = len(ix._where) - 1
+    n_segments = len(ix._seg_device) - 1
     domain = np.zeros(n_segments, dtype=bool)
     period = np.zeros(n_segments, dtype=_I64)
     for d, (p, lo, hi) in runs.items():
