@@ -275,17 +275,17 @@ class PhaseIndex:
 
     @cached_property
     def kind_arrays(self) -> tuple[dict[int, np.ndarray], list[tuple]]:
-        sigs = [list(map(_SIGNATURE, segs)) for segs in self.segments.values()]
-        ids = dict(zip(dict.fromkeys(s for of in sigs for s in of), count()))
-        out = {d: np.fromiter(map(ids.__getitem__, of), dtype=_I64, count=len(of)) for d, of in zip(self.devices, sigs)}
-        return out, list(ids)
-
-    @cached_property
-    def kinds(self) -> tuple[dict[int, list[int]], list[tuple]]:
         """(per device each segment's kind, each kind's (flops, bytes, ctas)): segments with the same
-        signature share a small int, so finding periods and counting segments compare ints, not tuples."""
-        arrays, signatures = self.kind_arrays
-        return {d: kinds.tolist() for d, kinds in arrays.items()}, signatures
+        signature share a small int (numbered by first appearance, devices in order), so finding periods and
+        counting segments compare ints, not tuples. Told apart on arrays of the three values, not by hashing a
+        tuple per segment."""
+        segments = [seg for segs in self.segments.values() for seg in segs]
+        n = len(segments)
+        columns = [np.fromiter(map(attrgetter(name), segments), dtype=np.float64, count=n) for name in ("flops", "bytes", "ctas")]
+        kind, firsts = first_seen(*columns)
+        bounds = np.cumsum([0, *map(len, self.segments.values())]).tolist()
+        out = {d: kind[a:b] for d, a, b in zip(self.devices, bounds[:-1], bounds[1:])}
+        return out, [_SIGNATURE(segments[j]) for j in firsts.tolist()]
 
     @cached_property
     def columns(self) -> PointColumns:
