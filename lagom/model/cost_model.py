@@ -474,27 +474,33 @@ class CostModel:
         cta = g.gemm_cta
         return (cta.stages * (tm + tn) * cta.tile_k + tm * tn) * cta.dtype_bytes
 
+    @cached_property
+    def _gemm_constants(self) -> tuple[float, int, float, float]:
+        """What ``compute_time`` reads of the GPU for every segment: HBM B/s, GEMM CTA slots of the whole GPU,
+        ``tile_fill_bytes`` and GEMM FLOP/s (the search asks for tens of thousands of segments' times)."""
+        g = self.hw.gpu
+        return (g.hbm_gbps * GB * g.hbm_efficiency, g.sms * max(1, self.gemm_ctas_per_sm()), self.tile_fill_bytes(),
+                g.peak_tflops * 1e12 * g.gemm_efficiency)
+
     def compute_time(self, seg: ComputeSegment, running: tuple[RunningComm, ...] = ()) -> float:
         """Seconds for a compute segment while the given collectives run beside it."""
         if not running:
             return self.compute_solo(seg)
         g, con, nccl = self.hw.gpu, self.hw.contention, self.hw.nccl
-        hbm = g.hbm_gbps * GB * g.hbm_efficiency
+        hbm, slots, fill_bytes, flop_rate = self._gemm_constants
         hbm_left = max(0.1 * hbm, hbm - con.hbm_interference * sum(r.hbm_rate for r in running))
         staged = sum(r.ctas * r.config.chunk_bytes * nccl.buffsize_per_chunk for r in running)
         l2 = 1.0 + con.l2_interference * min(1.0, staged / (g.l2_mb * 2**20))
         memory = seg.bytes / hbm_left * l2
         if seg.flops <= 0:
             return memory
-        per_sm = max(1, self.gemm_ctas_per_sm())
-        slots = g.sms * per_sm
         lost = sum(r.ctas * self._lost(self.launched_threads(r.config)) for r in running if r.ctas)
-        grid = self.grid(seg)
+        grid = min(seg.ctas, slots) if g.persistent_gemm else seg.ctas  # ``grid``
         rounds = math.ceil(grid / max(1, slots - lost)) / math.ceil(grid / slots)
         # each tile (each CTA of a persistent GEMM) fills its pipeline once, at the HBM bandwidth left
         fills = grid if g.persistent_gemm else seg.ctas
-        exposed = fills * self.tile_fill_bytes() / hbm
-        flop_t = seg.flops / (g.peak_tflops * 1e12 * g.gemm_efficiency)
+        exposed = fills * fill_bytes / hbm
+        flop_t = seg.flops / flop_rate
         math_t = max(0.0, flop_t - exposed)
         return max(math_t * rounds + min(flop_t, exposed) * hbm / hbm_left * l2, memory)
 

@@ -174,10 +174,14 @@ def estimate(cfg: CommConfig, wins: list[Window], model: CostModel) -> Estimate:
     channels for a small message, none for copy engines (CTA policy ZERO).
     """
     X = Y = added = beyond = 0.0
+    alone: dict[bool, tuple[float, int]] = {}  # the windows are one key's: its instance alone is the same in each
     for w in wins:
         decomposed = cfg.decomposition == "p2p" and bool(w.fused)
         cost = w.costs(decomposed, model)
-        x, first, running = running_instance(cfg, w.point, decomposed, cost.util, bool(cost.alone), model)
+        solo = alone.get(decomposed)
+        if solo is None:
+            solo = alone[decomposed] = instance_alone(cfg, w.point, decomposed, model)
+        x, first, running = running_instance(cfg, w.point, decomposed, cost.util, bool(cost.alone), model, solo)
         slow = _inflation(x, cost, (running,), model)
         X += x * w.repeat
         Y += slow * w.repeat
@@ -186,21 +190,28 @@ def estimate(cfg: CommConfig, wins: list[Window], model: CostModel) -> Estimate:
     return Estimate(X, Y, added, beyond)
 
 
-def running_instance(cfg: CommConfig, p: OverlapPoint, decomposed: bool, util: float, beside_compute: bool,
-              model: CostModel) -> tuple[float, float, RunningComm]:
-    """One instance of a collective beside compute of HBM share ``util``: its seconds (a decomposition's
-    steps after the first), its first P2P step's seconds (0 undecomposed), and what it takes from the
-    compute beside it (HBM rate, CTAs)."""
-    wait = model.launch_wait(cfg) if beside_compute else 0.0
+def instance_alone(cfg: CommConfig, p: OverlapPoint, decomposed: bool, model: CostModel) -> tuple[float, int]:
+    """What does not depend on the compute beside one instance of a collective: its seconds alone (a
+    decomposition's: one P2P step's) and the CTAs NCCL launches for it."""
     if decomposed:
         n = p.group.size * cfg.num_chunks
-        step = model.p2p_step_time(p.group, p.bytes / n, cfg, util)
-        step = _waited(step, model.p2p_step_time(p.group, p.bytes / n, cfg), wait)
+        return (model.p2p_step_time(p.group, p.bytes / n, cfg),
+                model.launch_shape(Collective.SEND_RECV, model.p2p_group(p.group), int(p.bytes / n), cfg)[0])
+    return model.comm_time(p.collective, p.group, p.bytes, cfg), model.launch_shape(p.collective, p.group, int(p.bytes), cfg)[0]
+
+
+def running_instance(cfg: CommConfig, p: OverlapPoint, decomposed: bool, util: float, beside_compute: bool,
+                     model: CostModel, alone: tuple[float, int] | None = None) -> tuple[float, float, RunningComm]:
+    """One instance of a collective beside compute of HBM share ``util``: its seconds (a decomposition's
+    steps after the first), its first P2P step's seconds (0 undecomposed), and what it takes from the
+    compute beside it (HBM rate, CTAs). ``alone``: its ``instance_alone``, where the caller has it."""
+    wait = model.launch_wait(cfg) if beside_compute else 0.0
+    solo, ctas = alone or instance_alone(cfg, p, decomposed, model)
+    if decomposed:
+        n = p.group.size * cfg.num_chunks
+        step = _waited(model.p2p_step_time(p.group, p.bytes / n, cfg, util), solo, wait)
         x, first = step * (n - cfg.num_chunks), step
-        ctas = model.launch_shape(Collective.SEND_RECV, model.p2p_group(p.group), int(p.bytes / n), cfg)[0]
     else:
-        x = model.comm_time(p.collective, p.group, p.bytes, cfg, util)
-        x, first = _waited(x, model.comm_time(p.collective, p.group, p.bytes, cfg), wait), 0.0
-        ctas = model.launch_shape(p.collective, p.group, int(p.bytes), cfg)[0]
+        x, first = _waited(model.comm_time(p.collective, p.group, p.bytes, cfg, util), solo, wait), 0.0
     rate = model.comm_hbm_rate(p.collective, p.group, p.bytes, x, None if decomposed else cfg) if x > 0 else 0.0
     return x, first, RunningComm(cfg, rate, ctas)
