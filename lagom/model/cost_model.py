@@ -76,6 +76,12 @@ class CostModel:
         self._comm = lru_cache(maxsize=200_000)(self._comm_time)
         self._lost = lru_cache(maxsize=1024)(self._slots_lost)
         self._p2p = lru_cache(maxsize=65_536)(self._p2p_channels)
+        # what compute_time reads of the GPU for every segment (a search asks for tens of thousands): HBM B/s, GEMM
+        # CTA slots of the whole GPU, tile_fill_bytes and GEMM FLOP/s. Set here, not on first use: a model's
+        # attributes are its state to the simulator (simulator._model_state)
+        g = hw.gpu
+        self._gemm_constants = (g.hbm_gbps * GB * g.hbm_efficiency, g.sms * max(1, self.gemm_ctas_per_sm()),
+                                self.tile_fill_bytes(), g.peak_tflops * 1e12 * g.gemm_efficiency)
 
     #: this model prices collectives as NCCL's own tuning does (``as_nccl_tunes``), not as they run
     nccl_tuning = False
@@ -473,14 +479,6 @@ class CostModel:
         tm, tn = g.gemm_tile
         cta = g.gemm_cta
         return (cta.stages * (tm + tn) * cta.tile_k + tm * tn) * cta.dtype_bytes
-
-    @cached_property
-    def _gemm_constants(self) -> tuple[float, int, float, float]:
-        """What ``compute_time`` reads of the GPU for every segment: HBM B/s, GEMM CTA slots of the whole GPU,
-        ``tile_fill_bytes`` and GEMM FLOP/s (the search asks for tens of thousands of segments' times)."""
-        g = self.hw.gpu
-        return (g.hbm_gbps * GB * g.hbm_efficiency, g.sms * max(1, self.gemm_ctas_per_sm()), self.tile_fill_bytes(),
-                g.peak_tflops * 1e12 * g.gemm_efficiency)
 
     def compute_time(self, seg: ComputeSegment, running: tuple[RunningComm, ...] = ()) -> float:
         """Seconds for a compute segment while the given collectives run beside it."""
