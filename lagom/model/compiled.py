@@ -31,7 +31,7 @@ import numpy as np
 
 from lagom.errors import ConfigError, LagomError
 from lagom.model.lowering import COMPUTE, END, Lowering
-from lagom.model.phase_index import SLOT
+from lagom.model.phase_index import SLOT, first_seen
 from lagom.nccl_tuner.build import EVENT_LOOP, LIBRARY_DIR
 from lagom.step.graph import Collective
 from lagom.step.points import collector_paused
@@ -365,7 +365,8 @@ def lower(lowering: Lowering) -> PhaseArrays:
         return _lower(lowering)
 
 
-def _lower(lowering: Lowering) -> PhaseArrays:
+def _lower(lowering: Lowering, at_once: bool = True) -> PhaseArrays:
+    """``at_once=False``: walk every queue even where nothing is split (what ``_WholeQueues`` is tested against)."""
     ix = lowering.ix
     queues = lowering.queues
     band = _Band(lowering)
@@ -374,6 +375,9 @@ def _lower(lowering: Lowering) -> PhaseArrays:
     cost_ids: dict[tuple, int] = {}
     cost_task: list[tuple[int, int]] = []
     per_queue: list[_Rows] = []
+    if at_once and not lowering.chunks:  # nothing split: every queue's rows at once (what the walk below finds, task by task)
+        whole = _WholeQueues(lowering, devices, dense, cost_ids, cost_task)
+        return _arrays(lowering, [whole.rows(q) for q in range(len(queues))], devices, dense, cost_ids, cost_task)
     for q, queue in enumerate(queues):
         shapes = lowering.shapes[q]
         parts: list[_Rows] = []
@@ -411,6 +415,84 @@ def _lower(lowering: Lowering) -> PhaseArrays:
         parts.append(walk.rows())
         per_queue.append(_Rows.join(parts))
     return _arrays(lowering, per_queue, devices, dense, cost_ids, cost_task)
+
+
+class _WholeQueues:
+    """A phase's queues where no decomposition splits anything, each worked out at once on the index's arrays:
+    a compute queue's tasks are its device's segments, each waiting for the collectives the index's ``waits``
+    table gives it and waking the streams of those it releases; a communicator stream's are its collectives in
+    issue order, each waiting for the segment that releases it and waking the compute queue of the one that
+    waits for it. The same rows as ``_lower``'s walk through the lowering's shapes, costs numbered in the same
+    order (queue by queue, by first appearance); tested against it."""
+
+    def __init__(self, lowering: Lowering, devices: list[int], dense: dict[int, int], cost_ids: dict[tuple, int],
+                 cost_task: list[tuple[int, int]]) -> None:
+        self.lowering, self.ix = lowering, lowering.ix
+        self.devices, self.dense, self.cost_ids, self.cost_task = devices, dense, cost_ids, cost_task
+        self.stream_queue = np.full(len(self.ix.streams), -1, dtype=np.int64)
+        self.stream_queue[list(lowering.stream_queue)] = list(lowering.stream_queue.values())
+        self.compute_queue = np.full(max(self.ix.devices, default=0) + 1, -1, dtype=np.int64)
+        self.compute_queue[list(lowering.compute_queue)] = list(lowering.compute_queue.values())
+
+    def _costs(self, q: int, pos: np.ndarray, kind: np.ndarray, cost_of: Any) -> np.ndarray:
+        """Cost ids of rows of kinds ``kind`` (small ints): a kind's cost (``cost_of(kind)``) numbered where it
+        first appears, as the walk numbers them."""
+        found, firsts = first_seen(kind)
+        ids = np.asarray([self.cost_ids.setdefault(cost, len(self.cost_ids)) for cost in map(cost_of, kind[firsts].tolist())],
+                         dtype=np.int32)
+        for at, k in zip(pos[firsts].tolist(), ids.tolist()):
+            if k == len(self.cost_task):
+                self.cost_task.append((q, at))
+        return ids[found]
+
+    def rows(self, q: int) -> _Rows:
+        queue = self.lowering.queues[q]
+        return self._compute(q, queue.device) if queue.kind == COMPUTE else self._stream(q, queue.stream)
+
+    def _compute(self, q: int, d: int) -> _Rows:
+        ix = self.ix
+        n, first = ix._size[d], ix._offset[d]
+        pos = np.arange(n, dtype=np.int64) * SLOT
+        kinds, signatures = ix.kind_arrays
+        waits = ix.waits
+        points = waits.flat[waits.start[first]:waits.start[first + n]]
+        wake_of, n_wake = self._wakes(first, n)
+        return _Rows(pos, np.zeros(n, np.uint8), np.ones(n, np.uint8), np.ones(n, np.uint8),
+                     np.full(n, self.dense[d], np.int32), self._costs(q, pos, kinds[d], signatures.__getitem__),
+                     np.ones(n, np.int32), np.full(n, self.dense[d], np.int32), waits.counts(d).astype(np.int32),
+                     self.stream_queue[ix._stream_of[points]].astype(np.int32), ix._slot[points].astype(np.int64),
+                     n_wake, wake_of)
+
+    def _wakes(self, first: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per segment, the streams of the collectives its end releases, each once, in issue order."""
+        releases = self.ix.releases
+        points = releases.flat[releases.start[first]:releases.start[first + n]]
+        segment = np.repeat(np.arange(n, dtype=np.int64), releases.sizes[first:first + n])
+        queue = self.stream_queue[self.ix._stream_of[points]]
+        _, once = np.unique(segment * len(self.lowering.queues) + queue, return_index=True)
+        once.sort()
+        return queue[once].astype(np.int32), np.bincount(segment[once], minlength=n).astype(np.int32)
+
+    def _stream(self, q: int, k: int) -> _Rows:
+        ix = self.ix
+        points = ix._stream_points[k]
+        n = len(points)
+        pos = np.arange(n, dtype=np.int64)
+        after, before = ix._after[points], ix._before[points]
+        after, before = after[after >= 0], before[before >= 0]
+        for d in ix.streams[k].devices:
+            if d not in self.dense:
+                self.dense[d] = len(self.devices)
+                self.devices.append(d)
+        devices = [self.dense[d] for d in ix.streams[k].devices]
+        key = ix.columns.key[points]
+        return _Rows(pos, np.ones(n, np.uint8), np.ones(n, np.uint8), np.ones(n, np.uint8),
+                     np.full(n, self.dense[ix.streams[k].device], np.int32),
+                     self._costs(q, pos, key, lambda number: (ix.key(int(ix.columns.key_first[number])), False)),
+                     np.full(n, len(devices), np.int32), np.tile(np.asarray(devices, np.int32), n),
+                     (ix._after[points] >= 0).astype(np.int32), self.compute_queue[ix._seg_device[after]].astype(np.int32),
+                     ix._seg_index[after] * SLOT, (ix._before[points] >= 0).astype(np.int32),
+                     self.compute_queue[ix._seg_device[before]].astype(np.int32))
 
 
 def _arrays(lowering: Lowering, per_queue: list[_Rows], devices: list[int], dense: dict[int, int],
