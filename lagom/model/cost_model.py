@@ -76,6 +76,7 @@ class CostModel:
         self._comm = lru_cache(maxsize=200_000)(self._comm_time)
         self._lost = lru_cache(maxsize=1024)(self._slots_lost)
         self._p2p = lru_cache(maxsize=65_536)(self._p2p_channels)
+        self._channel_cap = lru_cache(maxsize=256)(channel_cap)  # checks its arguments each call; asked per estimate
         # what compute_time reads of the GPU for every segment (a search asks for tens of thousands): HBM B/s, GEMM
         # CTA slots of the whole GPU, tile_fill_bytes and GEMM FLOP/s. Set here, not on first use: a model's
         # attributes are its state to the simulator (simulator._model_state)
@@ -179,7 +180,7 @@ class CostModel:
             while nbytes < channels * threads * per_thread and threads % 128 == 0:
                 threads //= 2
             if cfg.by_tuner:
-                channels = min(cfg.channels, channel_cap(str(cfg.algorithm), group.nodes, self.hw.nccl.max_channels))
+                channels = min(cfg.channels, self._channel_cap(str(cfg.algorithm), group.nodes, self.hw.nccl.max_channels))
         if cfg.cta_policy == CTAPolicy.EFFICIENCY:
             link_bw, _, kind = self._links(group, cfg.transport)
             per_channel = self.hw.nccl.channel_gbps[kind] * GB * min(1.0, threads / self.hw.nccl.threads_saturation)
@@ -271,7 +272,7 @@ class CostModel:
         slow = 1.0 + self.hw.contention.comm_slowdown_per_hbm_util * util
         if channels == 0:
             return self._copy_engine_time(coll, group, nbytes, link_bw / slow)
-        run = replace(cfg, channels=channels, threads=threads)
+        run = cfg if (channels, threads) == (cfg.channels, cfg.threads) else replace(cfg, channels=channels, threads=threads)
         latency = self.latency(coll, group, run)
         if cfg.algorithm == Algorithm.NVLS:
             return latency + self._nvls_time(coll, group, nbytes, run, link_bw, slow)
