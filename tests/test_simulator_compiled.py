@@ -26,7 +26,7 @@ from lagom.hardware import load_hardware
 from lagom.model import compiled, simulator
 from lagom.model.calibrated import CalibratedModel
 from lagom.model.cost_model import CostModel
-from lagom.model.lowering import Lowering
+from lagom.model.lowering import Lowering, split_of
 from lagom.model.phase_index import index_of
 from lagom.model.simulator import Simulator, StepResult
 from lagom.plan.comm_config import CommConfig, Decomposition, default_config
@@ -367,23 +367,27 @@ def _same_arrays(lowering_of) -> None:
 
 
 @pytest.mark.parametrize("name", [n for n in workload_names() if n not in SLOW] + ["gpt3-13b-pp4"])
-def test_queues_lowered_at_once_where_nothing_is_split_are_the_walks_rows(name):
+def test_phases_lowered_at_once_are_the_walks_rows(name):
+    """Nothing split, and every collective a decomposition applies to split into P2P steps of one and of two
+    chunks per peer (all-gathers and reduce-scatters both, on the jobs that have them)."""
     wl = load_workload(name)
     if name == "gpt3-13b-pp4":  # 8 micro-batches: warm-up, a band and cool-down on every stage
         wl = replace(wl, training=replace(wl.training, global_batch=8 * wl.training.micro_batch * wl.parallel.dp))
-    graph = problem_for(wl, load_hardware(wl.hardware)).graph
-    for phase in graph.phases:
-        for band in (True, False):
-            _same_arrays(lambda: Lowering(index_of(phase), frozenset(), band))
+    problem = problem_for(wl, load_hardware(wl.hardware))
+    splittable = [key for key, points in problem.keys.items()
+                  if points[0].collective in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER) and any(p.fuse_with for p in points)]
+    for phase in problem.graph.phases:
+        for split in (frozenset(), *(frozenset((key, chunks) for key in splittable) for chunks in (1, 2))):
+            for band in (True, False):
+                _same_arrays(lambda: Lowering(index_of(phase), split, band))
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(pipelines())
 def test_random_phases_lowered_at_once_are_the_walks_rows(case):
-    graph, _ = case
+    graph, configs = case
     try:
-        Lowering(index_of(graph.phases[0]), frozenset(), True)
-        compiled._lower(Lowering(index_of(graph.phases[0]), frozenset(), True), at_once=False)
+        compiled._lower(Lowering(index_of(graph.phases[0]), split_of(configs), True), at_once=False)
     except LagomError:  # a drawn graph the lowering refuses: the simulator tests check it refuses alike
         return
-    _same_arrays(lambda: Lowering(index_of(graph.phases[0]), frozenset(), True))
+    _same_arrays(lambda: Lowering(index_of(graph.phases[0]), split_of(configs), True))

@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from lagom.errors import ConfigError, LagomError
-from lagom.model.lowering import COMPUTE, END, Lowering
-from lagom.model.phase_index import SLOT, first_seen
+from lagom.model.lowering import COMPUTE, END, P2P, Lowering
+from lagom.model.phase_index import NONE, SLOT, first_seen
 from lagom.nccl_tuner.build import EVENT_LOOP, LIBRARY_DIR
 from lagom.step.graph import Collective
 from lagom.step.points import collector_paused
@@ -49,6 +49,7 @@ TILE_BLOCK = 64  # periods a lowering tests for copying at once (numpy over the 
 # the loop is fifty times faster (a resumed run redoes about a millisecond); and at most so many checkpoints a
 # run, further apart in a larger phase (each holds every queue's state: 15 kB at 94 queues, so 15 MB at most).
 # Only the part of a run past the pipeline's steady band keeps any, so a run keeps far fewer than the cap.
+_ALL_GATHER = list(Collective).index(Collective.ALL_GATHER)  # PhaseIndex numbers collectives by their place
 CHECKPOINT_EVERY = 4096
 CHECKPOINTS_PER_RUN = 1024
 
@@ -357,16 +358,19 @@ def _tile(lowering: Lowering, band: _Band, q: int, prev: _Rows, pos: int) -> tup
 
 
 def lower(lowering: Lowering) -> PhaseArrays:
-    """Every task of the phase, walked queue by queue from its first position. In the periodic band a period
-    whose every task is the image of one a period back is copied as arrays, a period at once; other tasks are
-    worked out through the lowering's shapes, which are dropped once the walk is a period past them, so memory
-    holds the arrays, not the shapes."""
+    """Every task of the phase as arrays, worked out at once on the phase index's arrays (``_AtOnce``).
+
+    The walk (``_lower(at_once=False)``) is what those rows are checked against and the fallback where they would
+    not be its rows (a split collective on a group of one rank): queue by queue from its first position through
+    the lowering's shapes, the ones the Python loop runs on. In the periodic band a period whose every task is
+    the image of one a period back is copied as arrays, a period at once; the shapes are dropped once the walk
+    is a period past them, so memory holds the arrays, not the shapes."""
     with collector_paused():
         return _lower(lowering)
 
 
 def _lower(lowering: Lowering, at_once: bool = True) -> PhaseArrays:
-    """``at_once=False``: walk every queue even where nothing is split (what ``_WholeQueues`` is tested against)."""
+    """``at_once=False``: walk every queue (what ``_AtOnce`` is tested against)."""
     ix = lowering.ix
     queues = lowering.queues
     band = _Band(lowering)
@@ -375,9 +379,10 @@ def _lower(lowering: Lowering, at_once: bool = True) -> PhaseArrays:
     cost_ids: dict[tuple, int] = {}
     cost_task: list[tuple[int, int]] = []
     per_queue: list[_Rows] = []
-    if at_once and not lowering.chunks:  # nothing split: every queue's rows at once (what the walk below finds, task by task)
-        whole = _WholeQueues(lowering, devices, dense, cost_ids, cost_task)
-        return _arrays(lowering, [whole.rows(q) for q in range(len(queues))], devices, dense, cost_ids, cost_task)
+    if at_once:  # every queue's rows at once (what the walk below finds, task by task)
+        whole = _AtOnce(lowering, devices, dense, cost_ids, cost_task)
+        if whole.exact:
+            return _arrays(lowering, [whole.rows(q) for q in range(len(queues))], devices, dense, cost_ids, cost_task)
     for q, queue in enumerate(queues):
         shapes = lowering.shapes[q]
         parts: list[_Rows] = []
@@ -417,82 +422,231 @@ def _lower(lowering: Lowering, at_once: bool = True) -> PhaseArrays:
     return _arrays(lowering, per_queue, devices, dense, cost_ids, cost_task)
 
 
-class _WholeQueues:
-    """A phase's queues where no decomposition splits anything, each worked out at once on the index's arrays:
-    a compute queue's tasks are its device's segments, each waiting for the collectives the index's ``waits``
-    table gives it and waking the streams of those it releases; a communicator stream's are its collectives in
-    issue order, each waiting for the segment that releases it and waking the compute queue of the one that
-    waits for it. The same rows as ``_lower``'s walk through the lowering's shapes, costs numbered in the same
-    order (queue by queue, by first appearance); tested against it."""
+class _AtOnce:
+    """Every queue's rows of a phase worked out at once on the index's arrays: the rows ``_lower``'s walk through
+    the lowering's shapes finds task by task (tested against it), costs numbered in the same order (queue by
+    queue, where each first appears). Per segment, the point whose decomposition splits it (the first candidate
+    whose key the lowering splits) and so its pieces; then
+      a compute queue: each segment's pieces, waiting for a split all-gather's P2P steps or a split
+        reduce-scatter's partials, and the first piece for what the segment waits for (split reduce-scatters'
+        reduces by device and segment, then collectives in the ``waits`` table's order); the last piece wakes
+        the streams of what the segment releases;
+      a P2P queue: the steps of each segment split on its group, after the segment releasing a split all-gather
+        or after the piece a reduce-scatter's partial comes from;
+      a communicator stream: its collectives not split, each after the last piece of the segment releasing it."""
 
     def __init__(self, lowering: Lowering, devices: list[int], dense: dict[int, int], cost_ids: dict[tuple, int],
                  cost_task: list[tuple[int, int]]) -> None:
-        self.lowering, self.ix = lowering, lowering.ix
-        self.devices, self.dense, self.cost_ids, self.cost_task = devices, dense, cost_ids, cost_task
-        self.stream_queue = np.full(len(self.ix.streams), -1, dtype=np.int64)
+        ix = self.ix = lowering.ix
+        self.lowering, self.devices, self.dense, self.cost_ids, self.cost_task = lowering, devices, dense, cost_ids, cost_task
+        self.stream_queue = np.full(len(ix.streams), -1, dtype=np.int64)
         self.stream_queue[list(lowering.stream_queue)] = list(lowering.stream_queue.values())
-        self.compute_queue = np.full(max(self.ix.devices, default=0) + 1, -1, dtype=np.int64)
+        self.compute_queue = np.full(max(ix.devices, default=0) + 1, -1, dtype=np.int64)
         self.compute_queue[list(lowering.compute_queue)] = list(lowering.compute_queue.values())
+        self.key = ix.columns.key
+        self.chunks = np.asarray([lowering.chunks.get(ix.key(j), 0) for j in ix.columns.key_first.tolist()], dtype=np.int64)
+        groups, firsts = np.unique(ix._group, return_index=True)
+        size = np.zeros(len(groups), dtype=np.int64)
+        size[groups] = [ix.points[j].group.size for j in firsts.tolist()]
+        names, firsts = np.unique(ix._group_name, return_index=True)
+        self.group_name = dict(zip(names.tolist(), (ix.points[j].group.name for j in firsts.tolist())))  # number -> name
+        self.rank = np.zeros(max(ix.devices, default=0) + 1, dtype=np.int64)
+        self.rank[ix.devices] = np.arange(len(ix.devices))
+        segments = len(ix._seg_device) - 1
+        table = ix.candidates
+        split = np.flatnonzero(self.chunks[self.key[table.flat]] > 0)
+        by, first = np.unique(np.repeat(np.arange(segments), table.sizes)[split], return_index=True)
+        self.fused = np.full(segments + 1, NONE, dtype=np.int64)  # one more: -1 reads NONE
+        self.fused[by] = table.flat[split[first]]
+        j = np.maximum(self.fused[:-1], 0)
+        k = np.where(self.fused[:-1] >= 0, self.chunks[self.key[j]], 0)
+        n_k = size[ix._group[j]] * k
+        self.ag = (self.fused[:-1] >= 0) & (ix._collective[j] == _ALL_GATHER)
+        self.k = k
+        self.count = np.where(self.fused[:-1] < 0, 1, np.where(self.ag, n_k, n_k + 1))  # pieces on the compute queue
+        self.steps = n_k - k  # P2P steps
+        self.splits_nothing = bool((self.fused[:-1] >= 0)[self.steps <= 0].any())
+        self.decomposed = (ix._fused >= 0) & (self.fused[ix._fused] == np.arange(len(ix.points)))
 
-    def _costs(self, q: int, pos: np.ndarray, kind: np.ndarray, cost_of: Any) -> np.ndarray:
-        """Cost ids of rows of kinds ``kind`` (small ints): a kind's cost (``cost_of(kind)``) numbered where it
-        first appears, as the walk numbers them."""
-        found, firsts = first_seen(kind)
-        ids = np.asarray([self.cost_ids.setdefault(cost, len(self.cost_ids)) for cost in map(cost_of, kind[firsts].tolist())],
-                         dtype=np.int32)
-        for at, k in zip(pos[firsts].tolist(), ids.tolist()):
-            if k == len(self.cost_task):
-                self.cost_task.append((q, at))
-        return ids[found]
+    @property
+    def exact(self) -> bool:
+        """Whether the rows are the walk's: not where a split point's group has one rank (no P2P steps)."""
+        return not self.splits_nothing
 
     def rows(self, q: int) -> _Rows:
         queue = self.lowering.queues[q]
-        return self._compute(q, queue.device) if queue.kind == COMPUTE else self._stream(q, queue.stream)
+        if queue.kind == COMPUTE:
+            return self._compute(q, queue.device)
+        return self._p2p(q, queue.device, queue.group) if queue.kind == P2P else self._stream(q, queue.stream)
+
+    def _last(self, segment: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(queue, position) of the task finishing each global segment: its last piece (``Lowering.last_of``)."""
+        return (self.compute_queue[self.ix._seg_device[segment]],
+                self.ix._seg_index[segment] * SLOT + self.count[segment] - 1)
+
+    def _costs(self, q: int, pos: np.ndarray, columns: tuple[np.ndarray, ...], cost_of: Any) -> np.ndarray:
+        """Cost ids of rows told apart by ``columns``: each distinct row's cost (``cost_of(row)``) numbered where it
+        first appears."""
+        found, firsts = first_seen(*columns)
+        ids = [self.cost_ids.setdefault(cost, len(self.cost_ids)) for cost in map(cost_of, firsts.tolist())]
+        for at, c in zip(pos[firsts].tolist(), ids):
+            if c == len(self.cost_task):
+                self.cost_task.append((q, at))
+        return np.asarray(ids, dtype=np.int32)[found]
+
+    def _p2p_queue(self, d: int, points: np.ndarray) -> np.ndarray:
+        """The P2P queue of each point's group on device ``d``."""
+        names, inverse = np.unique(self.ix._group_name[points], return_inverse=True)
+        return np.asarray([self.lowering.p2p_queue[(d, self.group_name[n])] for n in names.tolist()], dtype=np.int64)[inverse]
 
     def _compute(self, q: int, d: int) -> _Rows:
         ix = self.ix
-        n, first = ix._size[d], ix._offset[d]
-        pos = np.arange(n, dtype=np.int64) * SLOT
+        segs = np.arange(ix._offset[d], ix._offset[d] + ix._size[d], dtype=np.int64)
+        count = self.count[segs]
+        seg = np.repeat(segs, count)  # each row's global segment
+        row_of = np.cumsum(count) - count  # each segment's first row
+        piece = np.arange(len(seg), dtype=np.int64) - np.repeat(row_of, count)
+        i = ix._seg_index[seg]
+        pos = i * SLOT + piece
+        j = self.fused[seg]
+        split = j >= 0
+        last = piece == self.count[seg] - 1
+        reduce = split & ~self.ag[seg] & last
         kinds, signatures = ix.kind_arrays
-        waits = ix.waits
-        points = waits.flat[waits.start[first]:waits.start[first + n]]
-        wake_of, n_wake = self._wakes(first, n)
-        return _Rows(pos, np.zeros(n, np.uint8), np.ones(n, np.uint8), np.ones(n, np.uint8),
-                     np.full(n, self.dense[d], np.int32), self._costs(q, pos, kinds[d], signatures.__getitem__),
-                     np.ones(n, np.int32), np.full(n, self.dense[d], np.int32), waits.counts(d).astype(np.int32),
-                     self.stream_queue[ix._stream_of[points]].astype(np.int32), ix._slot[points].astype(np.int64),
-                     n_wake, wake_of)
+        key = np.where(split, self.key[np.maximum(j, 0)], NONE)
 
-    def _wakes(self, first: int, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """Per segment, the streams of the collectives its end releases, each once, in issue order."""
-        releases = self.ix.releases
-        points = releases.flat[releases.start[first]:releases.start[first + n]]
-        segment = np.repeat(np.arange(n, dtype=np.int64), releases.sizes[first:first + n])
-        queue = self.stream_queue[self.ix._stream_of[points]]
-        _, once = np.unique(segment * len(self.lowering.queues) + queue, return_index=True)
+        def cost_of(r: int) -> tuple:
+            s = ix.segments[d][int(i[r])]
+            if not split[r]:
+                return (s.flops, s.bytes, s.ctas)
+            p = ix.points[int(j[r])]
+            n, k = p.group.size, int(self.k[seg[r]])
+            if reduce[r]:
+                return (0.0, p.bytes / n * (n + 1), max(1, p.bytes // n // 4096))
+            return (s.flops / (n * k), s.bytes / (n * k), max(1, s.ctas // (n * k)))
+
+        cost = self._costs(q, pos, (kinds[d][i], key, reduce), cost_of)
+        # dependencies: (row, order, minor, queue, position) entries sorted by row, order, minor
+        entries: list[tuple[np.ndarray, ...]] = []
+        sp = np.flatnonzero(split)
+        p2p = np.full(len(seg), NONE, dtype=np.int64)
+        if len(sp):
+            p2p[sp] = self._p2p_queue(d, j[sp])
+            k = self.k[seg]
+            gather = np.flatnonzero(split & self.ag[seg] & (piece >= k))  # a peer's block waits for its transfer
+            entries.append((gather, np.zeros_like(gather), np.zeros_like(gather), p2p[gather], pos[gather] - k[gather]))
+            rs = np.flatnonzero(reduce)  # the reduce waits for every peer's partial
+            steps = self.steps[seg[rs]]
+            at = np.repeat(rs, steps)
+            step = np.arange(len(at), dtype=np.int64) - np.repeat(np.cumsum(steps) - steps, steps)
+            entries.append((at, np.zeros_like(at), step, p2p[at], i[at] * SLOT + step))
+        entries += self._waits(segs, row_of)
+        n_dep, dep_queue, dep_pos = _gathered(len(seg), entries)
+        # wakes: the last piece wakes what the segment's end releases, then (a reduce) the compute waiting for it
+        wakes = self._ending(segs, row_of + count - 1)
+        before = ix._before[np.maximum(j, 0)]
+        woken = np.flatnonzero(reduce & (before >= 0))
+        wakes.append((woken, np.ones_like(woken), np.zeros_like(woken), self.compute_queue[ix._seg_device[before[woken]]],
+                      np.zeros_like(woken)))
+        partial = np.flatnonzero(split & ~self.ag[seg] & ~last & (piece < self.steps[seg]))  # its send waits for it
+        wakes.append((partial, np.zeros_like(partial), np.zeros_like(partial), p2p[partial], np.zeros_like(partial)))
+        n_wake, wake, _ = _gathered(len(seg), wakes)
+        rows = len(seg)
+        return _Rows(pos, np.zeros(rows, np.uint8), np.ones(rows, np.uint8), np.ones(rows, np.uint8),
+                     np.full(rows, self.dense[d], np.int32), cost, np.ones(rows, np.int32), np.full(rows, self.dense[d], np.int32),
+                     n_dep, dep_queue, dep_pos, n_wake, wake)
+
+    def _waits(self, segs: np.ndarray, row: np.ndarray) -> list[tuple[np.ndarray, ...]]:
+        """What each segment's first piece (row ``row``) waits for: split reduce-scatters' reduces by device rank and
+        segment, then collectives not split in the ``waits`` table's order (a split all-gather feeds its pieces)."""
+        ix, table = self.ix, self.ix.waits
+        lo, hi = int(table.start[segs[0]]) if len(segs) else 0, int(table.start[segs[-1] + 1]) if len(segs) else 0
+        points = table.flat[lo:hi]
+        at = np.repeat(row, table.sizes[segs])
+        order = np.arange(len(points), dtype=np.int64)
+        decomposed = self.decomposed[points]
+        colls = ~decomposed
+        reduces = decomposed & (ix._collective[points] != _ALL_GATHER)
+        fuse = ix._fused[points[reduces]]
+        queue, pos = self._last(fuse)
+        by_rank = self.rank[ix._seg_device[fuse]] * len(ix._seg_device) + ix._seg_index[fuse]
+        return [(at[reduces], np.ones(len(fuse), np.int64), by_rank, queue, pos),
+                (at[colls], np.full(int(colls.sum()), 2, np.int64), order[colls], self.stream_queue[ix._stream_of[points[colls]]],
+                 ix._slot[points[colls]])]
+
+    def _ending(self, segs: np.ndarray, row: np.ndarray) -> list[tuple[np.ndarray, ...]]:
+        """What each segment's last piece (row ``row``) wakes: the streams of the collectives its end releases and the
+        P2P queues of split all-gathers it releases, each once, in issue order (``Lowering._ending``)."""
+        ix, table = self.ix, self.ix.releases
+        lo, hi = int(table.start[segs[0]]) if len(segs) else 0, int(table.start[segs[-1] + 1]) if len(segs) else 0
+        points = table.flat[lo:hi]
+        at = np.repeat(row, table.sizes[segs])
+        queue = self.stream_queue[ix._stream_of[points]]
+        gathers = np.flatnonzero(self.decomposed[points] & (ix._collective[points] == _ALL_GATHER))
+        for d in np.unique(ix._device[points[gathers]]).tolist():
+            mine = gathers[ix._device[points[gathers]] == d]
+            queue[mine] = self._p2p_queue(d, points[mine])
+        keep = ~self.decomposed[points] | (ix._collective[points] == _ALL_GATHER)
+        at, queue = at[keep], queue[keep]
+        _, once = np.unique(at * (len(self.lowering.queues) + 1) + queue, return_index=True)
         once.sort()
-        return queue[once].astype(np.int32), np.bincount(segment[once], minlength=n).astype(np.int32)
+        return [(at[once], np.zeros(len(once), np.int64), once, queue[once], np.zeros(len(once), np.int64))]
+
+    def _p2p(self, q: int, d: int, group: str) -> _Rows:
+        ix = self.ix
+        segs = np.arange(ix._offset[d], ix._offset[d] + ix._size[d], dtype=np.int64)
+        j = self.fused[segs]
+        number = next(n for n, name in self.group_name.items() if name == group)
+        mine = (j >= 0) & (ix._group_name[np.maximum(j, 0)] == number)
+        segs, j = segs[mine], j[mine]
+        steps = self.steps[segs]
+        seg = np.repeat(segs, steps)
+        jr = np.repeat(j, steps)
+        step = np.arange(len(seg), dtype=np.int64) - np.repeat(np.cumsum(steps) - steps, steps)
+        i = ix._seg_index[seg]
+        pos = i * SLOT + step
+        rows = len(seg)
+        cost = self._costs(q, pos, (self.key[jr],), lambda r: (ix.key(int(jr[r])), True))
+        gather = self.ag[seg]
+        after = ix._after[jr]
+        released = gather & (after >= 0)
+        queue, last = self._last(after[released])
+        dep_queue = np.full(rows, self.compute_queue[d], dtype=np.int64)
+        dep_pos = i * SLOT + step
+        dep_queue[released], dep_pos[released] = queue, last
+        has_dep = ~gather | released
+        return _Rows(pos, np.ones(rows, np.uint8), (step == 0).astype(np.uint8), (step == steps.repeat(steps) - 1).astype(np.uint8),
+                     np.full(rows, self.dense[d], np.int32), cost, np.ones(rows, np.int32), np.full(rows, self.dense[d], np.int32),
+                     has_dep.astype(np.int32), dep_queue[has_dep].astype(np.int32), dep_pos[has_dep],
+                     np.ones(rows, np.int32), np.full(rows, self.compute_queue[d], np.int32))
 
     def _stream(self, q: int, k: int) -> _Rows:
         ix = self.ix
         points = ix._stream_points[k]
-        n = len(points)
-        pos = np.arange(n, dtype=np.int64)
+        points = points[~self.decomposed[points]]
+        rows = len(points)
+        pos = ix._slot[points].astype(np.int64)
         after, before = ix._after[points], ix._before[points]
-        after, before = after[after >= 0], before[before >= 0]
         for d in ix.streams[k].devices:
             if d not in self.dense:
                 self.dense[d] = len(self.devices)
                 self.devices.append(d)
         devices = [self.dense[d] for d in ix.streams[k].devices]
-        key = ix.columns.key[points]
-        return _Rows(pos, np.ones(n, np.uint8), np.ones(n, np.uint8), np.ones(n, np.uint8),
-                     np.full(n, self.dense[ix.streams[k].device], np.int32),
-                     self._costs(q, pos, key, lambda number: (ix.key(int(ix.columns.key_first[number])), False)),
-                     np.full(n, len(devices), np.int32), np.tile(np.asarray(devices, np.int32), n),
-                     (ix._after[points] >= 0).astype(np.int32), self.compute_queue[ix._seg_device[after]].astype(np.int32),
-                     ix._seg_index[after] * SLOT, (ix._before[points] >= 0).astype(np.int32),
-                     self.compute_queue[ix._seg_device[before]].astype(np.int32))
+        queue, last = self._last(after[after >= 0])
+        return _Rows(pos, np.ones(rows, np.uint8), np.ones(rows, np.uint8), np.ones(rows, np.uint8),
+                     np.full(rows, self.dense[ix.streams[k].device], np.int32),
+                     self._costs(q, pos, (self.key[points],), lambda r: (ix.key(int(points[r])), False)),
+                     np.full(rows, len(devices), np.int32), np.tile(np.asarray(devices, np.int32), rows),
+                     (after >= 0).astype(np.int32), queue.astype(np.int32), last,
+                     (before >= 0).astype(np.int32), self.compute_queue[ix._seg_device[before[before >= 0]]].astype(np.int32))
+
+
+def _gathered(rows: int, entries: list[tuple[np.ndarray, ...]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per row its count of entries, and the entries' queues and positions in row order, then by order and minor
+    (entries as (row, order, minor, queue, position) arrays)."""
+    row, order, minor, queue, pos = (np.concatenate(column) for column in zip(*entries))
+    by = np.lexsort((minor, order, row))
+    return (np.bincount(row, minlength=rows).astype(np.int32), queue[by].astype(np.int32), pos[by].astype(np.int64))
 
 
 def _arrays(lowering: Lowering, per_queue: list[_Rows], devices: list[int], dense: dict[int, int],
