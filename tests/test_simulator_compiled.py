@@ -391,3 +391,18 @@ def test_random_phases_lowered_at_once_are_the_walks_rows(case):
     except LagomError:  # a drawn graph the lowering refuses: the simulator tests check it refuses alike
         return
     _same_arrays(lambda: Lowering(index_of(graph.phases[0]), split_of(configs), True))
+
+
+def test_a_phase_without_collectives_lowers_and_runs_alike():
+    """A phase of compute alone (a micro-batch with no collective to overlap) beside one with a split gather."""
+    segments = {0: [ComputeSegment(f"s{i}", 2e12, 4e8, 512) for i in range(3)]}
+    tp = Group("tp", 8, 8, 1)
+    gather = OverlapPoint("ag", Collective.ALL_GATHER, tp, 64 * 2**20, "s0", "s2", fuse_with="s2")
+    graph = StepGraph("bare", HW.name, 1, [Phase("alone", 3, segments, []),
+                                           Phase("gathered", 1, {0: [replace(s) for s in segments[0]]}, [gather])])
+    split = {gather.key: replace(default_config(HW), decomposition=Decomposition.P2P, num_chunks=2)}
+    for phase in graph.phases:
+        for configs in ({}, split):
+            _same_arrays(lambda: Lowering(index_of(phase), split_of(configs), True))
+    _both_ways(graph, split, CostModel(HW))
+    _both_ways(graph, {gather.key: default_config(HW)}, CostModel(HW))

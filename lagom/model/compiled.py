@@ -458,14 +458,13 @@ class _AtOnce:
         by, first = np.unique(np.repeat(np.arange(segments), table.sizes)[split], return_index=True)
         self.fused = np.full(segments + 1, NONE, dtype=np.int64)  # one more: -1 reads NONE
         self.fused[by] = table.flat[split[first]]
-        j = np.maximum(self.fused[:-1], 0)
-        k = np.where(self.fused[:-1] >= 0, self.chunks[self.key[j]], 0)
-        n_k = size[ix._group[j]] * k
-        self.ag = (self.fused[:-1] >= 0) & (ix._collective[j] == _ALL_GATHER)
-        self.k = k
-        self.count = np.where(self.fused[:-1] < 0, 1, np.where(self.ag, n_k, n_k + 1))  # pieces on the compute queue
-        self.steps = n_k - k  # P2P steps
-        self.splits_nothing = bool((self.fused[:-1] >= 0)[self.steps <= 0].any())
+        split_at = self.fused[:-1] >= 0
+        self.k = np.where(split_at, _of_split(self.chunks, _of_split(self.key, self.fused[:-1])), 0)
+        n_k = _of_split(size, _of_split(ix._group, self.fused[:-1])) * self.k
+        self.ag = _of_split(ix._collective, self.fused[:-1]) == _ALL_GATHER
+        self.count = np.where(split_at, np.where(self.ag, n_k, n_k + 1), 1)  # pieces on the compute queue
+        self.steps = np.where(split_at, n_k - self.k, 0)  # P2P steps
+        self.splits_nothing = bool((split_at & (self.steps <= 0)).any())
         self.decomposed = (ix._fused >= 0) & (self.fused[ix._fused] == np.arange(len(ix.points)))
 
     @property
@@ -513,7 +512,7 @@ class _AtOnce:
         last = piece == self.count[seg] - 1
         reduce = split & ~self.ag[seg] & last
         kinds, signatures = ix.kind_arrays
-        key = np.where(split, self.key[np.maximum(j, 0)], NONE)
+        key = _of_split(self.key, j)
 
         def cost_of(r: int) -> tuple:
             s = ix.segments[d][int(i[r])]
@@ -544,7 +543,7 @@ class _AtOnce:
         n_dep, dep_queue, dep_pos = _gathered(len(seg), entries)
         # wakes: the last piece wakes what the segment's end releases, then (a reduce) the compute waiting for it
         wakes = self._ending(segs, row_of + count - 1)
-        before = ix._before[np.maximum(j, 0)]
+        before = _of_split(ix._before, j)
         woken = np.flatnonzero(reduce & (before >= 0))
         wakes.append((woken, np.ones_like(woken), np.zeros_like(woken), self.compute_queue[ix._seg_device[before[woken]]],
                       np.zeros_like(woken)))
@@ -597,7 +596,7 @@ class _AtOnce:
         segs = np.arange(ix._offset[d], ix._offset[d] + ix._size[d], dtype=np.int64)
         j = self.fused[segs]
         number = next(n for n, name in self.group_name.items() if name == group)
-        mine = (j >= 0) & (ix._group_name[np.maximum(j, 0)] == number)
+        mine = _of_split(ix._group_name, j) == number
         segs, j = segs[mine], j[mine]
         steps = self.steps[segs]
         seg = np.repeat(segs, steps)
@@ -639,6 +638,14 @@ class _AtOnce:
                      np.full(rows, len(devices), np.int32), np.tile(np.asarray(devices, np.int32), rows),
                      (after >= 0).astype(np.int32), queue.astype(np.int32), last,
                      (before >= 0).astype(np.int32), self.compute_queue[ix._seg_device[before[before >= 0]]].astype(np.int32))
+
+
+def _of_split(values: np.ndarray, j: np.ndarray) -> np.ndarray:
+    """``values[j]`` where ``j`` names a point or segment (>= 0), NONE where it is NONE (a phase may have no points)."""
+    out = np.full(len(j), NONE, dtype=np.int64)
+    at = j >= 0
+    out[at] = values[j[at]]
+    return out
 
 
 def _gathered(rows: int, entries: list[tuple[np.ndarray, ...]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
