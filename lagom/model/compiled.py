@@ -452,6 +452,9 @@ class _AtOnce:
         self.group_name = dict(zip(names.tolist(), (ix.points[j].group.name for j in firsts.tolist())))  # number -> name
         self.rank = np.zeros(max(ix.devices, default=0) + 1, dtype=np.int64)
         self.rank[ix.devices] = np.arange(len(ix.devices))
+        # Per segment (global id): the point whose decomposition splits it (the first candidate whose key is split;
+        # NONE: left whole), its chunks per peer (k), whether it gathers, its pieces on the compute queue and its
+        # steps on the P2P queue (``Lowering.pieces``)
         segments = len(ix._seg_device) - 1
         table = ix.candidates
         split = np.flatnonzero(self.chunks[self.key[table.flat]] > 0)
@@ -462,15 +465,12 @@ class _AtOnce:
         self.k = np.where(split_at, _of_split(self.chunks, _of_split(self.key, self.fused[:-1])), 0)
         n_k = _of_split(size, _of_split(ix._group, self.fused[:-1])) * self.k
         self.ag = _of_split(ix._collective, self.fused[:-1]) == _ALL_GATHER
-        self.count = np.where(split_at, np.where(self.ag, n_k, n_k + 1), 1)  # pieces on the compute queue
-        self.steps = np.where(split_at, n_k - self.k, 0)  # P2P steps
-        self.splits_nothing = bool((split_at & (self.steps <= 0)).any())
+        self.count = np.where(split_at, np.where(self.ag, n_k, n_k + 1), 1)
+        self.steps = np.where(split_at, n_k - self.k, 0)
+        # per point: whether its decomposition is the one splitting its segment
         self.decomposed = (ix._fused >= 0) & (self.fused[ix._fused] == np.arange(len(ix.points)))
-
-    @property
-    def exact(self) -> bool:
-        """Whether the rows are the walk's: not where a split point's group has one rank (no P2P steps)."""
-        return not self.splits_nothing
+        # whether the rows are the walk's: not where a split point's group has one rank (no P2P steps)
+        self.exact = not (split_at & (self.steps <= 0)).any()
 
     def rows(self, q: int) -> _Rows:
         queue = self.lowering.queues[q]
