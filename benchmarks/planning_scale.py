@@ -35,8 +35,8 @@ dashed one grows at most linearly.
 
 ``--compare [NAME ...]``: `lagom compare` (lagom.tune.compare_strategies) on each shipped workload (default: all
 of configs/workloads/), one fresh process each: CPU seconds until nccl, autoccl and lagom are done (the
-issue's target), the whole call with the exhaustive reference where it is feasible, and each strategy's
-speedup over nccl and evaluations.
+issue's target), the whole call with the exhaustive reference where it is feasible, the process's peak
+resident memory, and each strategy's speedup over nccl and evaluations.
 """
 
 from __future__ import annotations
@@ -111,7 +111,8 @@ def compare_cell(name: str) -> dict:
 
 
 def compare_all(names: list[str], timeout: float) -> None:
-    print(f"{'workload':<24} {'3 strategies s':>14} {'with exhaustive s':>17}  speedup over nccl; evaluations", flush=True)
+    print(f"{'workload':<24} {'3 strategies s':>14} {'with exhaustive s':>17} {'rss MB':>7}  speedup over nccl; evaluations",
+          flush=True)
     for name in names:
         res = measure({"compare": name}, timeout)
         if res is None:
@@ -119,7 +120,8 @@ def compare_all(names: list[str], timeout: float) -> None:
             continue
         ev = ", ".join(f"{s} {n if n is not None else 'too large'}" for s, n in res["evaluations"].items())
         speedup = ", ".join(f"{s} {x:.4f}x" for s, x in res["speedup"].items())
-        print(f"{name:<24} {_fmt(res['three'], timeout):>14} {_fmt(res['total'], timeout):>17}  {speedup}; {ev}", flush=True)
+        print(f"{name:<24} {_fmt(res['three'], timeout):>14} {_fmt(res['total'], timeout):>17} {res['rss_mb']:>7.0f}  {speedup}; {ev}",
+              flush=True)
 
 
 def run_cell(spec: dict) -> dict:
