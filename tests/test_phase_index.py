@@ -158,7 +158,7 @@ def reference_band(phase: Phase, ix: dict) -> Band | None:
             for seg in (before[j], (pts[j].device, fuse[j]) if fuse[j] != NONE else None):
                 if inside(seg):
                     bad.add(seg)
-        unmapped = [j for j in image if after[j] in bad]
+        unmapped = [j for j in image if after[j] in bad or (fuse[j] != NONE and (pts[j].device, fuse[j]) in bad)]
         for j in unmapped:
             del image[j]
 

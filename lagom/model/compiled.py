@@ -310,6 +310,8 @@ class _Band:
         ok = np.ones(len(counts), dtype=bool)
         for q in np.unique(queue):
             los, his = self.spans[q]
+            if not len(los):  # a queue outside the band: no position of it is in a span
+                return np.zeros(len(counts), dtype=bool)
             mask = queue == q
             at = pos[mask][None, :] + counts[:, None] * shift[mask][None, :]
             i = np.searchsorted(los, at, side="right") - 1

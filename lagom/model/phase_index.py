@@ -571,8 +571,12 @@ def _irregular(ix: PhaseIndex, runs: dict[int, tuple[int, int, int]], image: np.
         within = np.arange(len(each)) - np.repeat(np.cumsum(sizes[keys]) - sizes[keys], sizes[keys])
         mismatch = image[table.flat[table.start[keys][each] + within]] != table.flat[table.start[images][each] + within]
         bad[keys[each[mismatch]]] = True
-    while True:  # a bad segment's collectives lose their images, so what waits for them turns bad too
-        lost = released & (image >= 0) & bad[ix._after]
+    # A bad segment's collectives lose their images, so what waits for them turns bad too; so do the collectives
+    # that may split a bad segment (whether one does depends on the segment's candidates, which differ from its
+    # image's), and what they wait for or may split in turn.
+    fusing = ix._fused >= 0
+    while True:
+        lost = (image >= 0) & (released & bad[ix._after] | fusing & bad[ix._fused])
         if not lost.any():
             return bad
         image[lost] = NONE
