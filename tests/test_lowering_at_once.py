@@ -1,4 +1,4 @@
-"""A phase lowered at once (``compiled._AtOnce``) against the walk through the lowering's shapes, on random phases
+"""A phase lowered at once (``phase_arrays._AtOnce``) against the walk through the lowering's shapes, on random phases
 more varied than the simulator tests' pipelines: several phases of different repeats; devices without segments,
 without points, numbered out of order; periodic stages (so the walk copies whole periods of the band) with
 irregular periods; points released by or waited for by another device's segment, at the phase start or end;
@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from lagom.errors import LagomError
 from lagom.hardware import load_hardware
-from lagom.model import compiled
+from lagom.model import compiled, phase_arrays
 from lagom.model.cost_model import CostModel
 from lagom.model.lowering import Lowering
 from lagom.model.phase_index import index_of
@@ -163,8 +163,8 @@ def phases(draw, mess: int | None = None, orphans: bool = False, mixed: bool = F
     return Phase(f"ph{draw(st.integers(0, 99))}", draw(st.integers(1, 5)), segments, points), split
 
 
-def _lowered(phase: Phase, split: frozenset, band: bool, at_once: bool) -> compiled.PhaseArrays:
-    return compiled._lower(Lowering(index_of(phase), split, band), at_once=at_once)
+def _lowered(phase: Phase, split: frozenset, band: bool, at_once: bool) -> phase_arrays.PhaseArrays:
+    return phase_arrays._lower(Lowering(index_of(phase), split, band), at_once=at_once)
 
 
 def same_arrays(phase: Phase, split: frozenset, band: bool) -> None:

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from lagom.errors import LagomError
 from lagom.hardware import load_hardware
-from lagom.model import compiled, simulator
+from lagom.model import compiled, phase_arrays, simulator
 from lagom.model.calibrated import CalibratedModel
 from lagom.model.cost_model import CostModel
 from lagom.model.lowering import Lowering, split_of
@@ -147,8 +147,8 @@ def test_simulators_share_one_budget_of_kept_arrays_and_make_room_before_lowerin
     expected = second.run(configs, problem.model)
     assert not first.lowered() and len(second.lowered()) == 1  # the least recently used went
     held: list[int] = []
-    lower = compiled.lower
-    monkeypatch.setattr(compiled, "lower", lambda lw: held.append(sum(a.nbytes for a in second.lowered().values())) or lower(lw))
+    lower = phase_arrays.lower
+    monkeypatch.setattr(phase_arrays, "lower", lambda lw: held.append(sum(a.nbytes for a in second.lowered().values())) or lower(lw))
     second.run(split, problem.model)  # another split: room made first
     assert held == [0]
     _agree(second.run(configs, problem.model, timings=True), expected)
@@ -346,8 +346,8 @@ def test_splits_gone_over_again_in_the_same_order_are_not_all_lowered_again(monk
     monkeypatch.setattr(simulator, "_KEPT", simulator._KeptArrays())  # no other test's arrays in the budget
     monkeypatch.setattr(simulator, "ARRAYS_KEPT", 2 * max(sizes) + 1)
     lowered: list[int] = []
-    lower = compiled.lower
-    monkeypatch.setattr(compiled, "lower", lambda lw: lowered.append(1) or lower(lw))
+    lower = phase_arrays.lower
+    monkeypatch.setattr(phase_arrays, "lower", lambda lw: lowered.append(1) or lower(lw))
     again = [{**c, key: replace(c[key], channels=1)} for c in passes]  # the same splits, runs not seen before
     sim = Simulator(problem.graph, compiled_loop=True)
     results = [sim.run(c, problem.model) for c in passes + again]
@@ -358,7 +358,7 @@ def test_splits_gone_over_again_in_the_same_order_are_not_all_lowered_again(monk
 
 def _same_arrays(lowering_of) -> None:
     """A phase lowered with every queue's rows at once and by the walk through its shapes: identical arrays."""
-    at_once, walked = compiled._lower(lowering_of(), at_once=True), compiled._lower(lowering_of(), at_once=False)
+    at_once, walked = phase_arrays._lower(lowering_of(), at_once=True), phase_arrays._lower(lowering_of(), at_once=False)
     for name in ("position", "queue_first", "task", "dev_list", "dep_list", "wake_list", "cost_key", "cost_cross",
                  "cost_one_way", "compute_queue", "blame_device"):
         mine, theirs = getattr(at_once, name), getattr(walked, name)
@@ -388,7 +388,7 @@ def test_phases_lowered_at_once_are_the_walks_rows(name):
 def test_random_phases_lowered_at_once_are_the_walks_rows(case):
     graph, configs = case
     try:
-        compiled._lower(Lowering(index_of(graph.phases[0]), split_of(configs), True), at_once=False)
+        phase_arrays._lower(Lowering(index_of(graph.phases[0]), split_of(configs), True), at_once=False)
     except LagomError:  # a drawn graph the lowering refuses: the simulator tests check it refuses alike
         return
     _same_arrays(lambda: Lowering(index_of(graph.phases[0]), split_of(configs), True))

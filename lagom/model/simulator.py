@@ -58,7 +58,7 @@ from typing import Any
 import numpy as np
 
 from lagom.errors import LagomError
-from lagom.model import compiled
+from lagom.model import compiled, phase_arrays
 from lagom.model.cost_model import CostModel, RunningComm
 from lagom.model.lowering import COMPUTE, END, Lowering, Shape, split_of
 from lagom.model.phase_index import SLOT, PhaseIndex, first_seen, index_of
@@ -333,7 +333,7 @@ class Simulator:
 
         def recorded() -> list[PointTiming]:
             sim = simulator()
-            run.records = outcome.records(sim._lowered(i, split) if sim is not None else compiled.lower(run.lw))
+            run.records = outcome.records(sim._lowered(i, split) if sim is not None else phase_arrays.lower(run.lw))
             return run._point_timings()
 
         state, configs = _model_state(model), dict(configs)
@@ -351,11 +351,11 @@ class Simulator:
                            None if resume is None else resume[0].now, recorded if timings else again), \
             outcome.first_start, run.saved
 
-    def _lowered(self, i: int, split: frozenset) -> compiled.PhaseArrays:
+    def _lowered(self, i: int, split: frozenset) -> phase_arrays.PhaseArrays:
         """Phase ``i`` lowered to arrays under ``split``: kept from an earlier run, or lowered now."""
         return _KEPT.arrays(self._owner, i, split, lambda: self._lowering(i, split, True))
 
-    def lowered(self) -> dict[tuple[int, frozenset], compiled.PhaseArrays]:
+    def lowered(self) -> dict[tuple[int, frozenset], phase_arrays.PhaseArrays]:
         """The arrays kept for this Simulator's runs, by phase and choice of decompositions."""
         return _KEPT.of(self._owner)
 
@@ -412,11 +412,11 @@ class _KeptArrays:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._kept: OrderedDict[tuple[int, int, frozenset], compiled.PhaseArrays] = OrderedDict()  # (owner, phase, split)
+        self._kept: OrderedDict[tuple[int, int, frozenset], phase_arrays.PhaseArrays] = OrderedDict()  # (owner, phase, split)
         self._largest = 0  # bytes of the largest arrays lowered so far
         self._uses: Counter[tuple[int, int, frozenset]] = Counter()  # runs per (owner, phase, split), kept or not
 
-    def arrays(self, owner: int, i: int, split: frozenset, lowering: Callable[[], Lowering]) -> compiled.PhaseArrays:
+    def arrays(self, owner: int, i: int, split: frozenset, lowering: Callable[[], Lowering]) -> phase_arrays.PhaseArrays:
         key = (owner, i, split)
         with self._lock:
             self._uses[key] += 1
@@ -424,7 +424,7 @@ class _KeptArrays:
             if arrays is None:
                 self._fit(self._largest, 0)
         if arrays is None:
-            arrays = compiled.lower(lowering())
+            arrays = phase_arrays.lower(lowering())
         with self._lock:
             self._kept[key] = arrays  # most recently used last
             self._largest = max(self._largest, arrays.nbytes)
@@ -442,7 +442,7 @@ class _KeptArrays:
                 break
             held -= self._kept.pop(key).nbytes
 
-    def of(self, owner: int) -> dict[tuple[int, frozenset], compiled.PhaseArrays]:
+    def of(self, owner: int) -> dict[tuple[int, frozenset], phase_arrays.PhaseArrays]:
         with self._lock:
             return {(i, split): a for (o, i, split), a in self._kept.items() if o == owner}
 
@@ -1189,7 +1189,7 @@ class _CompiledPhaseRun(_PhaseRun):
     boundary, as the Python loop does, and ``resume`` starts one from an earlier run's (``earlier``: those
     before it, which this run's own follow)."""
 
-    def __init__(self, arrays: compiled.PhaseArrays, configs: Configs, model: CostModel, default: CommConfig,
+    def __init__(self, arrays: phase_arrays.PhaseArrays, configs: Configs, model: CostModel, default: CommConfig,
                  extrapolate: bool, records: bool, shared_compute: dict[tuple, float],
                  resume: compiled.Checkpoint | None = None, earlier: list[compiled.Checkpoint] | None = None) -> None:
         super().__init__(arrays.lowering, configs, model, default, False, shared_compute)
