@@ -419,13 +419,12 @@ class CostModel:
 
     # -- computation
     def compute_solo(self, seg: ComputeSegment) -> float:
-        g = self.hw.gpu
-        return max(seg.flops / (g.peak_tflops * 1e12 * g.gemm_efficiency), seg.bytes / (g.hbm_gbps * GB * g.hbm_efficiency))
+        hbm, _, _, flop_rate = self._gemm_constants
+        return max(seg.flops / flop_rate, seg.bytes / hbm)
 
     def hbm_util(self, seg: ComputeSegment) -> float:
         t = self.compute_solo(seg)
-        g = self.hw.gpu
-        return 0.0 if t <= 0 else min(1.0, seg.bytes / t / (g.hbm_gbps * GB * g.hbm_efficiency))
+        return 0.0 if t <= 0 else min(1.0, seg.bytes / t / self._gemm_constants[0])
 
     def _resident(self, registers: float, smem_kb: float, threads: float) -> int:
         """GEMM CTAs one SM holds with these registers, shared memory and threads free."""
@@ -470,7 +469,7 @@ class CostModel:
     def grid(self, seg: ComputeSegment) -> int:
         """CTAs the segment's kernel launches: its tiles, or at most one round of the GPU for a persistent GEMM."""
         if self.hw.gpu.persistent_gemm and seg.flops > 0:
-            return min(seg.ctas, self.hw.gpu.sms * max(1, self.gemm_ctas_per_sm()))
+            return min(seg.ctas, self._gemm_constants[1])
         return seg.ctas
 
     def tile_fill_bytes(self) -> float:
@@ -494,7 +493,7 @@ class CostModel:
         if seg.flops <= 0:
             return memory
         lost = sum(r.ctas * self._lost(self.launched_threads(r.config)) for r in running if r.ctas)
-        grid = min(seg.ctas, slots) if g.persistent_gemm else seg.ctas  # ``grid``
+        grid = self.grid(seg)
         rounds = math.ceil(grid / max(1, slots - lost)) / math.ceil(grid / slots)
         # each tile (each CTA of a persistent GEMM) fills its pipeline once, at the HBM bandwidth left
         fills = grid if g.persistent_gemm else seg.ctas

@@ -18,7 +18,7 @@ import numpy as np
 
 from lagom.errors import LagomError
 from lagom.model.lowering import COMPUTE, END, P2P, Lowering
-from lagom.model.phase_index import NONE, SLOT, first_seen
+from lagom.model.phase_index import NONE, SLOT, first_seen, places
 from lagom.step.graph import Collective
 from lagom.step.points import collector_paused
 
@@ -396,14 +396,14 @@ class _AtOnce:
         count = self.count[segs]
         seg = np.repeat(segs, count)  # each row's global segment
         row_of = np.cumsum(count) - count  # each segment's first row
-        piece = np.arange(len(seg), dtype=np.int64) - np.repeat(row_of, count)
+        piece = places(count)
         i = ix._seg_index[seg]
         pos = i * SLOT + piece
         j = self.fused[seg]
         split = j >= 0
         last = piece == self.count[seg] - 1
         reduce = split & ~self.ag[seg] & last
-        kinds, signatures = ix.kind_arrays
+        kinds = ix.kind_arrays[0]
         key = _of_split(self.key, j)
 
         def cost_of(r: int) -> tuple:
@@ -429,12 +429,12 @@ class _AtOnce:
             rs = np.flatnonzero(reduce)  # the reduce waits for every peer's partial
             steps = self.steps[seg[rs]]
             at = np.repeat(rs, steps)
-            step = np.arange(len(at), dtype=np.int64) - np.repeat(np.cumsum(steps) - steps, steps)
+            step = places(steps)
             entries.append((at, np.zeros_like(at), step, p2p[at], i[at] * SLOT + step))
-        entries += self._waits(segs, row_of)
+        entries += self._waits(d, row_of)
         n_dep, dep_queue, dep_pos = _gathered(len(seg), entries)
         # wakes: the last piece wakes what the segment's end releases, then (a reduce) the compute waiting for it
-        wakes = self._ending(segs, row_of + count - 1)
+        wakes = self._ending(d, row_of + count - 1)
         before = _of_split(ix._before, j)
         woken = np.flatnonzero(reduce & (before >= 0))
         wakes.append((woken, np.ones_like(woken), np.zeros_like(woken), self.compute_queue[ix._seg_device[before[woken]]],
@@ -447,13 +447,12 @@ class _AtOnce:
                      np.full(rows, self.dense[d], np.int32), cost, np.ones(rows, np.int32), np.full(rows, self.dense[d], np.int32),
                      n_dep, dep_queue, dep_pos, n_wake, wake)
 
-    def _waits(self, segs: np.ndarray, row: np.ndarray) -> list[tuple[np.ndarray, ...]]:
-        """What each segment's first piece (row ``row``) waits for: split reduce-scatters' reduces by device rank and
-        segment, then collectives not split in the ``waits`` table's order (a split all-gather feeds its pieces)."""
+    def _waits(self, d: int, row: np.ndarray) -> list[tuple[np.ndarray, ...]]:
+        """What each segment of device ``d``'s first piece (row ``row``) waits for: split reduce-scatters' reduces by
+        device rank and segment, then collectives not split in the ``waits`` table's order (a split all-gather feeds
+        its pieces)."""
         ix, table = self.ix, self.ix.waits
-        lo, hi = int(table.start[segs[0]]) if len(segs) else 0, int(table.start[segs[-1] + 1]) if len(segs) else 0
-        points = table.flat[lo:hi]
-        at = np.repeat(row, table.sizes[segs])
+        points, at = table.points_of(d), np.repeat(row, table.counts(d))
         order = np.arange(len(points), dtype=np.int64)
         decomposed = self.decomposed[points]
         colls = ~decomposed
@@ -465,13 +464,11 @@ class _AtOnce:
                 (at[colls], np.full(int(colls.sum()), 2, np.int64), order[colls], self.stream_queue[ix._stream_of[points[colls]]],
                  ix._slot[points[colls]])]
 
-    def _ending(self, segs: np.ndarray, row: np.ndarray) -> list[tuple[np.ndarray, ...]]:
-        """What each segment's last piece (row ``row``) wakes: the streams of the collectives its end releases and the
-        P2P queues of split all-gathers it releases, each once, in issue order (``Lowering._ending``)."""
+    def _ending(self, d: int, row: np.ndarray) -> list[tuple[np.ndarray, ...]]:
+        """What each segment of device ``d``'s last piece (row ``row``) wakes: the streams of the collectives its end
+        releases and the P2P queues of split all-gathers it releases, each once, in issue order (``Lowering._ending``)."""
         ix, table = self.ix, self.ix.releases
-        lo, hi = int(table.start[segs[0]]) if len(segs) else 0, int(table.start[segs[-1] + 1]) if len(segs) else 0
-        points = table.flat[lo:hi]
-        at = np.repeat(row, table.sizes[segs])
+        points, at = table.points_of(d), np.repeat(row, table.counts(d))
         queue = self.stream_queue[ix._stream_of[points]]
         gathers = np.flatnonzero(self.decomposed[points] & (ix._collective[points] == _ALL_GATHER))
         for d in np.unique(ix._device[points[gathers]]).tolist():
@@ -493,7 +490,7 @@ class _AtOnce:
         steps = self.steps[segs]
         seg = np.repeat(segs, steps)
         jr = np.repeat(j, steps)
-        step = np.arange(len(seg), dtype=np.int64) - np.repeat(np.cumsum(steps) - steps, steps)
+        step = places(steps)
         i = ix._seg_index[seg]
         pos = i * SLOT + step
         rows = len(seg)

@@ -118,6 +118,12 @@ class SegmentTable(Mapping[tuple[int, int], list[int]]):
         first = self._offset[d]
         return self.sizes[first:first + self._size[d]]
 
+    def points_of(self, d: int) -> np.ndarray:
+        """The points of device ``d``'s segments, segment after segment, each segment's in the table's order
+        (``counts`` says how many are each segment's)."""
+        first = self._offset[d]
+        return self.flat[self.start[first]:self.start[first + self._size[d]]]
+
     def get(self, key: tuple[int, int], default: Any = None) -> Any:
         d, i = key
         first = self._offset.get(d)
@@ -370,6 +376,11 @@ def _group_ids(groups: list) -> tuple[np.ndarray, list[str]]:
             [g.name for g in numbers])
 
 
+def places(counts: np.ndarray) -> np.ndarray:
+    """Each item's place within its run, for runs of ``counts`` items laid one after the other: 0, 1, ... per run."""
+    return np.arange(int(counts.sum()), dtype=_I64) - np.repeat(np.cumsum(counts) - counts, counts)
+
+
 def first_seen(*columns: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per row, the number of its distinct combination of the columns (numbered by first appearance), and
     each number's first row."""
@@ -568,7 +579,7 @@ def _irregular(ix: PhaseIndex, runs: dict[int, tuple[int, int, int]], image: np.
         bad[keys[differ]] = True
         keys, images = keys[~differ], images[~differ]
         each = np.repeat(np.arange(len(keys)), sizes[keys])
-        within = np.arange(len(each)) - np.repeat(np.cumsum(sizes[keys]) - sizes[keys], sizes[keys])
+        within = places(sizes[keys])
         mismatch = image[table.flat[table.start[keys][each] + within]] != table.flat[table.start[images][each] + within]
         bad[keys[each[mismatch]]] = True
     # A bad segment's collectives lose their images, so what waits for them turns bad too; so do the collectives

@@ -28,7 +28,7 @@ import numpy as np
 
 from lagom.model.choices import candidates
 from lagom.model.cost_model import CostModel
-from lagom.model.phase_index import NONE, PointColumns, first_seen, index_of
+from lagom.model.phase_index import NONE, PointColumns, first_seen, index_of, places
 from lagom.model.simulator import Configs, StepResult
 from lagom.model.windows import (
     Estimate,
@@ -406,7 +406,7 @@ def _beside(c: PointColumns, mine: np.ndarray, count: int) -> tuple[list[np.ndar
     ends = np.minimum(np.append(bounds[1:], count)[shared], count)
     starts = np.minimum(bounds[shared], ends)
     lengths = ends - starts
-    at = np.repeat(starts, lengths) + np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    at = np.repeat(starts, lengths) + places(lengths)
     return [present[running[shared[f]]] for f in firsts.tolist()], at, np.repeat(which, lengths)
 
 
