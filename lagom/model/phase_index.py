@@ -21,14 +21,14 @@ from __future__ import annotations
 from collections.abc import ItemsView, Iterator, Mapping, ValuesView
 from dataclasses import dataclass
 from functools import cached_property
-from itertools import compress, count, repeat
-from operator import attrgetter, is_not
+from itertools import repeat
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
 
 from lagom.errors import LagomError
-from lagom.step.graph import Collective, Phase
+from lagom.step.graph import NOT_A_SEGMENT, Collective, Phase, phase_columns
 from lagom.step.points import collector_paused
 
 SLOT = 1 << 32  # compute and P2P positions: segment index * SLOT + piece (pieces of one segment < SLOT)
@@ -38,9 +38,6 @@ PROBES = (2, 4, 4 / 3)  # where the period search starts: n / probe
 MAX_CANDIDATES = 256  # candidate periods tried per probe
 END = 1 << 62  # a position past every task
 _SIGNATURE = attrgetter("flops", "bytes", "ctas")
-_NAME, _AFTER, _BEFORE, _FUSE = attrgetter("name"), attrgetter("after"), attrgetter("before"), attrgetter("fuse_with")
-_DEVICE, _PEER, _GROUP, _COLLECTIVE, _BYTES = (attrgetter("device"), attrgetter("peer_device"), attrgetter("group"),
-                                               attrgetter("collective"), attrgetter("bytes"))
 _COLLECTIVES = list(Collective)
 _DECOMPOSABLE = np.asarray([c in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER) for c in _COLLECTIVES])  # can_decompose
 _I64 = np.int64
@@ -172,50 +169,36 @@ class PhaseIndex:
         self.rank = {d: r for r, d in enumerate(self.devices)}
         self.segments = phase.segments
         pts = self.points = phase.points
-        n = len(pts)
-        # Global segment ids: ``names`` numbers them; ``_seg_device`` and ``_seg_index`` say where each is (one more
-        # entry, NONE, so that -1 reads NONE)
-        names: dict[str | None, int] = {None: NONE}
+        cols = self._columns = phase_columns(phase)
+        # Global segment ids: ``_seg_device`` and ``_seg_index`` say where each is (one more entry, NONE, so that -1
+        # reads NONE)
         sizes = [len(segs) for segs in phase.segments.values()]
-        for segs, first in zip(phase.segments.values(), np.cumsum([0, *sizes]).tolist()):
-            names.update(zip(map(_NAME, segs), count(first)))
         self._seg_device = np.append(np.repeat(np.asarray(self.devices, dtype=_I64), sizes), NONE)
         self._seg_index = np.concatenate([np.arange(size, dtype=_I64) for size in sizes] + [np.asarray([NONE])])
         self._offset = dict(zip(self.devices, np.cumsum([0, *sizes]).tolist()))
         self._size = dict(zip(self.devices, sizes))
-        after = list(map(names.__getitem__, map(_AFTER, pts)))
-        before = list(map(names.__getitem__, map(_BEFORE, pts)))
-        self._after, self._before = np.asarray(after, dtype=_I64), np.asarray(before, dtype=_I64)
+        self._after, self._before = cols.after, cols.before
         self.after = _pairs(self._seg_device, self._seg_index, self._after)
         self.before = _pairs(self._seg_device, self._seg_index, self._before)
-        self._device = np.fromiter(map(_DEVICE, pts), dtype=_I64, count=n)
-        self._collective = _collective_ids(list(map(_COLLECTIVE, pts)))
-        self._bytes = np.fromiter(map(_BYTES, pts), dtype=_I64, count=n)
-        peers = list(map(_PEER, pts))
-        self._peer = np.fromiter(map({None: NONE}.get, peers, peers), dtype=_I64, count=n)
-        has_peer = np.fromiter(map(is_not, peers, repeat(None)), dtype=bool, count=n)
-        self._group, group_names = _group_ids(list(map(_GROUP, pts)))
+        self._device, self._collective, self._bytes, self._peer = cols.device, cols.collective, cols.point_bytes, cols.peer
+        has_peer = self._peer >= 0
+        self._group, group_names = cols.group, [g.name for g in cols.groups]
         self._group_name = _ids(group_names)[self._group]
-        self._fused_segment(pts, names)
+        self._fused_segment(pts, cols.fuse)
         self._issue_order(pts, has_peer, group_names)
-        self._keys: list[str | None] = [None] * n
+        self._keys: list[str | None] = [None] * len(pts)
         self._band: Band | None | bool = False  # False: not searched yet
 
-    def _fused_segment(self, pts: list, names: dict) -> None:
-        """``fuse`` (the segment on the point's own device a decomposition splits) and ``first_candidate``:
-        only points whose collective a decomposition applies to are looked up (``can_decompose``)."""
-        n = len(pts)
-        fuse_names = list(map(_FUSE, pts))
-        decomposable = _DECOMPOSABLE[self._collective]
-        fused = np.full(n, NONE, dtype=_I64)
-        fused[decomposable] = np.fromiter(map(names.get, compress(fuse_names, decomposable.tolist()), repeat(-2)),
-                                          dtype=_I64, count=int(decomposable.sum()))
-        wrong = (fused == -2) | (fused >= 0) & (self._seg_device[fused] != self._device)
+    def _fused_segment(self, pts: list, fuse: np.ndarray) -> None:
+        """``fuse`` (the segment on the point's own device a decomposition splits) and ``first_candidate``: only
+        for points whose collective a decomposition applies to (``can_decompose``)."""
+        fused = np.where(_DECOMPOSABLE[self._collective], fuse, NONE)
+        wrong = (fused == NOT_A_SEGMENT) | (fused >= 0) & (self._seg_device[fused] != self._device)
         if wrong.any():
             j = int(np.argmax(wrong))
-            if fused[j] == -2:
-                raise KeyError(fuse_names[j])
-            raise LagomError(f"point {pts[j].name} fuses with {fuse_names[j]}, a segment of another device")
+            if fused[j] == NOT_A_SEGMENT:
+                raise KeyError(pts[j].fuse_with)
+            raise LagomError(f"point {pts[j].name} fuses with {pts[j].fuse_with}, a segment of another device")
         self._fused = fused  # global segment id, -1 where nothing is split
         self.fuse: list[int] = self._seg_index[fused].tolist()  # segment index on the point's device, or NONE
         js = np.flatnonzero(fused >= 0)
@@ -285,13 +268,12 @@ class PhaseIndex:
         signature share a small int (numbered by first appearance, devices in order), so finding periods and
         counting segments compare ints, not tuples. Told apart on arrays of the three values, not by hashing a
         tuple per segment."""
-        segments = [seg for segs in self.segments.values() for seg in segs]
-        n = len(segments)
-        columns = [np.fromiter(map(attrgetter(name), segments), dtype=np.float64, count=n) for name in ("flops", "bytes", "ctas")]
-        kind, firsts = first_seen(*columns)
+        cols = self._columns
+        kind, firsts = first_seen(cols.flops, cols.bytes, cols.ctas)
         bounds = np.cumsum([0, *map(len, self.segments.values())]).tolist()
         out = {d: kind[a:b] for d, a, b in zip(self.devices, bounds[:-1], bounds[1:])}
-        return out, [_SIGNATURE(segments[j]) for j in firsts.tolist()]
+        devices = self._seg_device[firsts].tolist()
+        return out, [_SIGNATURE(self.segments[d][i]) for d, i in zip(devices, self._seg_index[firsts].tolist())]
 
     @cached_property
     def columns(self) -> PointColumns:
@@ -355,25 +337,6 @@ def _ids(values: list) -> np.ndarray:
     """Each value's number among the distinct values (numbered by first appearance)."""
     numbers: dict = {}
     return np.fromiter(map(numbers.setdefault, values, map(len, repeat(numbers))), dtype=_I64, count=len(values))
-
-
-def _collective_ids(collectives: list) -> np.ndarray:
-    """Each collective's place in ``Collective`` (members looked up by identity, anything else by value)."""
-    by_id = {id(c): k for k, c in enumerate(_COLLECTIVES)}
-    out = np.fromiter(map(by_id.get, map(id, collectives), repeat(-1)), dtype=_I64, count=len(collectives))
-    for j in np.flatnonzero(out < 0).tolist():
-        out[j] = _COLLECTIVES.index(Collective(collectives[j]))
-    return out
-
-
-def _group_ids(groups: list) -> tuple[np.ndarray, list[str]]:
-    """Each group's number among the distinct groups (equal by value, as descriptions compare them), and
-    each number's group name. Groups are shared objects, so values are compared once per object."""
-    objects = dict(zip(map(id, groups), groups))
-    numbers: dict = {}
-    of_object = {key: numbers.setdefault(g, len(numbers)) for key, g in objects.items()}
-    return (np.fromiter(map(of_object.__getitem__, map(id, groups)), dtype=_I64, count=len(groups)),
-            [g.name for g in numbers])
 
 
 def places(counts: np.ndarray) -> np.ndarray:

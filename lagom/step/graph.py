@@ -8,7 +8,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from enum import StrEnum
+from itertools import count, repeat
+from operator import attrgetter
 from typing import Any
+
+import numpy as np
 
 from lagom.hardware import Hardware
 from lagom.step.calls import TuningKey
@@ -76,9 +80,92 @@ class Phase:
     repeat: int
     segments: dict[int, list[ComputeSegment]]  # device -> compute-stream order
     points: list[OverlapPoint]
-    # what the model works out from the phase alone, kept with it (its index: ``lagom.model.phase_index.index_of``);
-    # a phase is not changed once built
+    # what is worked out from the phase alone, kept with it (its columns, ``phase_columns``; the model's index,
+    # ``lagom.model.phase_index.index_of``); a phase is not changed once built
     derived: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+
+NO_SEGMENT, NOT_A_SEGMENT = -1, -2  # PhaseColumns' segment ids: the phase's start or end (nothing to fuse with); a name no segment has
+_COLLECTIVES = list(Collective)
+
+
+@dataclass(frozen=True)
+class PhaseColumns:
+    """A phase as arrays, in its own order, for the model's index to read instead of a Python pass over hundreds of
+    thousands of objects. Segments are numbered one device after another, in the order of ``Phase.segments``
+    (global segment ids); per segment its flops, bytes and CTAs; per point the segments releasing it, waiting for
+    it and its decomposition may split (global ids, NO_SEGMENT or NOT_A_SEGMENT), its device, peer (-1: none),
+    place in ``Collective``, bytes and group (numbered by first appearance, equal groups equal numbers).
+    ``lagom.step.points`` writes them as it builds a graph; ``columns_of`` reads them off any phase's objects."""
+
+    flops: np.ndarray
+    bytes: np.ndarray
+    ctas: np.ndarray
+    after: np.ndarray
+    before: np.ndarray
+    fuse: np.ndarray
+    device: np.ndarray
+    peer: np.ndarray
+    collective: np.ndarray
+    point_bytes: np.ndarray
+    group: np.ndarray
+    groups: list[Group]  # by number
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PhaseColumns) and self.groups == other.groups and all(
+            np.array_equal(getattr(self, name), getattr(other, name)) for name in _ARRAYS)
+
+
+_ARRAYS = [name for name in PhaseColumns.__dataclass_fields__ if name != "groups"]
+
+
+def phase_columns(phase: Phase) -> PhaseColumns:
+    """The phase's columns: the builder's, else read off its objects once and kept with it."""
+    found = phase.derived.get("columns")
+    if found is None:
+        found = phase.derived["columns"] = columns_of(phase)
+    return found
+
+
+def columns_of(phase: Phase) -> PhaseColumns:
+    """The columns read off the phase's objects: an attribute per pass over them, segments found by name (a
+    KeyError names a point's ``after`` or ``before`` that no segment has)."""
+    segments = [seg for segs in phase.segments.values() for seg in segs]
+    names: dict[str | None, int] = {None: NO_SEGMENT}
+    names.update(zip(map(attrgetter("name"), segments), count()))
+    pts = phase.points
+    n = len(pts)
+
+    def column(attr: str, values: list[ComputeSegment] | list[OverlapPoint], dtype: type = np.int64) -> np.ndarray:
+        return np.fromiter(map(attrgetter(attr), values), dtype=dtype, count=len(values))
+
+    peers = list(map(attrgetter("peer_device"), pts))
+    group, groups = _group_ids(list(map(attrgetter("group"), pts)))
+    return PhaseColumns(
+        column("flops", segments, np.float64), column("bytes", segments, np.float64), column("ctas", segments, np.float64),
+        np.fromiter(map(names.__getitem__, map(attrgetter("after"), pts)), dtype=np.int64, count=n),
+        np.fromiter(map(names.__getitem__, map(attrgetter("before"), pts)), dtype=np.int64, count=n),
+        np.fromiter(map(names.get, map(attrgetter("fuse_with"), pts), repeat(NOT_A_SEGMENT)), dtype=np.int64, count=n),
+        column("device", pts), np.fromiter(map({None: -1}.get, peers, peers), dtype=np.int64, count=n),
+        _collective_ids(list(map(attrgetter("collective"), pts))), column("bytes", pts), group, groups)
+
+
+def _collective_ids(collectives: list) -> np.ndarray:
+    """Each collective's place in ``Collective`` (members looked up by identity, anything else by value)."""
+    by_id = {id(c): k for k, c in enumerate(_COLLECTIVES)}
+    out = np.fromiter(map(by_id.get, map(id, collectives), repeat(-1)), dtype=np.int64, count=len(collectives))
+    for j in np.flatnonzero(out < 0).tolist():
+        out[j] = _COLLECTIVES.index(Collective(collectives[j]))
+    return out
+
+
+def _group_ids(groups: list[Group]) -> tuple[np.ndarray, list[Group]]:
+    """Each group's number among the distinct groups (equal by value, numbered by first appearance), and the
+    groups by number. Groups are shared objects, so values are compared once per object."""
+    objects = dict(zip(map(id, groups), groups))
+    numbers: dict[Group, int] = {}
+    of_object = {key: numbers.setdefault(g, len(numbers)) for key, g in objects.items()}
+    return (np.fromiter(map(of_object.__getitem__, map(id, groups)), dtype=np.int64, count=len(groups)), list(numbers))
 
 
 @dataclass
