@@ -4,6 +4,7 @@ import gc
 import threading
 from collections import Counter
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +14,8 @@ from lagom.step.graph import Collective, make_groups
 from lagom.step.points import points_for, rank_params
 from lagom.step.workload import load_workload
 from tests.helpers import gpt_workload, write_yaml
+
+WORKLOADS = Path(__file__).resolve().parent.parent / "configs" / "workloads"
 
 
 def load(tmp_path, hardware="a100-8x-100g", **override):
@@ -208,6 +211,63 @@ def test_stamped_pipeline_graph_is_the_graph_built_block_by_block(tmp_path):
             if m == 2 * pp + 3 and overrides is PIPELINES[0][1]:
                 model = CostModel(hw)
                 assert simulate(stamped, {}, model).step_s == simulate(built, {}, model).step_s
+
+
+COLUMN_CASES = [  # (hardware, overrides) beside PIPELINES: DeepSpeed's ZeRO stages (ZeRO-3's prefetched gathers
+    # released by name, buckets after backward without overlap_comm), megatron without overlap, pipelines with ZeRO-1
+    ("a100-8x-100g", {"parallel": {"tp": 1, "dp": 8, "sequence_parallel": False, "zero_stage": 3},
+                      "framework": {"name": "deepspeed"}}),
+    ("a100-8x-100g", {"parallel": {"tp": 2, "dp": 4, "zero_stage": 1},
+                      "framework": {"name": "deepspeed", "overlap_comm": False}}),
+    ("a100-8x-100g", {"parallel": {"tp": 2, "dp": 4, "zero_stage": 2}, "framework": {"name": "deepspeed"}}),
+    ("a100-8x-100g", {"model": {"layers": 4}, "parallel": {"tp": 2, "dp": 1, "pp": 4},
+                      "framework": {"overlap_grad_reduce": False}}),
+    ("a100-8x-100g", {"model": {"layers": 4}, "parallel": {"tp": 1, "dp": 2, "pp": 4, "zero_stage": 1,
+                                                            "sequence_parallel": False},
+                      "framework": {"name": "deepspeed"}}),
+]
+
+
+@pytest.mark.parametrize("case", range(len(PIPELINES) + len(COLUMN_CASES)))
+def test_the_builders_columns_are_the_columns_of_its_objects(tmp_path, case):
+    """The columns the builder writes as it stamps and wires blocks (what the model's index reads) equal the
+    columns read off the phase's objects, segment names looked up: every array and group, stamped or built block
+    by block, with one micro-batch, fewer than stages and many."""
+    from lagom.step.graph import columns_of
+
+    hardware, overrides = (PIPELINES + COLUMN_CASES)[case]
+    parallel = overrides["parallel"]
+    for m in (1, 3, 2 * parallel.get("pp", 1) + 3):
+        wl, hw = load(tmp_path, hardware, training={"micro_batch": 1, "global_batch": m * parallel["dp"]}, **overrides)
+        for stamped in (True, False):
+            for phase in points_for(wl, hw, stamped=stamped).phases:
+                built = phase.derived.get("columns")
+                assert built is not None, (overrides, m, stamped, phase.name)
+                assert built == columns_of(phase), (overrides, m, stamped, phase.name)
+
+
+def test_shipped_workloads_columns_are_the_columns_of_their_objects():
+    from lagom.step.graph import columns_of
+
+    for path in sorted(WORKLOADS.glob("*.yaml")):
+        if path.stem in ("llama3-70b-1024", "llama3-405b-2048"):  # cluster scale: the pipelines above have their shape
+            continue
+        wl = load_workload(path)
+        for phase in points_for(wl, load_hardware(wl.hardware)).phases:
+            assert phase.derived["columns"] == columns_of(phase), (path.stem, phase.name)
+
+
+def test_a_phase_rebuilt_from_its_objects_reads_its_columns_off_them():
+    """A phase made from another one's objects (a reconciled graph drops and adds points) carries no builder columns:
+    the index reads the new phase's own objects, not the columns of the phase it came from."""
+    from lagom.step.graph import phase_columns
+
+    wl = load_workload("gpt2-tp8")
+    phase = points_for(wl, load_hardware(wl.hardware)).phases[0]
+    fewer = replace(phase, points=phase.points[1:])
+    assert "columns" not in fewer.derived
+    assert len(phase_columns(fewer).after) == len(phase.points) - 1
+    assert phase_columns(fewer).after.tolist() == phase_columns(phase).after.tolist()[1:]
 
 
 def test_a_search_pauses_the_collector_on_the_main_thread_only(monkeypatch):

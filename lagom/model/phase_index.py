@@ -12,8 +12,9 @@ skip whole periods once it sees its state repeat (see ``lagom.model.simulator``)
 
 A phase holds up to hundreds of thousands of segments and points, so both are worked out on numpy
 arrays: each point's segments as global segment ids (a device's segments are numbered one after the
-other, devices in the phase's order), each grouping by a stable sort. Python objects are read once
-(an attribute per pass over the points) and the tables the lowering reads are made from the arrays.
+other, devices in the phase's order), each grouping by a stable sort. The arrays are the phase's columns
+(``lagom.step.graph.PhaseColumns``: written by the builder as it builds, read off the objects for any other
+phase) and the tables the lowering reads are made from them.
 """
 
 from __future__ import annotations

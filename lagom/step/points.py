@@ -7,8 +7,10 @@ compute-stream order, and the overlap points: collectives that are released when
 Whatever runs between the two is the compute the collective can hide under.
 
 The graph's data types are ``lagom.step.graph``'s and the frameworks' bucket rules ``lagom.step.buckets``'; what
-is left here (about 680 lines) is one builder: the layers' arithmetic, the micro-batch and pipeline schedules and
-where each framework's collectives fall all write into the same per-device streams, so they stay together.
+is left here (about 860 lines) is one builder: the layers' arithmetic, the micro-batch and pipeline schedules and
+where each framework's collectives fall all write into the same per-device streams, so they stay together. The
+streams write each phase's columns (``PhaseColumns``) as they go, a stamped block's as its template's rows, so
+that the model's index does not read hundreds of thousands of objects back.
 """
 
 from __future__ import annotations
@@ -21,9 +23,22 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 
+import numpy as np
+
 from lagom.hardware import Hardware
 from lagom.step.buckets import Bucket, ParamTensor, deepspeed_buckets, megatron_buckets
-from lagom.step.graph import Collective, ComputeSegment, Group, OverlapPoint, Phase, StepGraph, make_groups
+from lagom.step.graph import (
+    NO_SEGMENT,
+    NOT_A_SEGMENT,
+    Collective,
+    ComputeSegment,
+    Group,
+    OverlapPoint,
+    Phase,
+    PhaseColumns,
+    StepGraph,
+    make_groups,
+)
 from lagom.step.workload import DTYPE_BYTES, Workload
 
 # ---------------------------------------------------------------------------------------------
@@ -39,14 +54,17 @@ from lagom.step.workload import DTYPE_BYTES, Workload
 class _Pending:
     point: OverlapPoint
     wait: int  # how many more segments until the one that waits for it
+    at: int  # the point's place in its stream
 
 
 @dataclass
 class _Block:
-    """One micro-batch's forward or backward on one stage: the names of its first and last segments."""
+    """One micro-batch's forward or backward on one stage: its first and last segments, by name and by index."""
 
     first: str
     last: str
+    first_at: int
+    last_at: int
 
 
 @dataclass
@@ -62,6 +80,77 @@ class _Template:
     refs: list[tuple[int, int, int]]  # per collective: its after, before and fused segment, as ``stamp`` finds them
     pending: list[tuple[int, int]]
     ready: dict[int | str, int]
+    rows: tuple[np.ndarray, np.ndarray]  # its segments and collectives as columns' rows (``_Columns.template``)
+
+
+NEXT = -3  # a point's fused segment is the one that waits for it, not known yet (``fuse="next"``)
+_COLLECTIVE_ID = {c: k for k, c in enumerate(Collective)}
+
+
+class _Columns:
+    """A stream's segments and points as ``PhaseColumns`` will hold them, written as the stream is built (a row per
+    segment or point, a template's rows per stamped block) rather than read off the objects afterwards. Rows come
+    in chunks: the loose rows since the last stamp, and each stamp's template rows, whose segment references
+    (``after``, ``before``, ``fuse``: >= 0) count from the stamp's base. Points still waiting when they were added
+    get their ``before`` in ``waited``; groups are numbered per stream (``groups``)."""
+
+    def __init__(self) -> None:
+        self.segments: list[np.ndarray] = []  # chunks of rows: flops, bytes, CTAs
+        self.points: list[np.ndarray] = []  # chunks of rows: after, before, fuse, collective, bytes, group
+        self.bases: list[int] = []  # per chunk of points
+        self.waited: dict[int, int] = {}  # a point's place in the stream -> the index of the segment waiting for it
+        self.groups: dict[Group, int] = {}
+        self._segment_rows: list[tuple[float, float, int]] = []
+        self._point_rows: list[tuple[int, int, int, int, int, int]] = []
+
+    def segment(self, flops: float, bytes_: float, ctas: int) -> None:
+        self._segment_rows.append((flops, bytes_, ctas))
+
+    def point(self, after: int, fuse: int, collective: Collective, nbytes: int, group: Group) -> None:
+        """A collective released after segment ``after`` (an index) whose waiting segment is not known yet."""
+        self._point_rows.append((after, NO_SEGMENT, fuse, _COLLECTIVE_ID[collective], nbytes,
+                                 self.groups.setdefault(group, len(self.groups))))
+
+    def template(self, segments: list[ComputeSegment], points: list[OverlapPoint],
+                 refs: list[tuple[int, int, int]]) -> tuple[np.ndarray, np.ndarray]:
+        """A recorded block's rows: its segments, and its points with their references as ``refs`` has them."""
+        return (np.asarray([(seg.flops, seg.bytes, seg.ctas) for seg in segments], dtype=np.float64).reshape(-1, 3),
+                np.asarray([(after, before, NEXT if fuse == -2 else fuse, _COLLECTIVE_ID[pt.collective], pt.bytes,
+                             self.groups.setdefault(pt.group, len(self.groups)))
+                            for pt, (after, before, fuse) in zip(points, refs)], dtype=np.int64).reshape(-1, 6))
+
+    def stamp(self, rows: tuple[np.ndarray, np.ndarray], base: int) -> None:
+        self._flush()
+        self.segments.append(rows[0])
+        self.points.append(rows[1])
+        self.bases.append(base)
+
+    def _flush(self) -> None:
+        if self._segment_rows:
+            self.segments.append(np.asarray(self._segment_rows, dtype=np.float64))
+            self._segment_rows = []
+        if self._point_rows:
+            self.points.append(np.asarray(self._point_rows, dtype=np.int64))
+            self.bases.append(0)
+            self._point_rows = []
+
+    def arrays(self, offset: int) -> tuple[np.ndarray, np.ndarray]:
+        """(segment rows, point rows) with every reference a global segment id, the stream's device's segments
+        numbered from ``offset``."""
+        self._flush()
+        segments = np.concatenate(self.segments) if self.segments else np.zeros((0, 3))
+        if not self.points:
+            return segments, np.zeros((0, 6), dtype=np.int64)
+        points = np.concatenate(self.points)
+        refs = points[:, :3]  # a view: written in place
+        base = np.repeat(np.asarray(self.bases, dtype=np.int64), [len(chunk) for chunk in self.points])
+        refs += (refs >= 0) * base[:, None]  # -1 where a block at the stream's start refers to the one before
+        if self.waited:
+            refs[list(self.waited), 1] = list(self.waited.values())
+        # a NEXT fuse is the segment that waits (none waiting: as on the objects, a name no segment has)
+        refs[:, 2] = np.where(refs[:, 2] == NEXT, np.where(refs[:, 1] >= 0, refs[:, 1], NOT_A_SEGMENT), refs[:, 2])
+        refs += (refs >= 0) * offset
+        return segments, points
 
 
 class _DeviceStream:
@@ -72,6 +161,10 @@ class _DeviceStream:
         self.segments: list[ComputeSegment] = []
         self.points: list[OverlapPoint] = []
         self._pending: list[_Pending] = []
+        # the same as columns (None once a reference could not be placed: the phase's columns are read off the
+        # objects then), and the index of every segment a later collective may name (each one that was the last)
+        self.columns: _Columns | None = _Columns()
+        self._index: dict[str | None, int] = {None: NO_SEGMENT}
 
     @property
     def last(self) -> str | None:
@@ -80,6 +173,9 @@ class _DeviceStream:
     def seg(self, name: str, flops: float, bytes_: float, ctas: float) -> str:
         full = f"{self.prefix}{name}"
         self.segments.append(ComputeSegment(full, flops, bytes_, max(1, int(ctas)), self.device))
+        at = self._index[full] = len(self.segments) - 1
+        if self.columns is not None:
+            self.columns.segment(flops, bytes_, max(1, int(ctas)))
         still = []
         for pend in self._pending:
             pend.wait -= 1
@@ -87,6 +183,8 @@ class _DeviceStream:
                 pend.point.before = full
                 if pend.point.fuse_with == "next":
                     pend.point.fuse_with = full
+                if self.columns is not None:
+                    self.columns.waited[pend.at] = at
             else:
                 still.append(pend)
         self._pending = still
@@ -108,7 +206,14 @@ class _DeviceStream:
         )
         self.points.append(point)
         if wait is not None:
-            self._pending.append(_Pending(point, wait))
+            self._pending.append(_Pending(point, wait, len(self.points) - 1))
+        c = self.columns
+        if c is not None:
+            if point.after not in self._index:  # a name this stream does not index: no columns from the builder
+                self.columns = None
+                return point
+            c.point(self._index[point.after], NEXT if fuse == "next" else len(self.segments) - 1 if fuse == "prev"
+                    else NO_SEGMENT, coll, point.bytes, group)
         return point
 
     def record(self, build: Callable[[], _Block], ready: dict[int | str, str]) -> tuple[_Block, _Template | None]:
@@ -129,7 +234,11 @@ class _DeviceStream:
                 or any(offset < 0 for offset in marks.values()):
             return block, None
         left = [(n, pending[id(pt)]) for n, pt in enumerate(self.points[pa:]) if id(pt) in pending]
-        return block, _Template(self.prefix, self.segments[a:], self.points[pa:], refs, left, marks)  # type: ignore[arg-type]
+        c = self.columns
+        if c is None:
+            return block, None
+        rows = c.template(self.segments[a:], self.points[pa:], refs)  # type: ignore[arg-type]
+        return block, _Template(self.prefix, self.segments[a:], self.points[pa:], refs, left, marks, rows)  # type: ignore[arg-type]
 
     def stamp(self, t: _Template, ready: dict[int | str, str]) -> _Block:
         """Append a copy of a recorded block under this stream's prefix: the same segments and collectives,
@@ -139,22 +248,29 @@ class _DeviceStream:
         segs = [ComputeSegment(prefix + s.name[cut:], s.flops, s.bytes, s.ctas, device) for s in t.segments]
         names = [self.segments[-1].name if a else None] + [s.name for s in segs] + ["next", None]
         self.segments.extend(segs)
+        c = self.columns
         still = []
         for pend in self._pending:
             if pend.wait < len(names) - 2:
                 pend.point.before = names[pend.wait]
                 if pend.point.fuse_with == "next":
                     pend.point.fuse_with = pend.point.before
+                if c is not None:
+                    c.waited[pend.at] = a - 1 + pend.wait
             else:
                 pend.wait -= len(segs)
                 still.append(pend)
         new = [OverlapPoint(prefix + pt.name[cut:], pt.collective, pt.group, pt.bytes, names[after], names[before],
                             device, None, names[fuse], phase)
                for pt, (after, before, fuse) in zip(t.points, t.refs)]
+        pa = len(self.points)
         self.points.extend(new)
-        self._pending = still + [_Pending(new[n], wait) for n, wait in t.pending]
+        self._pending = still + [_Pending(new[n], wait, pa + n) for n, wait in t.pending]
+        if c is not None:
+            c.stamp(t.rows, a - 1)
         ready.update((key, segs[offset].name) for key, offset in t.ready.items())
-        return _Block(segs[0].name, segs[-1].name)
+        self._index.update((segs[offset].name, a + offset) for offset in (*t.ready.values(), len(segs) - 1))
+        return _Block(segs[0].name, segs[-1].name, a, a + len(segs) - 1)
 
 
 class _StepBuilder:
@@ -610,7 +726,7 @@ def _points_for(wl: Workload, hw: Hardware, stamped: bool) -> StepGraph:
             ready["embed"] = s.last  # type: ignore[assignment]
             if sharded_params and with_grads:
                 reduce_scatter(s, stage, "embed", 0.0)
-        return _Block(s.segments[first_idx].name, s.last)  # type: ignore[arg-type]
+        return _Block(s.segments[first_idx].name, s.last, first_idx, len(s.segments) - 1)  # type: ignore[arg-type]
 
     def reduce_scatter(s: _DeviceStream, stage: int, done: int | str, params: float) -> None:
         """Sharded gradients once the backward block ``done`` is complete: DeepSpeed's ZeRO-3 buckets that close
@@ -638,7 +754,7 @@ def _points_for(wl: Workload, hw: Hardware, stamped: bool) -> StepGraph:
                 _data_parallel(b, s, 0, ready)
             if name == "last":
                 _optimizer(b, s, 0, stage_params(0))
-            phases.append(Phase(name, repeat, {0: s.segments}, s.points))
+            phases.append(_phase(name, repeat, [s]))
 
         if m > 1:
             one_micro("micro", per_micro_grads, m - 1)
@@ -689,14 +805,55 @@ def _pipeline_phase(b: _StepBuilder, wl: Workload, micro, stage_params, stamped:
         if not (p.fsdp or p.zero_stage == 3):  # sharded parameters reduce-scatter per layer instead
             _data_parallel(b, s, st, ready)
         _optimizer(b, s, st, stage_params(st))
-    sends: list[OverlapPoint] = []
+    sends: list[_Send] = []
     for st in range(p.pp - 1):
         for i in range(m):
-            sends.append(OverlapPoint(f"s{st}.mb{i}.send_fwd", Collective.SEND_RECV, link, int(act_bytes),
-                                      after=fwd[(st, i)].last, before=fwd[(st + 1, i)].first, device=st,
-                                      peer_device=st + 1, phase="step"))
-            sends.append(OverlapPoint(f"s{st + 1}.mb{i}.send_bwd", Collective.SEND_RECV, link, int(act_bytes),
-                                      after=bwd[(st + 1, i)].last, before=bwd[(st, i)].first, device=st + 1,
-                                      peer_device=st, phase="step"))
-    points = [pt for s in streams for pt in s.points] + sends
-    return Phase("step", 1, {s.device: s.segments for s in streams}, points)
+            for (src, dst), blocks, way in (((st, st + 1), fwd, "fwd"), ((st + 1, st), bwd, "bwd")):
+                sent, needed = blocks[(src, i)], blocks[(dst, i)]
+                sends.append(_Send(OverlapPoint(f"s{src}.mb{i}.send_{way}", Collective.SEND_RECV, link, int(act_bytes),
+                                                after=sent.last, before=needed.first, device=src, peer_device=dst,
+                                                phase="step"), sent.last_at, needed.first_at))
+    return _phase("step", 1, streams, sends)
+
+
+@dataclass
+class _Send:
+    """A pipeline send/recv: the point, and the indices of its after and before segments on its device and its peer."""
+
+    point: OverlapPoint
+    after: int
+    before: int
+
+
+def _phase(name: str, repeat: int, streams: list[_DeviceStream], sends: list[_Send] | None = None) -> Phase:
+    """The phase of these streams (devices in their order) and sends, with its columns as the streams wrote them."""
+    sends = sends or []
+    phase = Phase(name, repeat, {s.device: s.segments for s in streams},
+                  [pt for s in streams for pt in s.points] + [send.point for send in sends])
+    columns = [s.columns for s in streams if s.columns is not None]
+    if len(columns) < len(streams):
+        return phase  # its columns are read off the objects (``phase_columns``)
+    offset = np.cumsum([0, *(len(s.segments) for s in streams)]).tolist()
+    rows = [c.arrays(first) for c, first in zip(columns, offset)]
+    where = dict(zip([s.device for s in streams], offset))
+    send = np.asarray([(where[x.point.device] + x.after, where[x.point.peer_device or 0] + x.before, NO_SEGMENT,
+                        _COLLECTIVE_ID[Collective.SEND_RECV], x.point.bytes, 0) for x in sends], dtype=np.int64).reshape(-1, 6)
+    points = np.concatenate([pts for _, pts in rows] + [send])
+    # groups: each stream's numbers, and the sends', as numbers among the phase's groups by first appearance
+    registry: dict[Group, int] = {}
+    numbers = [np.asarray([registry.setdefault(g, len(registry)) for g in c.groups], dtype=np.int64) for c in columns]
+    raw = np.concatenate([of[pts[:, 5]] for of, (_, pts) in zip(numbers, rows)] +
+                         [np.asarray([registry.setdefault(x.point.group, len(registry)) for x in sends], dtype=np.int64)])
+    seen, first = np.unique(raw, return_index=True)
+    by_first = seen[np.argsort(first)]
+    renumber = np.zeros(len(registry), dtype=np.int64)
+    renumber[by_first] = np.arange(len(by_first))
+    groups = list(registry)
+    segments = np.concatenate([segs for segs, _ in rows])
+    phase.derived["columns"] = PhaseColumns(
+        segments[:, 0].copy(), segments[:, 1].copy(), segments[:, 2].copy(),
+        points[:, 0].copy(), points[:, 1].copy(), points[:, 2].copy(),
+        np.concatenate([np.full(len(s.points), s.device) for s in streams] + [[x.point.device for x in sends]]).astype(np.int64),
+        np.concatenate([np.full(len(s.points), NO_SEGMENT) for s in streams] + [[x.point.peer_device for x in sends]]).astype(np.int64),
+        points[:, 3].copy(), points[:, 4].copy(), renumber[raw], [groups[g] for g in by_first.tolist()])
+    return phase
