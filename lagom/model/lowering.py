@@ -187,8 +187,13 @@ class Lowering:
         return self.compute_queue[d], i * SLOT + self.pieces(d, i)[0] - 1
 
     def released(self, j: int) -> tuple[tuple[int, int], ...]:
-        after = self.ix.after[j]
-        return (self.last_of(*after),) if after is not None else ()
+        after = int(self.ix._after[j])  # the index's arrays: a representative task (the C loop's costs) builds no lists
+        return (self.last_of(int(self.ix._seg_device[after]), int(self.ix._seg_index[after])),) if after >= 0 else ()
+
+    def _waiting_compute(self, j: int) -> tuple[int, ...]:
+        """The compute queue of the segment that waits for point j (none: the phase's end)."""
+        before = int(self.ix._before[j])
+        return (self.compute_queue[int(self.ix._seg_device[before])],) if before >= 0 else ()
 
     def waits(self, d: int, i: int) -> tuple[tuple[int, int], ...]:
         """What segment (d, i) waits for: split reduce-scatters' reduces (lowered with the compute, device
@@ -254,15 +259,23 @@ class Lowering:
         return Shape(base.comm, base.device, base.devices, tuple(deps), base.cost, point, base.coll, base.nbytes,
                      base.first, base.last, base.next + queue.shift, base.wakes)
 
+    def comm_of(self, q: int, pos: int) -> tuple[int, Collective] | None:
+        """The overlap point and collective (SEND_RECV for a P2P step) of the task at (q, pos), None for compute:
+        what its shape's ``point`` and ``coll`` say, without working out the shape."""
+        queue = self.queues[q]
+        if queue.kind == STREAM:
+            j = self.ix.streams[queue.stream].points[pos]
+            return j, self.ix.points[j].collective
+        return (self.fused(queue.device, pos // SLOT), Collective.SEND_RECV) if queue.kind == P2P else None
+
     def _shape(self, q: int, pos: int) -> Shape:
         queue, ix = self.queues[q], self.ix
         d = queue.device
         if queue.kind == STREAM:
             j = ix.streams[queue.stream].points[pos]
             p = ix.points[j]
-            before = ix.before[j]
             return Shape(True, d, ix.streams[queue.stream].devices, self.released(j), (ix.key(j), False), j, p.collective,
-                         float(p.bytes), True, True, self._next(q, pos), (self.compute_queue[before[0]],) if before else ())
+                         float(p.bytes), True, True, self._next(q, pos), self._waiting_compute(j))
         i, piece = divmod(pos, SLOT)
         seg = ix.segments[d][i]
         j = self.fused(d, i)
@@ -289,9 +302,8 @@ class Lowering:
         wakes: tuple[int, ...] = ()
         if piece == count - 1:
             wakes = self._ending(d, i)
-            before = ix.before[j]
-            if p.collective != Collective.ALL_GATHER and before is not None:  # what waits for the reduce
-                wakes += (self.compute_queue[before[0]],)
+            if p.collective != Collective.ALL_GATHER:  # what waits for the reduce
+                wakes += self._waiting_compute(j)
         elif p.collective != Collective.ALL_GATHER and piece < steps:  # a peer's partial: its send waits
             wakes = (self.p2p_queue[(d, p.group.name)],)
         if p.collective != Collective.ALL_GATHER and piece == count - 1:  # the reduce

@@ -15,6 +15,7 @@ from functools import cached_property
 from typing import Any
 
 import numpy as np
+import numpy.ma  # noqa: F401 - np.unique imports it on its first call: with this module, not inside a first step
 
 from lagom.errors import LagomError
 from lagom.model.lowering import COMPUTE, END, P2P, Lowering
@@ -574,10 +575,10 @@ def _arrays(lowering: Lowering, per_queue: list[_Rows], devices: list[int], dens
     key_ids = {k: n for n, k in enumerate(keys)}
     cost_key, cross, one_way = [], bytearray(), bytearray()
     for what, (q, pos) in zip(costs, cost_task):
-        shape = lowering.shape(q, pos)
-        cost_key.append(key_ids[what[0]] if shape.comm else -1)
-        cross.append(shape.comm and ix.points[shape.point].group.nodes > 1)
-        one_way.append(shape.comm and not what[1] and shape.coll == Collective.SEND_RECV)
+        of = lowering.comm_of(q, pos)
+        cost_key.append(-1 if of is None else key_ids[what[0]])
+        cross.append(of is not None and ix.points[of[0]].group.nodes > 1)
+        one_way.append(of is not None and not what[1] and of[1] == Collective.SEND_RECV)
     compute_queue = np.full(len(devices), -1, dtype=np.int32)
     for d, q in lowering.compute_queue.items():
         compute_queue[dense[d]] = q

@@ -179,8 +179,6 @@ class PhaseIndex:
         self._offset = dict(zip(self.devices, np.cumsum([0, *sizes]).tolist()))
         self._size = dict(zip(self.devices, sizes))
         self._after, self._before = cols.after, cols.before
-        self.after = _pairs(self._seg_device, self._seg_index, self._after)
-        self.before = _pairs(self._seg_device, self._seg_index, self._before)
         self._device, self._collective, self._bytes, self._peer = cols.device, cols.collective, cols.point_bytes, cols.peer
         has_peer = self._peer >= 0
         self._group, group_names = cols.group, [g.name for g in cols.groups]
@@ -201,7 +199,6 @@ class PhaseIndex:
                 raise KeyError(pts[j].fuse_with)
             raise LagomError(f"point {pts[j].name} fuses with {pts[j].fuse_with}, a segment of another device")
         self._fused = fused  # global segment id, -1 where nothing is split
-        self.fuse: list[int] = self._seg_index[fused].tolist()  # segment index on the point's device, or NONE
         js = np.flatnonzero(fused >= 0)
         self.first_candidate: dict[int, dict[str, tuple[int, str]]] = {}  # device -> key -> (first segment, group)
         if not len(js):
@@ -218,10 +215,7 @@ class PhaseIndex:
         streams in it and each point's slot in its stream; and the segment -> points tables."""
         n = len(pts)
         order = np.argsort(self._seg_index[self._after], kind="stable")
-        self.order: list[int] = order.tolist()
-        issue_rank = np.empty(n, dtype=_I64)
-        issue_rank[order] = np.arange(n, dtype=_I64)
-        self.issue_rank: list[int] = issue_rank.tolist()
+        self._order = order
         # Streams: a device's communicator, or its P2P stream to one peer; numbered by their first point.
         kind, firsts = first_seen(has_peer[order], self._device[order],
                                    np.where(has_peer, self._peer, self._group_name)[order])
@@ -240,8 +234,6 @@ class PhaseIndex:
         stream_of = np.empty(n, dtype=_I64)
         stream_of[order] = in_order
         self._stream_of, self._slot = stream_of, slot
-        self.stream_of: list[int] = stream_of.tolist()
-        self.slot: list[int] = slot.tolist()
         by_stream = order[by]
         members = by_stream.tolist()
         self._stream_points = [by_stream[a:b] for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist())]
@@ -256,6 +248,40 @@ class PhaseIndex:
         self.waits = SegmentTable(order[np.argsort(self._device[order], kind="stable")], self._before, self)
         self.releases = SegmentTable(order, self._after, self)  # segment -> points its end releases, issue order
         self.candidates = SegmentTable(np.arange(n, dtype=_I64), self._fused, self)  # may split it, phase order
+
+    # Per point, as lists (the lowering's shapes, the bound and timings read them a point at a time; a cold step on
+    # the compiled loop reads none): the segments releasing it and waiting for it as (device, index) or None, the
+    # segment on its device its decomposition may split (NONE: none), host issue order and each point's place in
+    # it, its stream and slot in that stream
+    @cached_property
+    def after(self) -> list[tuple[int, int] | None]:
+        return _pairs(self._seg_device, self._seg_index, self._after)
+
+    @cached_property
+    def before(self) -> list[tuple[int, int] | None]:
+        return _pairs(self._seg_device, self._seg_index, self._before)
+
+    @cached_property
+    def fuse(self) -> list[int]:
+        return self._seg_index[self._fused].tolist()
+
+    @cached_property
+    def order(self) -> list[int]:
+        return self._order.tolist()
+
+    @cached_property
+    def issue_rank(self) -> list[int]:
+        rank = np.empty(len(self._order), dtype=_I64)
+        rank[self._order] = np.arange(len(self._order), dtype=_I64)
+        return rank.tolist()
+
+    @cached_property
+    def stream_of(self) -> list[int]:
+        return self._stream_of.tolist()
+
+    @cached_property
+    def slot(self) -> list[int]:
+        return self._slot.tolist()
 
     @cached_property
     def candidate_segments(self) -> dict[int, list[int]]:
@@ -487,7 +513,7 @@ def _point_images(ix: PhaseIndex, runs: dict[int, tuple[int, int, int]]) -> np.n
     issue order as a period releases, by the segment one period on, with the same description (stream,
     collective, group, size, and the segments it waits for and may fuse with relative to the one that
     releases it; another device's segment only by device: ``_irregular`` checks those one by one)."""
-    order = np.asarray(ix.order, dtype=_I64)
+    order = ix._order
     image = np.full(len(ix.points), NONE, dtype=_I64)
     at_all = ix._seg_index[ix._after]
     before_device = np.where(ix._before >= 0, ix._seg_device[ix._before], NONE)
