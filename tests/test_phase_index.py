@@ -15,6 +15,8 @@ import weakref
 from dataclasses import replace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lagom.errors import LagomError
 from lagom.hardware import load_hardware
@@ -313,3 +315,22 @@ def test_a_phase_and_its_index_go_with_their_last_reference():
     finally:
         if enabled:
             gc.enable()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(-3, 5), st.integers(0, 2**40), st.floats(0, 4, allow_nan=False)),
+                min_size=1, max_size=60),
+       st.sampled_from([(0, 1, 2), (1, 2), (0, 3), (3,), (2, 1, 0, 3)]))
+def test_first_seen_numbers_rows_by_the_first_appearance_of_their_values(rows, which):
+    """Rows told apart by the chosen columns (integer ones packed into one sort key, float ones lexsorted) get the
+    numbers a dict of tuples gives them, and each number's first row."""
+    import numpy as np
+
+    from lagom.model.phase_index import first_seen
+
+    columns = [np.asarray([row[c] for row in rows]) for c in which]
+    numbers: dict[tuple, int] = {}
+    expected = [numbers.setdefault(tuple(row[c] for c in which), len(numbers)) for row in rows]
+    firsts = [expected.index(k) for k in range(len(numbers))]
+    got, got_firsts = first_seen(*columns)
+    assert got.tolist() == expected and got_firsts.tolist() == firsts

@@ -377,18 +377,42 @@ def first_seen(*columns: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     n = len(columns[0])
     if not n:
         return np.zeros(0, dtype=_I64), np.zeros(0, dtype=_I64)
-    by = np.lexsort(columns[::-1])
     new = np.zeros(n, dtype=bool)
     new[0] = True
-    for col in columns:
-        c = col[by]
-        new[1:] |= c[1:] != c[:-1]
-    firsts = by[new]  # lexsort is stable: the first row of each combination
+    key = _packed(columns)
+    if key is not None:  # one stable sort of one integer rather than a lexsort over every column
+        by = np.argsort(key, kind="stable")
+        ordered = key[by]
+        new[1:] = ordered[1:] != ordered[:-1]
+    else:
+        by = np.lexsort(columns[::-1])
+        for col in columns:
+            c = col[by]
+            new[1:] |= c[1:] != c[:-1]
+    firsts = by[new]  # both sorts are stable: the first row of each combination
     number = np.empty(len(firsts), dtype=_I64)
     number[np.argsort(firsts)] = np.arange(len(firsts), dtype=_I64)
     out = np.empty(n, dtype=_I64)
     out[by] = number[np.cumsum(new) - 1]
     return out, np.sort(firsts)
+
+
+def _packed(columns: tuple[np.ndarray, ...]) -> np.ndarray | None:
+    """Integer columns as one integer per row that orders rows as the columns do (each column's offset from its
+    least value, the first column most significant); None where a column is not integer or they do not fit."""
+    key = np.zeros(len(columns[0]), dtype=_I64)
+    span = 1
+    for col in columns:
+        if col.dtype.kind not in "biu":
+            return None
+        col = col.astype(_I64, copy=False)
+        low, high = int(col.min()), int(col.max())
+        span *= high - low + 1
+        if span >= 1 << 62:
+            return None
+        key *= high - low + 1
+        key += col - low
+    return key
 
 
 # ---------------------------------------------------------------------------------------------
