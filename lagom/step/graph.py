@@ -85,7 +85,8 @@ class Phase:
     derived: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
 
-NO_SEGMENT, NOT_A_SEGMENT = -1, -2  # PhaseColumns' segment ids: the phase's start or end (nothing to fuse with); a name no segment has
+# PhaseColumns' segment ids besides global ones: the phase's start or end (or nothing to fuse with); a name no segment has
+NO_SEGMENT, NOT_A_SEGMENT = -1, -2
 _COLLECTIVES = list(Collective)
 
 
