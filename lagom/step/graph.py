@@ -87,7 +87,7 @@ class Phase:
 
 # PhaseColumns' segment ids besides global ones: the phase's start or end (or nothing to fuse with); a name no segment has
 NO_SEGMENT, NOT_A_SEGMENT = -1, -2
-_COLLECTIVES = list(Collective)
+COLLECTIVE_ID = {c: k for k, c in enumerate(Collective)}  # a collective's number in the columns: its place in Collective
 
 
 @dataclass(frozen=True)
@@ -153,10 +153,10 @@ def columns_of(phase: Phase) -> PhaseColumns:
 
 def _collective_ids(collectives: list) -> np.ndarray:
     """Each collective's place in ``Collective`` (members looked up by identity, anything else by value)."""
-    by_id = {id(c): k for k, c in enumerate(_COLLECTIVES)}
+    by_id = {id(c): k for c, k in COLLECTIVE_ID.items()}
     out = np.fromiter(map(by_id.get, map(id, collectives), repeat(-1)), dtype=np.int64, count=len(collectives))
     for j in np.flatnonzero(out < 0).tolist():
-        out[j] = _COLLECTIVES.index(Collective(collectives[j]))
+        out[j] = COLLECTIVE_ID[Collective(collectives[j])]
     return out
 
 

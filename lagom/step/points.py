@@ -28,6 +28,7 @@ import numpy as np
 from lagom.hardware import Hardware
 from lagom.step.buckets import Bucket, ParamTensor, deepspeed_buckets, megatron_buckets
 from lagom.step.graph import (
+    COLLECTIVE_ID,
     NO_SEGMENT,
     NOT_A_SEGMENT,
     Collective,
@@ -84,7 +85,6 @@ class _Template:
 
 
 NEXT = -3  # a point's fused segment is the one that waits for it, not known yet (``fuse="next"``)
-_COLLECTIVE_ID = {c: k for k, c in enumerate(Collective)}
 
 
 class _Columns:
@@ -108,14 +108,14 @@ class _Columns:
 
     def point(self, after: int, fuse: int, collective: Collective, nbytes: int, group: Group) -> None:
         """A collective released after segment ``after`` (an index) whose waiting segment is not known yet."""
-        self._point_rows.append((after, NO_SEGMENT, fuse, _COLLECTIVE_ID[collective], nbytes,
+        self._point_rows.append((after, NO_SEGMENT, fuse, COLLECTIVE_ID[collective], nbytes,
                                  self.groups.setdefault(group, len(self.groups))))
 
     def template(self, segments: list[ComputeSegment], points: list[OverlapPoint],
                  refs: list[tuple[int, int, int]]) -> tuple[np.ndarray, np.ndarray]:
         """A recorded block's rows: its segments, and its points with their references as ``refs`` has them."""
         return (np.asarray([(seg.flops, seg.bytes, seg.ctas) for seg in segments], dtype=np.float64).reshape(-1, 3),
-                np.asarray([(after, before, NEXT if fuse == -2 else fuse, _COLLECTIVE_ID[pt.collective], pt.bytes,
+                np.asarray([(after, before, NEXT if fuse == -2 else fuse, COLLECTIVE_ID[pt.collective], pt.bytes,
                              self.groups.setdefault(pt.group, len(self.groups)))
                             for pt, (after, before, fuse) in zip(points, refs)], dtype=np.int64).reshape(-1, 6))
 
@@ -837,23 +837,20 @@ def _phase(name: str, repeat: int, streams: list[_DeviceStream], sends: list[_Se
     rows = [c.arrays(first) for c, first in zip(columns, offset)]
     where = dict(zip([s.device for s in streams], offset))
     send = np.asarray([(where[x.point.device] + x.after, where[x.point.peer_device or 0] + x.before, NO_SEGMENT,
-                        _COLLECTIVE_ID[Collective.SEND_RECV], x.point.bytes, 0) for x in sends], dtype=np.int64).reshape(-1, 6)
+                        COLLECTIVE_ID[Collective.SEND_RECV], x.point.bytes, 0) for x in sends], dtype=np.int64).reshape(-1, 6)
     points = np.concatenate([pts for _, pts in rows] + [send])
-    # groups: each stream's numbers, and the sends', as numbers among the phase's groups by first appearance
+    # groups: a stream numbers its own as they first appear in its rows, and the phase's rows are the streams' one
+    # after another, then the sends', so numbering the streams' groups in that order (equal groups once) numbers
+    # them by first appearance in the phase
     registry: dict[Group, int] = {}
     numbers = [np.asarray([registry.setdefault(g, len(registry)) for g in c.groups], dtype=np.int64) for c in columns]
-    raw = np.concatenate([of[pts[:, 5]] for of, (_, pts) in zip(numbers, rows)] +
-                         [np.asarray([registry.setdefault(x.point.group, len(registry)) for x in sends], dtype=np.int64)])
-    seen, first = np.unique(raw, return_index=True)
-    by_first = seen[np.argsort(first)]
-    renumber = np.zeros(len(registry), dtype=np.int64)
-    renumber[by_first] = np.arange(len(by_first))
-    groups = list(registry)
+    group = np.concatenate([of[pts[:, 5]] for of, (_, pts) in zip(numbers, rows)] +
+                           [np.asarray([registry.setdefault(x.point.group, len(registry)) for x in sends], dtype=np.int64)])
     segments = np.concatenate([segs for segs, _ in rows])
     phase.derived["columns"] = PhaseColumns(
         segments[:, 0].copy(), segments[:, 1].copy(), segments[:, 2].copy(),
         points[:, 0].copy(), points[:, 1].copy(), points[:, 2].copy(),
         np.concatenate([np.full(len(s.points), s.device) for s in streams] + [[x.point.device for x in sends]]).astype(np.int64),
         np.concatenate([np.full(len(s.points), NO_SEGMENT) for s in streams] + [[x.point.peer_device for x in sends]]).astype(np.int64),
-        points[:, 3].copy(), points[:, 4].copy(), renumber[raw], [groups[g] for g in by_first.tolist()])
+        points[:, 3].copy(), points[:, 4].copy(), group, list(registry))
     return phase
