@@ -150,14 +150,34 @@ def test_live_search_finds_the_plants_optimum_and_every_rank_switches_together(
           f"{len(keys)} keys, noise {live['noise']:.1%}, one move's gain {gain:.1%}, reference step "
           f"{live['reference_step_s'] * 1e3:.0f} ms, decisions {[t['decision'] for t in trials]}")
     # a quiet enough machine: a good move's gain is several times the noise of a window difference, so the
-    # t-test accepts it with high odds, and the loop ends nearer the optimum than it began
-    if live["noise"] * 4 * math.sqrt(2) < gain:
-        assert cost(end) < cost(reference), f"noise {live['noise']:.1%}, one move's gain {gain:.1%}: ended at {end}"
+    # t-test accepts it with high odds, and the loop ends nearer the optimum than it began. Quiet throughout: the
+    # noise is measured on the reference's windows, so a stall inside a trial's window (another test's process
+    # taking the core, say) is told by the trial's measured gain straying from the plant's, which is known
+    disturbed = _disturbed(trials, seen, reference, live)
+    if live["noise"] * 4 * math.sqrt(2) < gain and not disturbed:
+        assert cost(end) < cost(reference), (
+            f"noise {live['noise']:.1%}, one move's gain {gain:.1%}: ended at {end} ({live['why']}); trials "
+            f"{[(t['id'], t['decision'], t['note']) for t in trials]}")
+    if disturbed:
+        print(f"not quiet: trials {disturbed} measured a gain other than the plant's, so the optimum is not asked for")
     assert cost(end) <= cost(reference)  # never slower than it started
     # the model against this job's own measurements
     from lagom.validate import measured_results
 
     assert len([r for r in measured_results(tmp_path / "report-0.json") if r.group == "live-step"]) == len(trials)
+
+
+def _disturbed(trials: list[dict], seen: list[tuple], reference: tuple, live: dict) -> list[str]:
+    """The trials whose measured gain over the reference strays from the plant's own by more than a window
+    difference's noise can explain (4 sigma: a window less the mean of the two beside it has sigma * sqrt(1.5))."""
+    bound = 4 * math.sqrt(1.5) * live["noise"] * live["reference_step_s"]
+    out = []
+    for t in trials:
+        planted = PLANT_MS / 1e3 * (cost(reference) - cost(seen[t["steps"][0]]))
+        measured = t["measured"]["reference_step_s"] - t["measured"]["step_s"]
+        if abs(measured - planted) > bound:
+            out.append(t["id"])
+    return out
 
 
 def test_validate_measured_reads_a_reports_trials_and_refuses_other_files(tmp_path: Path, capsys) -> None:
