@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import yaml
+from hypothesis import assume
+from hypothesis import strategies as st
 
 from lagom.hardware import load_hardware
 from lagom.plan.comm_config import SearchSpace
 from lagom.search import Problem
 from lagom.step.graph import Collective, ComputeSegment, Group, OverlapPoint, Phase, StepGraph
+from lagom.step.workload import Workload
 
 
 def write_yaml(path: Path, data: dict) -> Path:
@@ -87,3 +91,37 @@ def megatron_plan_file(args, path: Path) -> str:
     make_plan(workload_from_args(args), load_hardware(args.lagom_hardware), args.lagom_strategy,
               search_buckets=getattr(args, "ddp_bucket_size", None) is None).save(path)  # as the session searches
     return str(path)
+
+
+def random_workload(data: st.DataObject, pipeline_sizes: list[int],
+                    micro_batches: Callable[[int], st.SearchStrategy[int]]) -> Workload:
+    """Any small layout the workload schema accepts (architecture, every parallel size, ZeRO stage or FSDP, overlap
+    on or off, bucket sizes), with ``micro_batches(pp)`` of them; layouts ``validate`` refuses are not drawn."""
+    from lagom.errors import ConfigError
+    from lagom.step.workload import Framework, Model, Parallel, Training, validate
+
+    arch = data.draw(st.sampled_from(["gpt", "bert", "t5", "moe"]))
+    deepspeed = data.draw(st.booleans())
+    tp, pp, dp, cp = (data.draw(st.sampled_from(sizes)) for sizes in ([1, 2, 4], pipeline_sizes, [1, 2, 4], [1, 2]))
+    layers = data.draw(st.integers(1, 4)) * pp
+    model = Model(architecture=arch, layers=layers, hidden=256, ffn=512, heads=8, seq_len=256, vocab=1024,
+                  decoder_layers=layers if arch == "t5" else 0, experts=4 if arch == "moe" else 0,
+                  top_k=2 if arch == "moe" else 0, moe_ffn=256 if arch == "moe" else 0,
+                  shared_experts=data.draw(st.integers(0, 1)) if arch == "moe" else 0,
+                  gated_mlp=data.draw(st.booleans()), linear_bias=data.draw(st.booleans()))
+    parallel = Parallel(dp=dp, tp=tp, pp=pp, cp=cp, ep=data.draw(st.sampled_from([1, 2])) if arch == "moe" else 1,
+                        sequence_parallel=tp > 1 and data.draw(st.booleans()),
+                        distributed_optimizer=not deepspeed and data.draw(st.booleans()),
+                        zero_stage=data.draw(st.integers(0, 3)) if deepspeed else 0,
+                        fsdp=not deepspeed and pp == 1 and data.draw(st.booleans()))
+    framework = Framework(name="deepspeed" if deepspeed else "megatron", overlap_grad_reduce=data.draw(st.booleans()),
+                          overlap_comm=data.draw(st.booleans()), bucket_size=data.draw(st.sampled_from([None, 100_000])),
+                          reduce_bucket_size=data.draw(st.sampled_from([50_000, 500_000_000])))
+    m = data.draw(micro_batches(pp))
+    wl = Workload(name="random", model=model, training=Training(micro_batch=1, global_batch=m * dp), parallel=parallel,
+                  framework=framework)
+    try:
+        validate(wl)
+    except ConfigError:
+        assume(False)
+    return wl

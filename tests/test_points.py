@@ -7,7 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lagom.hardware import load_hardware
@@ -15,7 +15,7 @@ from lagom.step.buckets import deepspeed_buckets
 from lagom.step.graph import Collective, make_groups
 from lagom.step.points import points_for, rank_params
 from lagom.step.workload import load_workload
-from tests.helpers import gpt_workload, write_yaml
+from tests.helpers import gpt_workload, random_workload, write_yaml
 
 WORKLOADS = Path(__file__).resolve().parent.parent / "configs" / "workloads"
 
@@ -304,34 +304,9 @@ def test_a_search_pauses_the_collector_on_the_main_thread_only(monkeypatch):
 def test_random_workloads_columns_are_the_columns_of_their_objects(data):
     """Any layout the workload schema accepts (architecture, every parallel size, ZeRO stage or FSDP, overlap on or
     off, bucket sizes, micro-batches): the builder's columns equal the ones read off the objects, stamped or not."""
-    from lagom.errors import ConfigError
     from lagom.step.graph import columns_of
-    from lagom.step.workload import Framework, Model, Parallel, Training, Workload, validate
 
-    arch = data.draw(st.sampled_from(["gpt", "bert", "t5", "moe"]))
-    deepspeed = data.draw(st.booleans())
-    tp, pp, dp, cp = (data.draw(st.sampled_from(sizes)) for sizes in ([1, 2, 4], [1, 2, 4], [1, 2, 4], [1, 2]))
-    layers = data.draw(st.integers(1, 4)) * pp
-    model = Model(architecture=arch, layers=layers, hidden=256, ffn=512, heads=8, seq_len=256, vocab=1024,
-                  decoder_layers=layers if arch == "t5" else 0, experts=4 if arch == "moe" else 0,
-                  top_k=2 if arch == "moe" else 0, moe_ffn=256 if arch == "moe" else 0,
-                  shared_experts=data.draw(st.integers(0, 1)) if arch == "moe" else 0,
-                  gated_mlp=data.draw(st.booleans()), linear_bias=data.draw(st.booleans()))
-    parallel = Parallel(dp=dp, tp=tp, pp=pp, cp=cp, ep=data.draw(st.sampled_from([1, 2])) if arch == "moe" else 1,
-                        sequence_parallel=tp > 1 and data.draw(st.booleans()),
-                        distributed_optimizer=not deepspeed and data.draw(st.booleans()),
-                        zero_stage=data.draw(st.integers(0, 3)) if deepspeed else 0,
-                        fsdp=not deepspeed and pp == 1 and data.draw(st.booleans()))
-    framework = Framework(name="deepspeed" if deepspeed else "megatron", overlap_grad_reduce=data.draw(st.booleans()),
-                          overlap_comm=data.draw(st.booleans()), bucket_size=data.draw(st.sampled_from([None, 100_000])),
-                          reduce_bucket_size=data.draw(st.sampled_from([50_000, 500_000_000])))
-    m = data.draw(st.integers(1, 3 * pp + 2))
-    wl = Workload(name="random", model=model, training=Training(micro_batch=1, global_batch=m * dp), parallel=parallel,
-                  framework=framework)
-    try:
-        validate(wl)
-    except ConfigError:
-        assume(False)
+    wl = random_workload(data, [1, 2, 4], lambda pp: st.integers(1, 3 * pp + 2))
     hw = load_hardware("h100-sxm-4x8-400g")
     for stamped in (True, False):
         for phase in points_for(wl, hw, stamped=stamped).phases:

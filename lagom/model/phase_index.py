@@ -335,6 +335,16 @@ class PhaseIndex:
                 self._band = _find_band(self)
         return self._band  # type: ignore[return-value]
 
+    def period_points(self) -> np.ndarray:
+        """The points one period of the band releases (its first on each device): what every further period adds."""
+        band = self.band
+        assert band is not None
+        window = np.zeros(len(self._seg_device), dtype=bool)
+        for d, period in band.period.items():
+            lo = self._offset[d] + band.segments[d][0][0]
+            window[lo:lo + period] = True
+        return np.flatnonzero((self._after >= 0) & window[self._after])
+
 
 def _pairs(seg_device: np.ndarray, seg_index: np.ndarray, ids: np.ndarray) -> list[tuple[int, int] | None]:
     """Global segment ids as (device, index on it), None for NONE: made from the arrays for the ids asked for, not

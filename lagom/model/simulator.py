@@ -26,6 +26,14 @@ confirms it. A state whose running heads' remaining work moves by the same amoun
 drift: a collective running across many periods beside compute that repeats) is jumped the same way, to
 before any of them would finish. If the state does none of these, the phase is simulated in full.
 
+Twins. Preparing a phase for runs (its index, band and lowering) costs as much as its tasks, though the runs
+jump over most of a long pipeline's. A pipeline of many micro-batches comes with its twin
+(``lagom.step.points.points_for``): the same phase built for fewer, whose band is shorter by whole periods and
+which is otherwise the same. The twin is prepared and run in the phase's place; its jumps pass over the periods
+it lacks first (the clock and sums advance by them, the positions do not), so the run is the phase's, to the
+bit. A twin whose band ends before the phase would have jumped is not used again (``TwinTooShort``), and runs
+that keep timings or simulate every period run the phase itself.
+
 Incremental runs. A ``Simulator`` keeps checkpoints of its last runs. A run whose configs differ from
 an earlier one's only in keys whose first collective started late in it (gradient buckets, parameter
 gathers at the end of a step) resumes from the last checkpoint before that start: what came before
@@ -39,7 +47,7 @@ then applies and probes. The two agree to 1e-9 with and without jumps (to the bi
 the same order). Both keep checkpoints and resume from them the same way (the compiled loop's live in C,
 ``compiled.Checkpoint``, at its own interval): a search changes one key at a time, and many keys' first
 collective starts late in the step (gradient buckets), so many runs simulate only their last part. This is the
-largest module (about 1,100 lines) because the steady-state logic is here once for both loops.
+largest module (about 1,400 lines) because the steady-state logic is here once for both loops.
 """
 
 from __future__ import annotations
@@ -63,7 +71,7 @@ from lagom.model.cost_model import CostModel, RunningComm
 from lagom.model.lowering import COMPUTE, END, Lowering, Shape, split_of
 from lagom.model.phase_index import SLOT, PhaseIndex, first_seen, index_of
 from lagom.plan.comm_config import CommConfig, default_config
-from lagom.step.graph import Collective, ComputeSegment, StepGraph
+from lagom.step.graph import Collective, ComputeSegment, Phase, StepGraph
 
 EPS = 1e-12
 DONE = 1e-9  # a task whose remaining fraction falls to this is finished
@@ -161,6 +169,7 @@ class _Jump:
     excess: float
     ratio: float
     units: int = 1
+    virtual: int = 0  # of ``periods``, those of the phase a twin stands for and its arrays lack (no positions moved)
 
     def shift(self, n: int) -> float:
         """Seconds from a task to its image n periods on (n a whole number of cycles)."""
@@ -190,7 +199,8 @@ class _Checkpoint:
 
 
 # checkpoints: _Checkpoint of the Python loop or compiled.Checkpoint (a Simulator runs one loop or the other)
-_PhaseTrail = tuple["PhaseResult", dict[str, float], list[Any], list[tuple]]
+# (result, when each key first started, checkpoints, records, whether its twin ran: the checkpoints are the twin's)
+_PhaseTrail = tuple["PhaseResult", dict[str, float], list[Any], list[tuple], bool]
 
 
 @dataclass
@@ -222,11 +232,14 @@ class Simulator:
         say python). The Python loop is the reference, with steady-state jumps and resumable checkpoints."""
         self.graph = graph
         self.compiled_loop = compiled.enabled() if compiled_loop is None else compiled_loop
-        self._lowerings: dict[tuple[int, frozenset, bool], Lowering] = {}
+        self._lowerings: dict[tuple[int, frozenset, bool, bool], Lowering] = {}
         self._owner = next(_OWNERS)  # its arrays' key in _KEPT, dropped with it
+        self._twin_owner = next(_OWNERS)  # and its twins'
         weakref.finalize(self, _KEPT.drop, self._owner)
-        self._statics: dict[int, tuple[dict, dict]] = {}
-        self._static_costs: dict[int, tuple[CostModel, tuple, float, float]] = {}
+        weakref.finalize(self, _KEPT.drop, self._twin_owner)
+        self._virtual: dict[int, int] = {}  # phase -> the periods its twin lacks (0: no twin runs for it)
+        self._statics: dict[tuple[int, bool], tuple[dict, dict]] = {}
+        self._static_costs: dict[tuple[int, bool], tuple[CostModel, tuple, float, float]] = {}
         self._trails: list[_Trail] = []
         self._durations: tuple[CostModel, tuple, dict[tuple, float]] | None = None
 
@@ -241,8 +254,18 @@ class Simulator:
             kept = self._durations = (model, state, {})
         return kept[2]
 
-    def index(self, i: int) -> PhaseIndex:
-        return index_of(self.graph.phases[i])
+    def index(self, i: int, twin: bool = False) -> PhaseIndex:
+        phase = self.graph.phases[i]
+        return index_of(phase.derived["twin"] if twin else phase)
+
+    def virtual(self, i: int) -> int:
+        """The band periods phase i's twin lacks (``lagom.step.points.points_for``), where the twin may stand for
+        it in runs that jump (0: the phase runs itself). Its band must be one stretch on every stream, and the
+        phase's segments and collectives beyond the twin's whole periods of it. A twin that turns out too short
+        for the jumps the phase makes (``TwinTooShort``) is not tried again."""
+        if i not in self._virtual:
+            self._virtual[i] = _twin_periods(self.graph.phases[i])
+        return self._virtual[i]
 
     def run(self, configs: Configs, model: CostModel, *, keep_spans: bool = False, extrapolate: bool = True,
             timings: bool = False) -> StepResult:
@@ -260,16 +283,19 @@ class Simulator:
         left: list[_PhaseTrail | None] = []
         resume = [] if keep_spans else self._resumable(configs, model, extrapolate, default)
         for i in range(len(self.graph.phases)):
+            virtual = self.virtual(i) if extrapolate and not timings else 0
             reuse, start = None, None
             for changed, trail in resume:
                 done = trail.phases[i]
                 if done is None:
                     continue
-                result, first_start, checkpoints, records = done
+                result, first_start, checkpoints, records, twin = done
                 t = min((first_start.get(k, INF) for k in changed), default=INF)
                 if t == INF:  # no changed key has a collective in this phase: nothing in it changes
                     reuse = done
                     break
+                if twin != bool(virtual):  # checkpoints of the other arrays
+                    continue
                 at = next((n for n in range(len(checkpoints) - 1, -1, -1) if checkpoints[n].now <= t), None)
                 if at is not None and (start is None or checkpoints[at].now > start[0].now):
                     start = (checkpoints[at], records, checkpoints[:at + 1])
@@ -277,16 +303,13 @@ class Simulator:
                 phases.append(reuse[0])
                 left.append(reuse)
                 continue
-            if self.compiled_loop and not keep_spans:
-                result, first_start, saved = self._compiled(i, split, configs, model, default, extrapolate, timings,
-                                                            start)
-                phases.append(result)
-                left.append((result, first_start, saved, []))
-                continue
-            run = _PhaseRun(self._lowering(i, split, extrapolate), configs, model, default, keep_spans,
-                            self._compute_durations(model))
-            phases.append(run.simulate(*self._static(i, model), resume=start))
-            left.append(None if keep_spans else (phases[-1], run.first_start, run.checkpoints, run.records))
+            try:
+                done = self._phase(i, split, configs, model, default, keep_spans, extrapolate, timings, start, virtual)
+            except TwinTooShort:
+                self._virtual[i] = 0
+                done = self._phase(i, split, configs, model, default, keep_spans, extrapolate, timings, None, 0)
+            phases.append(done[0])
+            left.append(None if keep_spans else done)
         if not keep_spans:
             self._trails.insert(0, _Trail(dict(configs), model, _model_state(model), extrapolate, left))
             del self._trails[TRAILS_KEPT:]
@@ -300,6 +323,39 @@ class Simulator:
             comm_peak_s=sum(p.comm_peak * p.repeat for p in phases),
             phases=phases,
         )
+
+    def _phase(self, i: int, split: frozenset, configs: Configs, model: CostModel, default: CommConfig,
+               keep_spans: bool, extrapolate: bool, timings: bool, start: tuple | None, virtual: int) -> _PhaseTrail:
+        """Phase ``i`` simulated (by its twin where ``virtual``), on the compiled loop or this module's."""
+        if self.compiled_loop and not keep_spans:
+            result, first_start, saved = self._compiled(i, split, configs, model, default, extrapolate, timings, start,
+                                                        virtual)
+            return result, first_start, saved, [], bool(virtual)
+        run = _PhaseRun(self._lowering(i, split, extrapolate, bool(virtual)), configs, model, default, keep_spans,
+                        self._compute_durations(model), virtual)
+        result = run.simulate(*self._static(i, model, bool(virtual)), resume=start)
+        if virtual:  # the twin's records are not the phase's collectives
+            result._timings = self._again(i, split, configs, model, default, extrapolate)
+        return result, run.first_start, run.checkpoints, run.records, bool(virtual)
+
+    def _again(self, i: int, split: frozenset, configs: Configs, model: CostModel, default: CommConfig,
+               extrapolate: bool) -> Callable[[], list[PointTiming]]:
+        """Phase ``i``'s collectives' timings, from a run of the phase itself when asked for (a search's runs keep
+        none, and a twin's are not the phase's)."""
+        simulator, graph = weakref.ref(self), self.graph
+        state, configs = _model_state(model), dict(configs)
+
+        def again() -> list[PointTiming]:
+            if _model_state(model) != state:
+                raise LagomError(f"the collectives' timings of phase {graph.phases[i].name} were not kept, and the "
+                                 "model has changed since the run: simulate the step again with timings=True")
+            sim = simulator() or Simulator(graph)
+            if sim.compiled_loop:
+                return sim._compiled(i, split, configs, model, default, extrapolate, True)[0].points
+            return _PhaseRun(sim._lowering(i, split, extrapolate), configs, model, default, False,
+                             sim._compute_durations(model)).simulate(*sim._static(i, model)).points
+
+        return again
 
     def _resumable(self, configs: Configs, model: CostModel, extrapolate: bool,
                    default: CommConfig) -> list[tuple[set[str], _Trail]]:
@@ -316,7 +372,7 @@ class Simulator:
 
     def _compiled(self, i: int, split: frozenset, configs: Configs, model: CostModel, default: CommConfig,
                   extrapolate: bool, timings: bool, resume: tuple[compiled.Checkpoint, list, list] | None = None,
-                  ) -> tuple[PhaseResult, dict[str, float], list[compiled.Checkpoint]]:
+                  virtual: int = 0) -> tuple[PhaseResult, dict[str, float], list[compiled.Checkpoint]]:
         """One phase on the compiled loop, from arrays lowered once per choice of decompositions, with the
         steady-state jumps where ``extrapolate``, from an earlier run's checkpoint where ``resume`` (a run with
         ``timings`` keeps records, so it neither resumes nor keeps checkpoints); with when each key's first
@@ -325,54 +381,50 @@ class Simulator:
         results outlive both (its trails and bests), and pinning them for timings that are rarely asked for held
         gigabytes."""
         resume = None if timings else resume
-        run = _CompiledPhaseRun(self._lowered(i, split), configs, model, default, extrapolate, timings,
+        run = _CompiledPhaseRun(self._lowered(i, split, bool(virtual)), configs, model, default, extrapolate, timings,
                                 self._compute_durations(model), None if resume is None else resume[0],
-                                [] if resume is None else resume[2])
+                                [] if resume is None else resume[2], virtual)
         outcome = run.simulate_loop()
-        simulator, graph = weakref.ref(self), self.graph
+        simulator = weakref.ref(self)
 
         def recorded() -> list[PointTiming]:
             sim = simulator()
             run.records = outcome.records(sim._lowered(i, split) if sim is not None else phase_arrays.lower(run.lw))
             return run._point_timings()
 
-        state, configs = _model_state(model), dict(configs)
-
-        def again() -> list[PointTiming]:
-            if _model_state(model) != state:
-                raise LagomError(f"the collectives' timings of phase {graph.phases[i].name} were not kept, and the "
-                                 "model has changed since the run: simulate the step again with timings=True")
-            sim = simulator() or Simulator(graph)
-            return sim._compiled(i, split, configs, model, default, extrapolate, True)[0].points
-
-        phase = graph.phases[i]
-        return PhaseResult(phase.name, phase.repeat, outcome.now, outcome.exposed, *self._static(i, model),
+        phase = self.graph.phases[i]
+        return PhaseResult(phase.name, phase.repeat, outcome.now, outcome.exposed, *self._static(i, model, bool(virtual)),
                            outcome.key_totals, [], outcome.tasks, sum(j.periods for j in run.jumps),
-                           None if resume is None else resume[0].now, recorded if timings else again), \
+                           None if resume is None else resume[0].now,
+                           recorded if timings else self._again(i, split, configs, model, default, extrapolate)), \
             outcome.first_start, run.saved
 
-    def _lowered(self, i: int, split: frozenset) -> phase_arrays.PhaseArrays:
-        """Phase ``i`` lowered to arrays under ``split``: kept from an earlier run, or lowered now."""
-        return _KEPT.arrays(self._owner, i, split, lambda: self._lowering(i, split, True))
+    def _lowered(self, i: int, split: frozenset, twin: bool = False) -> phase_arrays.PhaseArrays:
+        """Phase ``i`` (or its twin) lowered to arrays under ``split``: kept from an earlier run, or lowered now."""
+        return _KEPT.arrays(self._twin_owner if twin else self._owner, i, split,
+                            lambda: self._lowering(i, split, True, twin))
 
     def lowered(self) -> dict[tuple[int, frozenset], phase_arrays.PhaseArrays]:
-        """The arrays kept for this Simulator's runs, by phase and choice of decompositions."""
-        return _KEPT.of(self._owner)
+        """The arrays kept for this Simulator's runs, by phase and choice of decompositions (a twin's where it runs
+        for its phase)."""
+        return {**_KEPT.of(self._owner), **_KEPT.of(self._twin_owner)}
 
-    def _lowering(self, i: int, split: frozenset, band: bool) -> Lowering:
-        key = (i, split, band)
-        lowering = self._lowerings.pop(key, None) or Lowering(self.index(i), split, band)
+    def _lowering(self, i: int, split: frozenset, band: bool, twin: bool = False) -> Lowering:
+        key = (i, split, band, twin)
+        lowering = self._lowerings.pop(key, None) or Lowering(self.index(i, twin), split, band)
         self._lowerings[key] = lowering  # most recently used last
         while len(self._lowerings) > LOWERINGS_KEPT:
             del self._lowerings[next(iter(self._lowerings))]
         return lowering
 
-    def _static(self, i: int, model: CostModel) -> tuple[float, float]:
+    def _static(self, i: int, model: CostModel, twin: bool = False) -> tuple[float, float]:
         """(uncontended compute of the busiest device, comm at link peak of the busiest stream): counted
         per distinct segment and collective once (in the order they first appear), then costed with the model,
-        once per model and settings (a search runs one model throughout)."""
-        if i not in self._statics:
-            ix = self.index(i)
+        once per model and settings (a search runs one model throughout). Of the phase itself where its twin
+        runs: the twin's counts and the periods it lacks times one period's."""
+        at = (i, twin)
+        if at not in self._statics:
+            ix = self.index(i, twin)
             arrays, signatures = ix.kind_arrays
             segs = {d: _counted(of, signatures) for d, of in arrays.items()}
             c = ix.columns
@@ -381,17 +433,47 @@ class Simulator:
             for j, n in zip(firsts.tolist(), np.bincount(what, minlength=len(firsts)).tolist()):
                 p = ix.points[j]
                 comms[(p.device, p.group.name)][(p.collective, p.group, p.bytes)] = n
-            self._statics[i] = (segs, comms)
+            if twin:
+                band, lacked = ix.band, self.virtual(i)
+                assert band is not None
+                for d, period in band.period.items():
+                    lo = band.segments[d][0][0]
+                    for sig, n in _counted(arrays[d][lo:lo + period], signatures).items():
+                        segs[d][sig] += lacked * n
+                for j in ix.period_points().tolist():
+                    p = ix.points[j]
+                    comms[(p.device, p.group.name)][(p.collective, p.group, p.bytes)] += lacked
+            self._statics[at] = (segs, comms)
         state = _model_state(model)
-        costed = self._static_costs.get(i)
+        costed = self._static_costs.get(at)
         if costed is None or costed[0] is not model or costed[1] != state:
-            segs, comms = self._statics[i]
+            segs, comms = self._statics[at]
             compute = max((sum(n * model.compute_solo(ComputeSegment("", *sig)) for sig, n in counts.items())
                            for counts in segs.values()), default=0.0)
             peak = max((sum(n * model.comm_peak_time(*what) for what, n in counts.items()) for counts in comms.values()),
                        default=0.0)
-            costed = self._static_costs[i] = (model, state, compute, peak)
+            costed = self._static_costs[at] = (model, state, compute, peak)
         return costed[2], costed[3]
+
+
+def _twin_periods(phase: Phase) -> int:
+    """The band periods phase's twin lacks, where the twin can stand for it (see ``Simulator.virtual``), else 0."""
+    twin = phase.derived.get("twin")
+    if twin is None or set(twin.segments) != set(phase.segments):
+        return 0
+    ix = index_of(twin)
+    band = ix.band
+    if band is None or any(len(spans) != 1 for spans in band.segments.values()) \
+            or any(len(spans) > 1 for _, spans in band.slots):
+        return 0
+    extra = {d: len(phase.segments[d]) - len(segments) for d, segments in twin.segments.items()}
+    if any(n for d, n in extra.items() if d not in band.period):
+        return 0
+    periods = {extra[d] // p if extra[d] % p == 0 else 0 for d, p in band.period.items()}
+    lacked = periods.pop() if len(periods) == 1 else 0
+    if lacked < 1 or len(phase.points) - len(twin.points) != lacked * len(ix.period_points()):
+        return 0
+    return lacked
 
 
 def _counted(kinds: np.ndarray, signatures: list[tuple]) -> dict[tuple, int]:
@@ -507,7 +589,8 @@ class _Seen:
     now: float
     totals: dict[str, list[float]]
     exposed: float
-    room: int  # periods left before a stream leaves its span
+    room: int  # periods left before a stream leaves its span (a twin's: with the periods it lacks still to come)
+    virtual: int = 0  # of ``room``, the periods a twin lacks (``_PhaseRun.virtual``)
 
 
 @dataclass
@@ -530,8 +613,11 @@ class _Plan:
 
 class _PhaseRun:
     def __init__(self, lowering: Lowering, configs: Configs, model: CostModel, default: CommConfig, keep_spans: bool,
-                 shared_compute: dict[tuple, float] | None = None) -> None:
+                 shared_compute: dict[tuple, float] | None = None, virtual: int = 0) -> None:
         self.lw, self.ix = lowering, lowering.ix
+        # a twin's run (``Simulator.virtual``): the band periods its phase has and its arrays lack; its jumps pass
+        # over them as if they were there, so the run is the phase's, but for the tasks' positions
+        self.virtual = virtual
         self.configs, self.model, self.default = configs, model, default
         self.keep_spans = keep_spans
         self.heads = list(lowering.firsts)
@@ -552,6 +638,16 @@ class _PhaseRun:
         self.jumps: list[_Jump] = []
         self.history: list[_Seen] = []  # the period boundaries of the band, UNITS_KEPT back
         self.probe_unit: int | None = None  # a probe: stop at this period boundary and report the state
+
+    def virtual_left(self) -> int:
+        """The periods a twin lacks that no jump has passed over yet."""
+        return self.virtual - sum(j.virtual for j in self.jumps)
+
+    def _check_twin(self) -> None:
+        """A twin's run stands for its phase's only if its jumps passed over every period it lacks."""
+        if self.virtual_left():
+            raise TwinTooShort(f"phase {self.ix.name}: the run left the band with {self.virtual_left()} periods still "
+                               "to jump")
 
     def config(self, key: str) -> CommConfig:
         cfg = self.config_memo.get(key)
@@ -893,6 +989,8 @@ class _PhaseRun:
                 if nxt >= END:
                     live -= 1
         self.history = []  # the run is kept for its timings: not the states it compared
+        if self.probe_unit is None:
+            self._check_twin()
         return PhaseResult(ix.name, ix.repeat, now, exposed_total, compute_solo, comm_peak,
                            {k: dict(zip(("time", "solo", "exposed", "count"), row)) for k, row in totals.items()},
                            [span for _, span in sorted(self.spans, key=lambda s: s[0])], self.simulated,
@@ -917,7 +1015,8 @@ class _PhaseRun:
             t = self.tasks[q].get(pos) if pos < END else None
             if t is not None and t.start >= 0:
                 running[q] = t.rem - (now - t.since) / t.dur
-        return _seen(self.lw, self.heads, running, now, lambda: {k: list(v) for k, v in totals.items()}, exposed_total, ref)
+        return _seen(self.lw, self.heads, running, now, lambda: {k: list(v) for k, v in totals.items()}, exposed_total, ref,
+                     self.virtual_left())
 
     def _band_over(self) -> bool:
         """Whether every stream of the band is past its last span (no jump can come any more)."""
@@ -1065,6 +1164,7 @@ class _PhaseRun:
 
     def _probe(self, now: _Seen, fixed: list[float], units: int, compute_on, comms_on, longest: float) -> _Seen | None:
         """Simulate ``units`` periods from this boundary with the running heads at ``fixed``: the boundary then."""
+        _probe_fits(now, units)
         running = sorted({t.seq: t for t in [*compute_on.values(), *(c for ts in comms_on.values() for c in ts)]
                           if t is not None}.values(), key=lambda t: t.seq)
         heads_running = [self.tasks[q][self.heads[q]] for q, (_, on) in enumerate(now.key) if on]
@@ -1074,7 +1174,7 @@ class _PhaseRun:
                            t.rate, t.exposed, t.solo) for t in running],
                          set(), set(), now.totals, now.exposed, len(self.records), longest, dict(self.first_start),
                          list(self.jumps), self.simulated, max((t.seq for t in running), default=0))
-        probe = _PhaseRun(self.lw, self.configs, self.model, self.default, False, self.shared_compute)
+        probe = _PhaseRun(self.lw, self.configs, self.model, self.default, False, self.shared_compute, self.virtual)
         probe.probe_unit = now.unit + units
         try:
             seen = probe.simulate(0.0, 0.0, resume=(cp, self.records, []))
@@ -1099,10 +1199,12 @@ class _PhaseRun:
         drift = plan.drift or [0.0] * len(running)
         where = {q: f + ratio ** periods * (r - f) + periods * d
                  for q, f, r, d in zip(running, plan.fixed, plan.remaining, drift)}
-        skipped = {q: (self.heads[q], periods * plan.units * queue.shift, q in where)
+        virtual = min(periods * plan.units, self.virtual_left())  # a twin's periods passed over first: no positions
+        skipped = {q: (self.heads[q], (periods * plan.units - virtual) * queue.shift, q in where)
                    for q, queue in enumerate(self.lw.queues) if queue.shift}
         self._move(skipped, where, plan.drift is not None, now, later, exposed_total, delta, compute_on, comms_on)
-        self.jumps.append(_Jump(skipped, periods * plan.units, plan.period / plan.units, plan.excess, ratio, plan.units))
+        self.jumps.append(_Jump(skipped, periods * plan.units, plan.period / plan.units, plan.excess, ratio, plan.units,
+                                virtual))
         return later, exposed_total
 
     def _running_queues(self) -> list[int]:
@@ -1191,8 +1293,9 @@ class _CompiledPhaseRun(_PhaseRun):
 
     def __init__(self, arrays: phase_arrays.PhaseArrays, configs: Configs, model: CostModel, default: CommConfig,
                  extrapolate: bool, records: bool, shared_compute: dict[tuple, float],
-                 resume: compiled.Checkpoint | None = None, earlier: list[compiled.Checkpoint] | None = None) -> None:
-        super().__init__(arrays.lowering, configs, model, default, False, shared_compute)
+                 resume: compiled.Checkpoint | None = None, earlier: list[compiled.Checkpoint] | None = None,
+                 virtual: int = 0) -> None:
+        super().__init__(arrays.lowering, configs, model, default, False, shared_compute, virtual)
         self.arrays = arrays
         queues = arrays.lowering.queues
         self.band_ref = next((q for q, queue in enumerate(queues) if queue.kind == COMPUTE and queue.shift), None) \
@@ -1219,6 +1322,7 @@ class _CompiledPhaseRun(_PhaseRun):
                     self._jump(*decided, loop.now, totals, loop.exposed_total, None, None)
                     loop.set_totals(totals)
                     self.history = []
+            self._check_twin()
             jumps = list(self.jumps)  # over once it keeps checkpoints: theirs are the run's
             for checkpoint in loop.checkpoints:
                 checkpoint.jumps = jumps
@@ -1231,7 +1335,8 @@ class _CompiledPhaseRun(_PhaseRun):
 
     def _seen_of(self, loop: compiled.LoopRun, heads: list[int]) -> _Seen | None:
         running = {q: float(r) for q, r in enumerate(loop.remaining.tolist()) if not math.isnan(r)}
-        return _seen(self.lw, heads, running, loop.now, loop.key_totals, loop.exposed_total, self.band_ref)  # type: ignore[arg-type]
+        return _seen(self.lw, heads, running, loop.now, loop.key_totals, loop.exposed_total, self.band_ref,  # type: ignore[arg-type]
+                     self.virtual_left())
 
     def _running_queues(self) -> list[int]:
         return [q for q, r in enumerate(self.loop.remaining.tolist()) if not math.isnan(r)]
@@ -1251,6 +1356,7 @@ class _CompiledPhaseRun(_PhaseRun):
 
     def _probe(self, now: _Seen, fixed: list[float], units: int, compute_on, comms_on, longest: float) -> _Seen | None:
         """``units`` periods from this boundary with the running heads at ``fixed``, on a copy of the loop."""
+        _probe_fits(now, units)
         remaining = np.full(len(self.lw.queues), np.nan)
         for q, f in zip([q for q, (_, on) in enumerate(now.key) if on], fixed):
             remaining[q] = f
@@ -1270,10 +1376,11 @@ class _CompiledPhaseRun(_PhaseRun):
 
 
 def _seen(lw: Lowering, heads: list[int], running: dict[int, float], now: float,
-          totals: Callable[[], dict[str, list[float]]], exposed_total: float, ref: int) -> _Seen | None:
+          totals: Callable[[], dict[str, list[float]]], exposed_total: float, ref: int, virtual: int = 0) -> _Seen | None:
     """The state at a period boundary of stream ``ref`` (``running``: each running head's remaining fraction, in
     queue order; ``totals``: a copy of the per-key sums, taken only for a state in the band); None when a stream
-    is outside the band."""
+    is outside the band. ``virtual``: the periods a twin lacks still to come (its phase's band goes on that much
+    longer: a twin whose band ends first no longer runs as its phase would)."""
     queues = lw.queues
     unit = heads[ref] // queues[ref].shift
     key: list[tuple[int, bool]] = []
@@ -1284,6 +1391,8 @@ def _seen(lw: Lowering, heads: list[int], running: dict[int, float], now: float,
         if queue.shift:
             span = queue.span(pos)
             if span is None or pos + queue.shift > span[1]:
+                if virtual and pos + queue.shift > queue.spans[-1][1]:
+                    raise TwinTooShort(f"phase {lw.ix.name}: a stream left the band with {virtual} periods to jump")
                 return None
             spans.append(span)
             room = min(room, (span[1] - pos) // queue.shift)
@@ -1291,7 +1400,19 @@ def _seen(lw: Lowering, heads: list[int], running: dict[int, float], now: float,
         else:
             spans.append(None)
         key.append((pos, q in running))
-    return _Seen(unit, tuple(key), list(running.values()), spans, now, totals(), exposed_total, room)
+    return _Seen(unit, tuple(key), list(running.values()), spans, now, totals(), exposed_total, room + virtual, virtual)
+
+
+def _probe_fits(now: _Seen, units: int) -> None:
+    """A probe runs ``units`` periods of the arrays from ``now``: a twin whose band ends sooner cannot probe
+    where its phase would (the probe would leave the band, and the run would go on without the jump)."""
+    if now.virtual and now.room - now.virtual <= units:
+        raise TwinTooShort(f"a probe of {units} periods with {now.room - now.virtual} left in the twin's band")
+
+
+class TwinTooShort(Exception):
+    """A twin's run could not stand for its phase's (its band too short for the jumps the phase would make):
+    the phase itself is simulated instead."""
 
 
 def _close(a: list[float], b: list[float]) -> bool:
