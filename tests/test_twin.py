@@ -120,3 +120,14 @@ def test_random_pipelines_run_as_their_twins(data: st.DataObject) -> None:
         event("the twin ran" if sim.virtual(0) else "the phase ran itself")  # --hypothesis-show-statistics
     for compiled_loop, twin in runs.items():
         assert_same(twin, Simulator(without_twins(problem.graph), compiled_loop=compiled_loop).run(configs, problem.model))
+
+
+def test_a_resting_graph_lets_its_twins_index_go_too() -> None:
+    from lagom.model.phase_index import drop_index
+
+    _, graph, configs, model = shipped("gpt3-13b-pp4", 128)
+    Simulator(graph).run(configs, model)
+    phase, twin = graph.phases[0], graph.phases[0].derived["twin"]
+    assert "index" in twin.derived
+    drop_index(phase)
+    assert "index" not in phase.derived and "index" not in twin.derived

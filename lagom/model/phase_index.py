@@ -366,8 +366,11 @@ def index_of(phase: Phase) -> PhaseIndex:
 
 def drop_index(phase: Phase) -> None:
     """Let the phase's index go (hundreds of MB at cluster scale) while other graphs are searched; it is built
-    again where it is needed again."""
+    again where it is needed again. Its twin's too (``lagom.step.points.points_for``)."""
     phase.derived.pop("index", None)
+    twin = phase.derived.get("twin")
+    if twin is not None:
+        twin.derived.pop("index", None)
 
 
 def _ids(values: list) -> np.ndarray:
