@@ -94,6 +94,7 @@ def test_a_twin_too_short_for_the_jump_leaves_the_phase_to_run_itself(compiled_l
     assert sim.virtual(0) == 55  # its shape is the phase's: it is tried
     tried = sim.run(configs, model)
     assert sim.virtual(0) == 0  # it could not jump where the phase does: the phase ran itself, and runs so from now
+    assert Simulator(graph, compiled_loop=compiled_loop).virtual(0) == 0  # in every Simulator of the graph
     assert_same(tried, Simulator(without_twins(graph), compiled_loop=compiled_loop).run(configs, model))
 
 

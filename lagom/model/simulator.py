@@ -262,7 +262,7 @@ class Simulator:
         """The band periods phase i's twin lacks (``lagom.step.points.points_for``), where the twin may stand for
         it in runs that jump (0: the phase runs itself). Its band must be one stretch on every stream, and the
         phase's segments and collectives beyond the twin's whole periods of it. A twin that turns out too short
-        for the jumps the phase makes (``TwinTooShort``) is not tried again."""
+        for the jumps the phase makes (``TwinTooShort``) is not tried again, by any Simulator of the graph."""
         if i not in self._virtual:
             self._virtual[i] = _twin_periods(self.graph.phases[i])
         return self._virtual[i]
@@ -307,6 +307,7 @@ class Simulator:
                 done = self._phase(i, split, configs, model, default, keep_spans, extrapolate, timings, start, virtual)
             except TwinTooShort:
                 self._virtual[i] = 0
+                self.graph.phases[i].derived["twin_too_short"] = True  # for every Simulator of the graph
                 done = self._phase(i, split, configs, model, default, keep_spans, extrapolate, timings, None, 0)
             phases.append(done[0])
             left.append(None if keep_spans else done)
@@ -459,7 +460,7 @@ class Simulator:
 def _twin_periods(phase: Phase) -> int:
     """The band periods phase's twin lacks, where the twin can stand for it (see ``Simulator.virtual``), else 0."""
     twin = phase.derived.get("twin")
-    if twin is None or set(twin.segments) != set(phase.segments):
+    if twin is None or phase.derived.get("twin_too_short") or set(twin.segments) != set(phase.segments):
         return 0
     ix = index_of(twin)
     band = ix.band
