@@ -22,7 +22,7 @@ from lagom.errors import LagomError
 from lagom.hardware import load_hardware
 from lagom.model.phase_index import MAX_CANDIDATES, MIN_PERIODS, NONE, PROBES, Band, PhaseIndex, Stream, index_of
 from lagom.plan.comm_config import can_decompose
-from lagom.step.graph import Collective, ComputeSegment, Group, OverlapPoint, Phase
+from lagom.step.graph import Collective, ComputeSegment, Group, OverlapPoint, Phase, StepGraph
 from lagom.step.workload import load_workload
 from lagom.tune import problem_for
 
@@ -297,6 +297,31 @@ def test_a_point_fusing_with_another_devices_segment_is_refused():
     point = OverlapPoint("ag", Collective.ALL_GATHER, TP, 1 << 20, after="a", before=None, device=0, fuse_with="b")
     with pytest.raises(LagomError, match="fuses with b, a segment of another device"):
         PhaseIndex(Phase("step", 1, segments, [point]))
+
+
+@pytest.mark.parametrize("compiled_loop", [True, False])
+def test_a_device_that_only_communicates_has_an_idle_compute_stream(compiled_loop):
+    """A collective on a device with no compute in the phase (released at the phase start, needed at its end):
+    the device gets a compute stream with nothing on it, and its collective runs at once and is exposed whole,
+    as a trailing collective is; the search runs over it."""
+    from lagom.model import compiled
+    from lagom.model.simulator import Simulator
+    from lagom.search import Problem, run_strategy
+    from lagom.search.base import nccl_configs
+
+    if compiled_loop and not compiled.enabled():
+        pytest.skip("no compiled loop")
+    hw = load_hardware("a40-2x8-nvlink")
+    dp = Group("dp", 8, 8, 1)
+    segments = {0: [ComputeSegment("a", 1e12, 1e6, 100)]}
+    points = [OverlapPoint("ar0", Collective.ALL_REDUCE, dp, 1 << 20, after="a", before=None, device=0),
+              OverlapPoint("ar1", Collective.ALL_REDUCE, dp, 1 << 20, after=None, before=None, device=1)]
+    problem = Problem(StepGraph("idle", hw.name, 2, [Phase("step", 1, segments, points)]), hw)
+    assert index_of(problem.graph.phases[0]).devices == [0, 1]
+    result = Simulator(problem.graph, compiled_loop=compiled_loop).run(nccl_configs(problem), problem.model, timings=True)
+    idle = next(t for t in result.phases[0].points if t.device == 1)
+    assert idle.start == 0.0 and idle.exposed == pytest.approx(idle.end)
+    assert run_strategy("lagom", problem).result.step_s <= result.step_s
 
 
 def test_a_phase_and_its_index_go_with_their_last_reference():

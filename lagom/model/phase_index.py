@@ -166,14 +166,17 @@ class PhaseIndex:
         # the phase's parts, not the phase: a phase keeps its index (``index_of``), and a reference back would make
         # a cycle that holds a whole step graph until the garbage collector's next full pass
         self.name, self.repeat = phase.name, phase.repeat
-        self.devices = list(phase.segments)
-        self.rank = {d: r for r, d in enumerate(self.devices)}
-        self.segments = phase.segments
         pts = self.points = phase.points
         cols = self._columns = phase_columns(phase)
+        # a device that only communicates in this phase (its collectives released at the phase start) has a compute
+        # stream with nothing on it
+        idle = sorted(set(np.unique(cols.device).tolist()) - set(phase.segments))
+        self.segments = {**phase.segments, **{d: [] for d in idle}} if idle else phase.segments
+        self.devices = list(self.segments)
+        self.rank = {d: r for r, d in enumerate(self.devices)}
         # Global segment ids: ``_seg_device`` and ``_seg_index`` say where each is (one more entry, NONE, so that -1
         # reads NONE)
-        sizes = [len(segs) for segs in phase.segments.values()]
+        sizes = [len(segs) for segs in self.segments.values()]
         self._seg_device = np.append(np.repeat(np.asarray(self.devices, dtype=_I64), sizes), NONE)
         self._seg_index = np.concatenate([np.arange(size, dtype=_I64) for size in sizes] + [np.asarray([NONE])])
         self._offset = dict(zip(self.devices, np.cumsum([0, *sizes]).tolist()))
