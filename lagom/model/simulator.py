@@ -30,8 +30,8 @@ Twins. Preparing a phase for runs (its index, band and lowering) costs as much a
 jump over most of a long pipeline's. A pipeline of many micro-batches comes with its twin
 (``lagom.step.points.points_for``): the same phase built for fewer, whose band is shorter by whole periods and
 which is otherwise the same. The twin is prepared and run in the phase's place; its jumps pass over the periods
-it lacks first (the clock and sums advance by them, the positions do not), so the run is the phase's, to the
-bit. A twin whose band ends before the phase would have jumped is not used again (``TwinTooShort``), and runs
+it lacks first (the clock and sums advance by them, the positions do not), so the run is the phase's (to the
+bit fresh; resumed, to the rounding of resumed runs). A twin whose band ends before the phase would have jumped is not used again (``TwinTooShort``), and runs
 that keep timings or simulate every period run the phase itself.
 
 Incremental runs. A ``Simulator`` keeps checkpoints of its last runs. A run whose configs differ from
