@@ -132,3 +132,15 @@ def test_a_resting_graph_lets_its_twins_index_go_too() -> None:
     assert "index" in twin.derived
     drop_index(phase)
     assert "index" not in phase.derived and "index" not in twin.derived
+
+
+def test_a_run_that_keeps_timings_does_not_reuse_a_twins_result() -> None:
+    """A twin's result has no timings of the phase's; a run asking for them simulates the phase, and keeps them
+    however the model changes afterwards (the Python loop's results keep theirs)."""
+    _, graph, configs, model = shipped("gpt3-13b-pp4", 128)
+    sim = Simulator(graph, compiled_loop=False)
+    twin = sim.run(configs, model)
+    kept = sim.run(configs, model, timings=True)
+    assert kept.phases[0] is not twin.phases[0]
+    model.compute_scale = 1.5  # a calibrated model's settings change after the run
+    assert len(kept.phases[0].points) == len(graph.phases[0].points)

@@ -291,8 +291,8 @@ class Simulator:
                     continue
                 result, first_start, checkpoints, records, twin = done
                 t = min((first_start.get(k, INF) for k in changed), default=INF)
-                if t == INF:  # no changed key has a collective in this phase: nothing in it changes
-                    reuse = done
+                if t == INF and not (timings and twin):  # no changed key has a collective in this phase: nothing
+                    reuse = done  # in it changes (but a twin's result has no timings of the phase's to give)
                     break
                 if twin != bool(virtual):  # checkpoints of the other arrays
                     continue
@@ -1392,7 +1392,7 @@ def _seen(lw: Lowering, heads: list[int], running: dict[int, float], now: float,
         if queue.shift:
             span = queue.span(pos)
             if span is None or pos + queue.shift > span[1]:
-                if virtual and pos + queue.shift > queue.spans[-1][1]:
+                if virtual and (not queue.spans or pos + queue.shift > queue.spans[-1][1]):
                     raise TwinTooShort(f"phase {lw.ix.name}: a stream left the band with {virtual} periods to jump")
                 return None
             spans.append(span)
