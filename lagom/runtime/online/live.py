@@ -17,10 +17,13 @@ Measuring:
   that noise (at least ``window``, at most a twelfth of the step budget): more steps on a noisy job;
 - drift: reference windows alternate with candidate windows (A/B/A); a candidate is judged against the
   mean of the reference windows before and after it, and reported on the first reference's scale;
-- acceptance: a candidate is reported faster only when a one-sided t-test of its gain against the pooled
-  noise rejects "no faster" at ``alpha`` (``ALPHA``, 2%): a setting that changes nothing is accepted in at
-  most that share of its trials. Otherwise it is reported no faster than the best so far, so the search
-  does not take it;
+- acceptance: a candidate is reported faster only when a one-sided t-test of its gain rejects "no faster" at
+  ``alpha`` (``ALPHA``, 2%): a setting that changes nothing is accepted in that share of its trials. The test's
+  spread is the trial's own (its candidate window and the reference window after it), not the pooled noise:
+  the pooled noise chose the windows' length, short where it read low, so testing with it accepted 2.4-3.0%
+  of trials of a setting that changed nothing. The windows are sized for the test's own degrees of freedom.
+  A candidate the test does not find faster is reported no faster than the best so far, so the search does
+  not take it;
 - calls: a trial whose changed keys had no calls in its window measured nothing, and is refused unscored;
 - guard: a candidate step slower than ``GUARD`` times the reference ends its window at once;
 - budget: once ``budget_steps`` steps (less four windows: the windows under way and the final check) or
@@ -149,12 +152,29 @@ class Noise:
         return float(stdtr(self.dof, -gain / se))
 
     def steps_to_find(self, gain: float, alpha: float, power: float) -> int:
-        """Steps per window for a candidate window and two reference windows of as many steps to find ``gain``
-        with probability ``power`` at false-accept rate ``alpha``."""
+        """Steps per window (at least 2) for a candidate window and two reference windows of as many steps to find
+        ``gain`` with probability ``power`` at false-accept rate ``alpha``, where the test's spread comes from the
+        candidate window and one reference window (``judge``): 2 (steps - 1) degrees of freedom."""
         if self.dof == 0 or self.sd == 0:
-            return 1
-        quantiles = float(stdtrit(self.dof, 1 - alpha)) + NormalDist().inv_cdf(power)
-        return math.ceil(1.5 * (self.sd * quantiles / gain) ** 2)
+            return 2
+        beta = NormalDist().inv_cdf(power)
+        steps = max(2, math.ceil(1.5 * (self.sd * (NormalDist().inv_cdf(1 - alpha) + beta) / gain) ** 2))
+        while 1.5 * (self.sd * (float(stdtrit(2 * (steps - 1), 1 - alpha)) + beta) / gain) ** 2 > steps:
+            steps += 1
+        return steps
+
+
+def judge(candidate: Window, before: Window, after: Window) -> tuple[float, float, float]:
+    """The reference (the mean of its windows before and after the candidate: drift cancels), the candidate's step
+    over it, and the one-sided p-value of "no faster". The spread is measured on the candidate window and the
+    window after it, data that did not choose the windows' length, so the t-test is exact whatever the length."""
+    reference = (before.mean + after.mean) / 2
+    ratio = candidate.mean / reference if reference > 0 else 1.0
+    spread = Noise()
+    spread.add(candidate)
+    spread.add(after)
+    return reference, ratio, spread.p_no_gain(1 - ratio, len(candidate.step_s),
+                                              4 / (1 / len(before.step_s) + 1 / len(after.step_s)))
 
 
 @dataclass
@@ -247,8 +267,9 @@ class LiveSearch:
         # ``fields``: fewer (only what Lagom routes, where NCCL does not consult the plugin)
         self.fields = tuple(f for f in fields or LIVE_FIELDS if f not in problem.cap.process_fields())
         self.budget_steps, self.budget_s, self.noise_steps, self.alpha = budget_steps, budget_s, noise_steps, alpha
-        self.min_window, self.max_window = window, max(window, budget_steps // 12)
-        self.window = window  # steps per window now: sized from the noise measured so far (``_size_windows``)
+        self.min_window = max(2, window)  # the test needs two steps a window to measure its spread
+        self.max_window = max(self.min_window, budget_steps // 12)
+        self.window = self.min_window  # steps per window now: sized from the noise measured so far (``_size_windows``)
         self.refused = 0  # trials whose changed keys had no calls in their window
         self.accepted = 0  # trials the test found faster (some are superseded later)
         self.evaluations = 0
@@ -420,12 +441,9 @@ class LiveSearch:
         """The candidate's step on the first reference's scale, if the test finds it faster; its trial recorded."""
         window, candidate = self._candidate_window, self._candidate
         assert window is not None and candidate is not None and self._before is not None
+        reference, ratio, p = judge(window, self._before, after)
         self._noise.add(after)
-        reference = (self._before.mean + after.mean) / 2  # the reference windows before and after: drift cancels
-        ratio = window.mean / reference if reference > 0 else 1.0
         value = self._ref0 * ratio
-        gain = 1 - ratio
-        p = self._noise.p_no_gain(gain, len(window.step_s), 4 / (1 / len(self._before.step_s) + 1 / len(after.step_s)))
         moved = set(changed(candidate, self.reference))
         if moved and not moved & set(window.key_means()):
             decision = "refused"  # none of its keys was called: the window measured nothing of it
