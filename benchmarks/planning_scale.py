@@ -81,7 +81,7 @@ def target_job(name: str, micro_batches: int):
     from lagom.step.workload import load_workload
 
     wl = load_workload(name)
-    wl = replace(wl, training=replace(wl.training, global_batch=micro_batches * wl.training.micro_batch * wl.parallel.dp))
+    wl = wl.with_microbatches(micro_batches)
     return wl, load_hardware(wl.hardware)
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import gc
 import random
 import weakref
-from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -219,7 +218,7 @@ def assert_same_index(phase: Phase) -> PhaseIndex:
 def shipped(name: str, micro_batches: int | None = None) -> list[Phase]:
     wl = load_workload(name)
     if micro_batches is not None:
-        wl = replace(wl, training=replace(wl.training, global_batch=micro_batches * wl.training.micro_batch * wl.parallel.dp))
+        wl = wl.with_microbatches(micro_batches)
     return problem_for(wl, load_hardware(wl.hardware)).graph.phases
 
 

@@ -82,7 +82,7 @@ def test_every_shipped_workload_agrees_with_the_python_loop(name):
 def test_the_compiled_loop_jumps_the_steady_state():
     """A pipeline of many micro-batches: the compiled loop skips most periods, and lands where every task does."""
     wl = load_workload("bert-pp4")
-    wl = replace(wl, training=replace(wl.training, global_batch=64 * wl.training.micro_batch * wl.parallel.dp))
+    wl = wl.with_microbatches(64)
     problem = problem_for(wl, load_hardware(wl.hardware))
     configs = nccl_configs(problem)
     jumped = Simulator(problem.graph, compiled_loop=True).run(configs, problem.model)
@@ -248,7 +248,7 @@ def test_a_run_keeps_a_bounded_number_of_checkpoints_and_resumes_from_them(monke
     """Each holds every queue's state: a larger phase spaces them further apart instead of keeping more."""
     monkeypatch.setattr(compiled, "CHECKPOINT_EVERY", 1)
     wl = load_workload("gpt3-13b-pp4")
-    wl = replace(wl, training=replace(wl.training, global_batch=32 * wl.training.micro_batch * wl.parallel.dp))
+    wl = wl.with_microbatches(32)
     problem = problem_for(wl, load_hardware(wl.hardware))
     base = nccl_configs(problem)
     counts = []
@@ -373,7 +373,7 @@ def test_phases_lowered_at_once_are_the_walks_rows(name):
     chunks per peer (all-gathers and reduce-scatters both, on the jobs that have them)."""
     wl = load_workload(name)
     if name == "gpt3-13b-pp4":  # 8 micro-batches: warm-up, a band and cool-down on every stage
-        wl = replace(wl, training=replace(wl.training, global_batch=8 * wl.training.micro_batch * wl.parallel.dp))
+        wl = wl.with_microbatches(8)
     problem = problem_for(wl, load_hardware(wl.hardware))
     splittable = [key for key, points in problem.keys.items()
                   if points[0].collective in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER) and any(p.fuse_with for p in points)]

@@ -38,7 +38,7 @@ def _reduced(wl):
     if wl.model.architecture != "t5":  # t5's encoder and decoder layers are split between the stages
         wl = replace(wl, model=replace(wl.model, layers=wl.parallel.pp))
     micro = min(wl.microbatches, 2 * wl.parallel.pp + 6)
-    wl = replace(wl, training=replace(wl.training, global_batch=micro * wl.training.micro_batch * wl.parallel.dp))
+    wl = wl.with_microbatches(micro)
     return wl, problem_for(wl, load_hardware(wl.hardware))
 
 

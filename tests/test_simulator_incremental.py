@@ -18,7 +18,7 @@ from lagom.tune import problem_for
 def job(name: str, micro_batches: int | None = None):
     wl = load_workload(name)
     if micro_batches:
-        wl = replace(wl, training=replace(wl.training, global_batch=micro_batches * wl.training.micro_batch * wl.parallel.dp))
+        wl = wl.with_microbatches(micro_batches)
     return problem_for(wl, load_hardware(wl.hardware))
 
 

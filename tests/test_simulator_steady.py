@@ -33,8 +33,7 @@ def python_loop(monkeypatch):
 
 def job(name: str, micro_batches: int, **model) -> Problem:
     wl = load_workload(name)
-    wl = replace(wl, training=replace(wl.training, global_batch=micro_batches * wl.training.micro_batch * wl.parallel.dp),
-                 model=replace(wl.model, **model))
+    wl = replace(wl.with_microbatches(micro_batches), model=replace(wl.model, **model))
     return problem_for(wl, load_hardware(wl.hardware))
 
 

@@ -26,12 +26,8 @@ LOOPS = [pytest.param(True, id="compiled", marks=pytest.mark.skipif(not compiled
          pytest.param(False, id="python")]
 
 
-def with_micro_batches(wl: Workload, m: int) -> Workload:
-    return replace(wl, training=replace(wl.training, global_batch=m * wl.training.micro_batch * wl.parallel.dp))
-
-
 def shipped(name: str, m: int) -> tuple[Workload, StepGraph, dict, object]:
-    wl = with_micro_batches(load_workload(name), m)
+    wl = load_workload(name).with_microbatches(m)
     problem = problem_for(wl, load_hardware(wl.hardware))
     return wl, problem.graph, nccl_configs(problem), problem.model
 
@@ -89,7 +85,7 @@ def test_a_twin_resumes_where_the_changed_key_starts(compiled_loop: bool) -> Non
 def test_a_twin_too_short_for_the_jump_leaves_the_phase_to_run_itself(compiled_loop: bool) -> None:
     wl, graph, configs, model = shipped("gpt3-13b-pp4", 64)
     hw = load_hardware(wl.hardware)
-    graph.phases[0].derived["twin"] = points_for(with_micro_batches(wl, 9), hw).phases[0]  # settles after 10
+    graph.phases[0].derived["twin"] = points_for(wl.with_microbatches(9), hw).phases[0]  # settles after 10
     sim = Simulator(graph, compiled_loop=compiled_loop)
     assert sim.virtual(0) == 55  # its shape is the phase's: it is tried
     tried = sim.run(configs, model)
@@ -101,7 +97,7 @@ def test_a_twin_too_short_for_the_jump_leaves_the_phase_to_run_itself(compiled_l
 def test_a_twin_of_another_shape_is_not_used() -> None:
     wl, graph, configs, model = shipped("gpt3-13b-pp4", 64)
     other = replace(wl, model=replace(wl.model, layers=wl.model.layers + 4))
-    graph.phases[0].derived["twin"] = points_for(with_micro_batches(other, 16), load_hardware(wl.hardware)).phases[0]
+    graph.phases[0].derived["twin"] = points_for(other.with_microbatches(16), load_hardware(wl.hardware)).phases[0]
     sim = Simulator(graph)
     assert sim.virtual(0) == 0
     assert_same(sim.run(configs, model), Simulator(without_twins(graph)).run(configs, model))

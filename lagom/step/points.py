@@ -20,7 +20,7 @@ import math
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
@@ -660,8 +660,7 @@ def points_for(wl: Workload, hw: Hardware, *, stamped: bool = True) -> StepGraph
         graph = _points_for(wl, hw, stamped)
         fewer = twin_micro_batches(wl)
         if fewer is not None:
-            twin = _points_for(replace(wl, training=replace(
-                wl.training, global_batch=fewer * wl.training.micro_batch * wl.parallel.dp)), hw, stamped)
+            twin = _points_for(wl.with_microbatches(fewer), hw, stamped)
             for phase, short in zip(graph.phases, twin.phases):
                 if phase.name == short.name and len(short.points) < len(phase.points):
                     phase.derived["twin"] = short

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -129,6 +129,10 @@ class Workload:
     def microbatches(self) -> int:
         """Micro-batches per step and per data-parallel rank (gradient accumulation steps)."""
         return self.training.global_batch // (self.training.micro_batch * self.parallel.dp)
+
+    def with_microbatches(self, n: int) -> Workload:
+        """The same job with ``n`` micro-batches per step and data-parallel rank (the global batch scaled to it)."""
+        return replace(self, training=replace(self.training, global_batch=n * self.training.micro_batch * self.parallel.dp))
 
     @property
     def dtype_bytes(self) -> int:
