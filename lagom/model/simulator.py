@@ -351,10 +351,7 @@ class Simulator:
                 raise LagomError(f"the collectives' timings of phase {graph.phases[i].name} were not kept, and the "
                                  "model has changed since the run: simulate the step again with timings=True")
             sim = simulator() or Simulator(graph)
-            if sim.compiled_loop:
-                return sim._compiled(i, split, configs, model, default, extrapolate, True)[0].points
-            return _PhaseRun(sim._lowering(i, split, extrapolate), configs, model, default, False,
-                             sim._compute_durations(model)).simulate(*sim._static(i, model)).points
+            return sim._phase(i, split, configs, model, default, False, extrapolate, True, None, 0)[0].points
 
         return again
 
